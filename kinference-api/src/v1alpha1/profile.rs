@@ -1,0 +1,179 @@
+//! `RoutingProfile`: a latency model and a tokenization mode, cluster-scoped.
+
+use kube::{CustomResource, KubeSchema};
+use serde::{Deserialize, Serialize};
+
+/// How a router tokenizes prompts and predicts time to first token for the
+/// worker sets that name this profile. The profile `default` is built in; an
+/// object of that name overrides it.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[kube(
+    group = "kinference.buoyant.io",
+    version = "v1alpha1",
+    kind = "RoutingProfile",
+    plural = "routingprofiles",
+    category = "kinference",
+    doc = "A routing profile: how the router turns prompts into token ids (local tokenizer, the engine's /tokenize, or approximate) and the latency model it predicts time to first token with.",
+    printcolumn(
+        name = "TOKENIZATION",
+        type_ = "string",
+        json_path = ".spec.tokenization.mode",
+        description = "local, engine or approximate"
+    ),
+    printcolumn(
+        name = "CALIBRATE",
+        type_ = "boolean",
+        json_path = ".spec.latency.calibrate",
+        description = "Whether the latency model is calibrated online"
+    ),
+    printcolumn(
+        name = "AGE",
+        type_ = "date",
+        json_path = ".metadata.creationTimestamp"
+    )
+)]
+#[serde(rename_all = "camelCase")]
+pub struct RoutingProfileSpec {
+    /// How prompts become token ids.
+    #[serde(default)]
+    pub tokenization: Tokenization,
+
+    /// The latency model. Unset fields take the built-in `default` profile's values.
+    #[serde(default)]
+    pub latency: LatencyModel,
+}
+
+/// How prompts become token ids.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("self.mode != 'local' || has(self.tokenizer)")
+        .message("tokenization mode 'local' needs a tokenizer: a configMap or a path")
+)]
+pub struct Tokenization {
+    /// `local`: in-process tokenizer.json and chat template; `engine`: ask the
+    /// engine's `/tokenize`; `approximate`: no token ids, route on the router's
+    /// own record of prompt prefixes.
+    #[serde(default)]
+    pub mode: TokenizationMode,
+
+    /// Where `local` mode finds `tokenizer.json` and `tokenizer_config.json`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<TokenizerSource>,
+}
+
+/// Tokenization mode.
+#[derive(
+    Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, schemars::JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenizationMode {
+    /// In-process tokenizer and chat template.
+    Local,
+    /// The engine's `/tokenize` endpoint.
+    #[default]
+    Engine,
+    /// No token ids: the router's own record of prompt prefixes.
+    Approximate,
+}
+
+impl TokenizationMode {
+    /// The name as written in the spec.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Local => "local",
+            Self::Engine => "engine",
+            Self::Approximate => "approximate",
+        }
+    }
+}
+
+/// Where to load a tokenizer from: exactly one of a ConfigMap or a path.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+#[x_kube(
+    validation = Rule::new("has(self.configMap) != has(self.path)")
+        .message("give exactly one of tokenizer.configMap and tokenizer.path")
+)]
+pub struct TokenizerSource {
+    /// A ConfigMap holding `tokenizer.json` and `tokenizer_config.json` (as
+    /// `binaryData` or `data`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<ConfigMapRef>,
+
+    /// A directory in the router's filesystem holding the same files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("size(self) > 0").message("tokenizer.path must not be empty"))]
+    #[schemars(length(max = 4096))]
+    pub path: Option<String>,
+}
+
+/// A ConfigMap by namespace and name.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapRef {
+    /// Namespace of the ConfigMap (profiles are cluster-scoped).
+    #[x_kube(validation = Rule::new("size(self) > 0").message("configMap.namespace must not be empty"))]
+    #[schemars(length(max = 63))]
+    pub namespace: String,
+    /// Name of the ConfigMap.
+    #[x_kube(validation = Rule::new("size(self) > 0").message("configMap.name must not be empty"))]
+    #[schemars(length(max = 253))]
+    pub name: String,
+}
+
+/// Latency-model parameters. Predicted time to first token = queueing (prefill
+/// work ahead ÷ throughput, plus decode pressure) + uncached prompt tokens ÷
+/// throughput + base. Every field is optional; unset fields take the built-in
+/// `default` profile's value.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct LatencyModel {
+    /// Prefill throughput of one engine, in prompt tokens per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self > 0.0").message("prefillTokensPerSecond must be greater than 0"))]
+    pub prefill_tokens_per_second: Option<f64>,
+
+    /// Fixed cost of every request before its first token, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0").message("baseMillis must not be negative"))]
+    pub base_millis: Option<f64>,
+
+    /// Delay each running (decoding) request adds to a new request's first
+    /// token, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0").message("decodeCostMillis must not be negative"))]
+    pub decode_cost_millis: Option<f64>,
+
+    /// How much a cached block counts, by where it is held (GPU 1.0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier_credits: Option<TierCredits>,
+
+    /// How much later a warm endpoint's predicted first token may be than a
+    /// cold one's before the router goes cold, in milliseconds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0").message("toleranceMillis must not be negative"))]
+    pub tolerance_millis: Option<f64>,
+
+    /// Correct the model online per endpoint from observed time to first token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibrate: Option<bool>,
+}
+
+/// Credit for a cached block by tier: 1 means as good as GPU-resident, 0 worthless.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct TierCredits {
+    /// Blocks in GPU memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0 && self <= 1.0").message("tierCredits.gpu must be between 0 and 1"))]
+    pub gpu: Option<f64>,
+    /// Blocks offloaded to CPU memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0 && self <= 1.0").message("tierCredits.cpu must be between 0 and 1"))]
+    pub cpu: Option<f64>,
+    /// Blocks offloaded to disk or external storage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0 && self <= 1.0").message("tierCredits.disk must be between 0 and 1"))]
+    pub disk: Option<f64>,
+}
