@@ -1,0 +1,64 @@
+//! `cargo xtask`: project automation that is not shipped.
+//!
+//! - `cargo xtask gen-crds [--check]`: write `deploy/crds/*.yaml` from
+//!   kinference-api, or check that they are up to date.
+//! - `cargo xtask demo`: the README's main command.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+
+mod demo;
+mod gen_crds;
+
+#[derive(Parser, Debug)]
+#[command(name = "cargo xtask", about = "kinference project automation")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Write the CRDs to deploy/crds/ (one file per kind).
+    GenCrds {
+        /// Do not write; exit non-zero when the files are stale.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Show what kinference does, end to end, on this machine.
+    Demo,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::GenCrds { check } => gen_crds::run(&workspace_root(), check),
+        Command::Demo => demo::run(),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The workspace root: the parent of this crate's directory.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace root")
+        .to_path_buf()
+}
+
+fn read_optional(path: &Path) -> Result<Option<String>> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+    }
+}
