@@ -1,0 +1,374 @@
+//! Approximate mode: the router's own record of where it sent which prompt
+//! prefixes, used as the cache estimate when there are no KV events or no
+//! token ids.
+//!
+//! ## How the router uses it
+//!
+//! 1. Cut the prompt text (rendered chat, or completion prompt) into
+//!    fixed-size byte blocks and chain-hash them with [`text_block_keys`]
+//!    (seed it with the model and LoRA name so different models never match).
+//! 2. Look up [`PrefixRecord::leading_blocks`]: per endpoint, how many of the
+//!    leading blocks it was sent within the TTL. Put that count in
+//!    [`crate::CachedBlocks::gpu`], set [`crate::CacheSource::Approximate`],
+//!    `Request::block_tokens` = estimated tokens per text block (block bytes ÷
+//!    bytes per token, ~4 for English with BPE tokenizers) and
+//!    `prompt_tokens` = the estimated prompt length.
+//! 3. After the decision, [`PrefixRecord::record`] the chosen endpoint with
+//!    the same keys.
+//!
+//! The same record also covers the window between routing a request and the
+//! engine's `BlockStored` events in exact mode: a second request with the same
+//! new prefix, arriving while the first is still in prefill, finds the prefix
+//! on the first one's endpoint (vLLM shares computed blocks of running
+//! requests). Taking the larger of the index's and the record's GPU count
+//! keeps bursts of a new prefix together.
+//!
+//! ## Guarantees and costs
+//!
+//! - Pure: time is passed in; no clock, no I/O.
+//! - Bounded: at most `capacity` (key, endpoint) records, oldest evicted
+//!   first; records older than the TTL never match and are dropped on the
+//!   next `record` or `expire`. About 110 bytes per record, so the default
+//!   capacity of 262,144 records is about 29 MB.
+//! - `record` is amortised O(keys); `leading_blocks` is O(matched keys ×
+//!   endpoints holding them); `remove_endpoint` is O(records).
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::input::EndpointId;
+
+/// Dynamo's default TTL for routing-decision cache predictions
+/// (`--router-ttl`, 120 s) is long for busy engines; vLLM evicts LRU blocks
+/// under pressure within seconds to minutes. 60 s is a middle ground.
+pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+
+/// Default bound on (key, endpoint) records.
+pub const DEFAULT_CAPACITY: usize = 1 << 18;
+
+/// Chain-hash the full `block_bytes`-sized blocks of `text` into `out`
+/// (cleared first): key *i* = xxh3(block *i*, seed = key *i − 1*), starting
+/// from `seed`. A trailing partial block is ignored; `block_bytes == 0` yields
+/// no keys.
+pub fn text_block_keys(seed: u64, text: &[u8], block_bytes: usize, out: &mut Vec<u64>) {
+    out.clear();
+    if block_bytes == 0 {
+        return;
+    }
+    let mut prev = seed;
+    for block in text.chunks_exact(block_bytes) {
+        prev = xxhash_rust::xxh3::xxh3_64_with_seed(block, prev);
+        out.push(prev);
+    }
+}
+
+/// Keys are already hashes: one multiply spreads them over the table.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n ^ (n >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    endpoint: EndpointId,
+    seq: u64,
+    at: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    key: u64,
+    endpoint: EndpointId,
+    seq: u64,
+    at: u64,
+}
+
+/// Where the router recently sent which prefix blocks.
+#[derive(Debug, Clone)]
+pub struct PrefixRecord {
+    ttl: u64,
+    capacity: usize,
+    map: HashMap<u64, SmallVec<[Holder; 2]>, BuildHasherDefault<KeyHasher>>,
+    /// Every record and refresh in time order; entries superseded by a
+    /// refresh or removal are skipped when they reach the front.
+    log: VecDeque<Entry>,
+    live: usize,
+    seq: u64,
+}
+
+impl Default for PrefixRecord {
+    fn default() -> Self {
+        Self::new(DEFAULT_TTL, DEFAULT_CAPACITY)
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl PrefixRecord {
+    /// A record whose entries live `ttl` and of which at most `capacity`
+    /// (at least 1) are kept.
+    pub fn new(ttl: Duration, capacity: usize) -> Self {
+        Self {
+            ttl: nanos(ttl),
+            capacity: capacity.max(1),
+            map: HashMap::default(),
+            log: VecDeque::new(),
+            live: 0,
+            seq: 0,
+        }
+    }
+
+    /// Live (key, endpoint) records, expired ones not yet dropped included.
+    pub fn len(&self) -> usize {
+        self.live
+    }
+
+    /// No records.
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    /// The bound on records.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Note that `endpoint` was sent a prompt whose leading block keys are
+    /// `keys`, at `now`.
+    pub fn record(&mut self, endpoint: EndpointId, keys: &[u64], now: Duration) {
+        let at = nanos(now);
+        self.expire(now);
+        for &key in keys {
+            self.seq += 1;
+            let seq = self.seq;
+            let holders = self.map.entry(key).or_default();
+            if let Some(h) = holders.iter_mut().find(|h| h.endpoint == endpoint) {
+                h.seq = seq;
+                h.at = at;
+            } else {
+                holders.push(Holder { endpoint, seq, at });
+                self.live += 1;
+            }
+            self.log.push_back(Entry { key, endpoint, seq, at });
+            if self.log.len() > self.capacity {
+                if self.live <= self.capacity / 2 {
+                    self.compact();
+                } else {
+                    self.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Drop records older than the TTL.
+    pub fn expire(&mut self, now: Duration) {
+        let now = nanos(now);
+        while let Some(front) = self.log.front() {
+            if self.is_current(front) && now.saturating_sub(front.at) <= self.ttl {
+                break;
+            }
+            self.pop_front();
+        }
+    }
+
+    /// Forget `endpoint` (it left the set).
+    pub fn remove_endpoint(&mut self, endpoint: EndpointId) {
+        let mut removed = 0;
+        self.map.retain(|_, holders| {
+            let before = holders.len();
+            holders.retain(|h| h.endpoint != endpoint);
+            removed += before - holders.len();
+            !holders.is_empty()
+        });
+        self.live -= removed;
+    }
+
+    /// For each endpoint, how many of `keys`, from the first, it was sent
+    /// within the TTL before `now`. Written to `out` (cleared first), only
+    /// endpoints with at least one block, in no particular order.
+    pub fn leading_blocks(&self, keys: &[u64], now: Duration, out: &mut Vec<(EndpointId, u32)>) {
+        out.clear();
+        let now = nanos(now);
+        let fresh = |h: &Holder| now.saturating_sub(h.at) <= self.ttl;
+        let Some((first, rest)) = keys.split_first() else {
+            return;
+        };
+        if let Some(holders) = self.map.get(first) {
+            out.extend(holders.iter().filter(|h| fresh(h)).map(|h| (h.endpoint, 1)));
+        }
+        for (depth, key) in (1u32..).zip(rest) {
+            let Some(holders) = self.map.get(key) else {
+                break;
+            };
+            let mut any = false;
+            for (endpoint, count) in out.iter_mut() {
+                if *count == depth && holders.iter().any(|h| h.endpoint == *endpoint && fresh(h)) {
+                    *count += 1;
+                    any = true;
+                }
+            }
+            if !any {
+                break;
+            }
+        }
+    }
+
+    fn is_current(&self, e: &Entry) -> bool {
+        self.map
+            .get(&e.key)
+            .is_some_and(|hs| hs.iter().any(|h| h.endpoint == e.endpoint && h.seq == e.seq))
+    }
+
+    /// Pop the oldest log entry, evicting its record if it is still current.
+    fn pop_front(&mut self) {
+        let Some(e) = self.log.pop_front() else {
+            return;
+        };
+        if let Some(holders) = self.map.get_mut(&e.key) {
+            if let Some(pos) = holders.iter().position(|h| h.endpoint == e.endpoint && h.seq == e.seq) {
+                holders.swap_remove(pos);
+                self.live -= 1;
+                if holders.is_empty() {
+                    self.map.remove(&e.key);
+                }
+            }
+        }
+    }
+
+    /// Drop superseded log entries (amortised: runs at most once per
+    /// `capacity / 2` records).
+    fn compact(&mut self) {
+        let mut log = std::mem::take(&mut self.log);
+        log.retain(|e| self.is_current(e));
+        self.log = log;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(text: &str) -> Vec<u64> {
+        let mut out = Vec::new();
+        text_block_keys(7, text.as_bytes(), 4, &mut out);
+        out
+    }
+
+    fn lookup(r: &PrefixRecord, k: &[u64], now: Duration) -> Vec<(EndpointId, u32)> {
+        let mut out = Vec::new();
+        r.leading_blocks(k, now, &mut out);
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn keys_chain_so_equal_blocks_at_different_depths_differ() {
+        let k = keys("abcdabcdabc");
+        assert_eq!(k.len(), 2, "the partial block is ignored");
+        assert_ne!(k[0], k[1]);
+        assert_eq!(keys("abcdabcd"), k);
+        let mut other_seed = Vec::new();
+        text_block_keys(8, b"abcdabcd", 4, &mut other_seed);
+        assert_ne!(other_seed, k);
+        text_block_keys(7, b"abcd", 0, &mut other_seed);
+        assert!(other_seed.is_empty());
+    }
+
+    #[test]
+    fn counts_leading_blocks_per_endpoint() {
+        let mut r = PrefixRecord::new(Duration::from_secs(60), 1000);
+        let t = Duration::from_secs(1);
+        let sys_a = keys("SYSTEM PROMPT AAAAuser one");
+        let sys_b = keys("SYSTEM PROMPT AAAAuser two");
+        r.record(EndpointId(1), &sys_a, t);
+        r.record(EndpointId(2), &sys_b[..3], t);
+        // sys_b shares 5 leading blocks with sys_a: "SYST" "EM P" "ROMP"
+        // "T AA" "AAus", then "er o" against "er t".
+        let got = lookup(&r, &sys_b, t);
+        assert_eq!(got, vec![(EndpointId(1), 5), (EndpointId(2), 3)]);
+        assert!(lookup(&r, &keys("something else"), t).is_empty());
+        assert!(lookup(&r, &[], t).is_empty());
+    }
+
+    #[test]
+    fn entries_expire_after_the_ttl() {
+        let mut r = PrefixRecord::new(Duration::from_secs(10), 1000);
+        let k = keys("0123456789abcdef");
+        r.record(EndpointId(3), &k, Duration::from_secs(0));
+        assert_eq!(lookup(&r, &k, Duration::from_secs(10)), vec![(EndpointId(3), 4)]);
+        assert!(lookup(&r, &k, Duration::from_secs(11)).is_empty());
+        r.expire(Duration::from_secs(11));
+        assert!(r.is_empty());
+    }
+
+    #[test]
+    fn refreshing_keeps_an_entry_alive() {
+        let mut r = PrefixRecord::new(Duration::from_secs(10), 1000);
+        let k = keys("01234567");
+        for s in 0..30 {
+            r.record(EndpointId(0), &k, Duration::from_secs(s));
+        }
+        assert_eq!(r.len(), 2);
+        assert_eq!(lookup(&r, &k, Duration::from_secs(35)), vec![(EndpointId(0), 2)]);
+    }
+
+    #[test]
+    fn memory_is_bounded_and_the_oldest_go_first() {
+        let mut r = PrefixRecord::new(Duration::from_secs(3600), 64);
+        for i in 0..1000u64 {
+            r.record(EndpointId((i % 5) as u32), &[i], Duration::from_millis(i));
+            assert!(r.len() <= 64);
+            assert!(r.log.len() <= 64);
+        }
+        assert!(lookup(&r, &[999], Duration::from_secs(2)).len() == 1);
+        assert!(lookup(&r, &[0], Duration::from_secs(2)).is_empty());
+    }
+
+    #[test]
+    fn refreshes_do_not_evict_live_entries() {
+        // A hot prefix re-recorded many times must not push out a colder,
+        // still-live one through log churn.
+        let mut r = PrefixRecord::new(Duration::from_secs(3600), 16);
+        r.record(EndpointId(9), &[42], Duration::ZERO);
+        for i in 0..10_000u64 {
+            r.record(EndpointId(1), &[1, 2, 3], Duration::from_millis(i));
+        }
+        assert_eq!(lookup(&r, &[42], Duration::from_secs(11)), vec![(EndpointId(9), 1)]);
+        assert_eq!(r.len(), 4);
+    }
+
+    #[test]
+    fn removing_an_endpoint_forgets_it() {
+        let mut r = PrefixRecord::new(Duration::from_secs(60), 100);
+        let k = keys("abcdefgh");
+        r.record(EndpointId(1), &k, Duration::ZERO);
+        r.record(EndpointId(2), &k, Duration::ZERO);
+        r.remove_endpoint(EndpointId(1));
+        assert_eq!(lookup(&r, &k, Duration::ZERO), vec![(EndpointId(2), 2)]);
+        assert_eq!(r.len(), 2);
+        r.remove_endpoint(EndpointId(2));
+        assert!(r.is_empty());
+        // Stale log entries of removed endpoints are harmless.
+        r.expire(Duration::from_secs(3600));
+        assert!(r.log.is_empty());
+    }
+}

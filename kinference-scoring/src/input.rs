@@ -1,0 +1,124 @@
+//! What the router knows about one request and each candidate endpoint.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The router's small id for an endpoint (a worker: endpoint and DP rank).
+///
+/// Ids index per-endpoint state directly, so keep them dense: reuse the ids of
+/// removed endpoints. Ids at or above [`EndpointId::LIMIT`] are rejected.
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
+#[serde(transparent)]
+pub struct EndpointId(pub u32);
+
+impl EndpointId {
+    /// One past the largest accepted id. Per-endpoint state is a dense vector
+    /// of about 100 bytes per slot, so the worst case is ~26 MB.
+    pub const LIMIT: u32 = 1 << 18;
+
+    /// The id as a vector index.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for EndpointId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// Where the candidates' cache estimates come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CacheSource {
+    /// The KV-event index: blocks the engines reported holding.
+    #[default]
+    Index,
+    /// The router's own record of where it sent which prompt prefixes
+    /// ([`crate::approx::PrefixRecord`]); discounted by
+    /// `LatencyParams::approximate_credit`.
+    Approximate,
+    /// No cache information: every candidate counts as cold.
+    None,
+}
+
+/// One request, as far as routing is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// Prompt length in tokens (in approximate mode, an estimate).
+    pub prompt_tokens: u32,
+    /// Tokens per block of the cache estimate (`kvBlockSize`; in approximate
+    /// mode, the estimated tokens per text block). Must be positive.
+    pub block_tokens: u32,
+    /// Where the cached-block counts come from.
+    pub cache: CacheSource,
+}
+
+/// Leading blocks of the prompt each tier holds: for each tier, the length of
+/// the run of the prompt's blocks, from the first, that the tier holds. A block
+/// counts at the best credit among the tiers whose run covers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct CachedBlocks {
+    /// Leading blocks in GPU memory.
+    pub gpu: u32,
+    /// Leading blocks in CPU memory.
+    pub cpu: u32,
+    /// Leading blocks on disk or external storage.
+    pub disk: u32,
+}
+
+/// The router's own accounting of its requests on one endpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct InFlight {
+    /// Requests sent and not finished.
+    pub requests: u32,
+    /// Of `requests`, those whose first token has arrived (decoding).
+    pub decoding: u32,
+    /// Uncached prompt tokens of the requests whose first token has not
+    /// arrived: the prefill work queued or running on the engine. Add
+    /// [`crate::Choice::uncached_tokens`] when you send a request, subtract
+    /// it when its first token (or an error) arrives.
+    pub prefill_tokens: u64,
+    /// Context tokens (prompt, plus output so far if known) of all `requests`.
+    /// Only the Dynamo-style cost reads it.
+    pub context_tokens: u64,
+}
+
+impl InFlight {
+    /// Requests whose first token has not arrived.
+    pub fn prefilling(&self) -> u32 {
+        self.requests.saturating_sub(self.decoding)
+    }
+}
+
+/// Figures scraped from the engine's `/metrics`, with their age.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EngineMetrics {
+    /// `vllm:num_requests_running` (prefilling or decoding).
+    pub running: u32,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// `vllm:kv_cache_usage_perc` as a fraction 0..1. Out-of-range values are
+    /// clamped; NaN counts as 0.
+    pub kv_usage: f64,
+    /// Time since the scrape.
+    pub age: Duration,
+}
+
+/// One candidate endpoint for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+pub struct Candidate {
+    /// The router's id for the endpoint.
+    pub endpoint: EndpointId,
+    /// Cached leading blocks by tier, from the index or the prefix record.
+    pub cached: CachedBlocks,
+    /// The router's own in-flight accounting.
+    pub in_flight: InFlight,
+    /// Scraped engine figures, if any.
+    pub engine: Option<EngineMetrics>,
+}

@@ -1,0 +1,229 @@
+//! Decisions and their explanations.
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::input::{Candidate, EndpointId, Request};
+use crate::latency::Prediction;
+use crate::policies::PolicyName;
+
+/// Why a policy chose its candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "rule")]
+pub enum Reason {
+    /// kinference: the lowest predicted TTFT.
+    LowestPredictedTtft,
+    /// kinference: a warmer endpoint kept the request although `fastest` was
+    /// predicted earlier, by less than the tolerance.
+    WarmWithinTolerance {
+        /// The endpoint with the lowest predicted TTFT.
+        fastest: EndpointId,
+        /// How much later the chosen endpoint is predicted, ms.
+        later_ms: f64,
+    },
+    /// kinference: the warmest endpoint was predicted later than the chosen,
+    /// colder one by more than the tolerance (saturation release).
+    SaturationRelease {
+        /// The warmest endpoint.
+        warmest: EndpointId,
+        /// How much later the warmest endpoint is predicted, ms.
+        later_ms: f64,
+    },
+    /// round-robin: next in turn.
+    Rotation,
+    /// least-inflight: fewest requests in flight.
+    FewestInFlight,
+    /// llm-d-blend: highest weighted score.
+    HighestWeightedScore,
+    /// llm-d-default: among endpoints holding at least the affinity threshold
+    /// of the prompt, fewest in-flight tokens.
+    Sticky,
+    /// llm-d-default: stickiness released by the TTFT gate; fewest in-flight
+    /// tokens among all.
+    StickinessReleased,
+    /// llm-d-default: no endpoint reached the affinity threshold; fewest
+    /// in-flight tokens among all.
+    NoStickyEndpoint,
+    /// dynamo-cost: lowest cost.
+    LowestCost,
+    /// dynamo-cost: softmax sample at a positive temperature.
+    SoftmaxSample,
+    /// sglang-cache-aware: load imbalanced, least loaded.
+    LoadImbalance,
+    /// sglang-cache-aware: longest prefix match above the threshold.
+    LongestPrefixMatch,
+    /// sglang-cache-aware: no good match, smallest cache footprint.
+    SmallestCache,
+}
+
+/// How a tie among equally good candidates was broken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "by")]
+pub enum Tie {
+    /// No tie.
+    None,
+    /// kinference: the least recently chosen of `among` equals.
+    LeastRecentlyChosen {
+        /// Number of equal candidates.
+        among: u32,
+    },
+    /// Uniformly at random (seeded) among `among` equals.
+    Random {
+        /// Number of equal candidates.
+        among: u32,
+    },
+}
+
+/// A policy's decision.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    /// The chosen endpoint.
+    pub endpoint: EndpointId,
+    /// Its position in the candidate slice.
+    pub index: usize,
+    /// kinference's prediction for the chosen endpoint, whatever the policy:
+    /// `uncached_tokens` is what to add to its in-flight prefill tokens, and
+    /// the prediction is what to pass back to [`crate::Pick::observe`].
+    pub prediction: Prediction,
+    /// The rule that decided.
+    pub reason: Reason,
+    /// How a tie was broken, if there was one.
+    pub tie: Tie,
+}
+
+impl Choice {
+    /// The prefill tokens this request adds to the chosen endpoint's in-flight
+    /// accounting (`prediction.uncached_tokens`).
+    pub fn uncached_tokens(&self) -> u32 {
+        self.prediction.uncached_tokens
+    }
+}
+
+impl fmt::Display for Choice {
+    /// A compact one-line form for a response header, e.g.
+    /// `endpoint=3; ttft_ms=41.2; cached=0.93; rule=lowest_predicted_ttft`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rule = match self.reason {
+            Reason::LowestPredictedTtft => "lowest_predicted_ttft",
+            Reason::WarmWithinTolerance { .. } => "warm_within_tolerance",
+            Reason::SaturationRelease { .. } => "saturation_release",
+            Reason::Rotation => "rotation",
+            Reason::FewestInFlight => "fewest_in_flight",
+            Reason::HighestWeightedScore => "highest_weighted_score",
+            Reason::Sticky => "sticky",
+            Reason::StickinessReleased => "stickiness_released",
+            Reason::NoStickyEndpoint => "no_sticky_endpoint",
+            Reason::LowestCost => "lowest_cost",
+            Reason::SoftmaxSample => "softmax_sample",
+            Reason::LoadImbalance => "load_imbalance",
+            Reason::LongestPrefixMatch => "longest_prefix_match",
+            Reason::SmallestCache => "smallest_cache",
+        };
+        write!(
+            f,
+            "endpoint={}; ttft_ms={:.1}; cached={:.2}; rule={rule}",
+            self.endpoint, self.prediction.ttft_ms, self.prediction.warm_fraction
+        )?;
+        match self.tie {
+            Tie::None => Ok(()),
+            Tie::LeastRecentlyChosen { among } => write!(f, "; tie=lru/{among}"),
+            Tie::Random { among } => write!(f, "; tie=random/{among}"),
+        }
+    }
+}
+
+/// A policy's own score terms for one candidate.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "policy")]
+pub enum ScoreDetail {
+    /// kinference: score = predicted TTFT − tolerance × warm fraction (lower
+    /// wins).
+    Kinference {
+        /// `tolerance × warm fraction`, ms.
+        warm_bonus_ms: f64,
+        /// Milliseconds since this endpoint was last chosen (`None`: never).
+        since_chosen_ms: Option<f64>,
+    },
+    /// round-robin: position in the candidate list (score = 0 for the next in
+    /// turn, 1 otherwise).
+    RoundRobin {
+        /// Index in the candidate slice.
+        position: usize,
+    },
+    /// least-inflight: score = requests in flight (lower wins).
+    LeastInflight {
+        /// Requests in flight.
+        requests: u32,
+    },
+    /// llm-d-blend: score = 3·prefix + 2·queue + 2·kv (higher wins).
+    LlmdBlend {
+        /// Matched ÷ total prompt blocks.
+        prefix: f64,
+        /// `(maxQ − q) ÷ (maxQ − minQ)`, 1 when all equal.
+        queue: f64,
+        /// `1 − KV usage`, 0 without fresh metrics.
+        kv_utilization: f64,
+        /// Queue length used (scraped waiting, else own prefilling).
+        queue_length: u32,
+    },
+    /// llm-d-default: score = in-flight tokens incl. this request's uncached
+    /// ones (lower wins, among the kept set).
+    LlmdDefault {
+        /// Matched ÷ total prompt blocks.
+        prefix: f64,
+        /// Prefix at or above the affinity threshold.
+        sticky: bool,
+        /// The TTFT gate's estimate: in-flight tokens ÷ peak throughput, ms.
+        gate_ttft_ms: f64,
+        /// Kept by the affinity filter.
+        kept: bool,
+    },
+    /// dynamo-cost: score = overlap weight × prefill blocks + decode blocks
+    /// (lower wins).
+    DynamoCost {
+        /// `max(prompt blocks + active prefill blocks − cached blocks, 0)`.
+        prefill_blocks: f64,
+        /// Active context blocks plus the prompt's.
+        decode_blocks: f64,
+    },
+    /// sglang-cache-aware.
+    SglangCacheAware {
+        /// Requests in flight.
+        load: u32,
+        /// Cached fraction of the prompt.
+        match_rate: f64,
+        /// Cache footprint proxy: KV usage if fresh, else in-flight context
+        /// tokens.
+        footprint: f64,
+    },
+}
+
+/// One candidate in an [`Explanation`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CandidateExplanation {
+    /// The candidate as given.
+    pub inputs: Candidate,
+    /// kinference's prediction for it (for every policy, so they compare).
+    pub prediction: Prediction,
+    /// The policy's score (its units and direction in `detail`).
+    pub score: f64,
+    /// The policy's score terms.
+    pub detail: ScoreDetail,
+}
+
+/// Every candidate's inputs and prediction for one decision; serialisable for
+/// `/debug/explain`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Explanation {
+    /// The policy that decided.
+    pub policy: PolicyName,
+    /// The `now` of the decision, ms since the caller's epoch.
+    pub now_ms: f64,
+    /// The request.
+    pub request: Request,
+    /// The decision.
+    pub choice: Choice,
+    /// Every candidate, in the order given.
+    pub candidates: Vec<CandidateExplanation>,
+}

@@ -1,0 +1,424 @@
+//! Ours: lowest predicted time to first token.
+
+use std::time::Duration;
+
+use crate::calibrate::{Calibration, ObserveOutcome};
+use crate::error::ScoringError;
+use crate::input::{Candidate, EndpointId, Request};
+use crate::latency::{Prediction, predict};
+use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};
+use crate::policies::{Pick, PolicyName, check, millis};
+use crate::profile::LatencyParams;
+use crate::rng::{RandomSource, below};
+
+/// Per-endpoint state: calibration and when it was last chosen.
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    calibration: Calibration,
+    /// 0 = never; otherwise the decision's time in nanoseconds + 1.
+    last_chosen: u64,
+}
+
+/// kinference's policy.
+///
+/// For each candidate: the calibrated predicted TTFT ([`crate::latency`]),
+/// and a score `ttft − tolerance × warm fraction`. The lowest score wins, so a
+/// warm endpoint keeps a request unless it is predicted later than a cold one
+/// by more than `tolerance_millis` (saturation release). Candidates within
+/// `max(tie_millis, tie_fraction × best)` of the best are equals; among them
+/// the least recently chosen wins, so cache misses spread over idle endpoints
+/// instead of piling onto one; remaining ties go to the seeded RNG.
+///
+/// State: one 96-byte slot per endpoint id ever chosen or observed (a dense
+/// vector indexed by id), plus a reusable score buffer. A decision is
+/// O(candidates) with no allocation once the buffers have grown.
+#[derive(Debug, Clone)]
+pub struct Kinference {
+    params: LatencyParams,
+    fresh: Slot,
+    slots: Vec<Slot>,
+    scores: Vec<f64>,
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Kinference {
+    /// A policy with no history.
+    pub fn new(params: LatencyParams) -> Self {
+        let fresh = Slot { calibration: Calibration::prior(&params), last_chosen: 0 };
+        Self { params, fresh, slots: Vec::new(), scores: Vec::new() }
+    }
+
+    /// The latency model in use.
+    pub fn params(&self) -> &LatencyParams {
+        &self.params
+    }
+
+    /// `endpoint`'s calibration (the prior if it has none).
+    pub fn calibration(&self, endpoint: EndpointId) -> &Calibration {
+        &self.slot(endpoint).calibration
+    }
+
+    /// Predict `candidate`'s TTFT with its calibration, without deciding.
+    pub fn predict(&self, request: &Request, candidate: &Candidate, now: Duration) -> Prediction {
+        predict(&self.params, request, candidate, Some(self.calibration(candidate.endpoint)), now)
+    }
+
+    fn slot(&self, endpoint: EndpointId) -> &Slot {
+        self.slots.get(endpoint.index()).unwrap_or(&self.fresh)
+    }
+
+    fn slot_mut(&mut self, endpoint: EndpointId) -> Option<&mut Slot> {
+        if endpoint.0 >= EndpointId::LIMIT {
+            return None;
+        }
+        let i = endpoint.index();
+        if i >= self.slots.len() {
+            self.slots.resize(i + 1, self.fresh);
+        }
+        self.slots.get_mut(i)
+    }
+
+    fn decide(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+        mut explain: Option<&mut Vec<CandidateExplanation>>,
+    ) -> Result<Choice, ScoringError> {
+        check(request, candidates)?;
+        let params = &self.params;
+        let tolerance = params.tolerance_millis;
+        self.scores.clear();
+        let mut best = f64::INFINITY;
+        let mut fastest = (0usize, f64::INFINITY);
+        // (index, warm fraction, ttft) of the warmest; ties go to the earlier.
+        let mut warmest = (0usize, f64::NEG_INFINITY, f64::INFINITY);
+        for (i, c) in candidates.iter().enumerate() {
+            let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
+            let p = predict(params, request, c, Some(&slot.calibration), now);
+            let score = p.ttft_ms - tolerance * p.warm_fraction;
+            self.scores.push(score);
+            best = best.min(score);
+            if p.ttft_ms < fastest.1 {
+                fastest = (i, p.ttft_ms);
+            }
+            if p.warm_fraction > warmest.1 || (p.warm_fraction == warmest.1 && p.ttft_ms < warmest.2) {
+                warmest = (i, p.warm_fraction, p.ttft_ms);
+            }
+            if let Some(out) = explain.as_deref_mut() {
+                let since = (slot.last_chosen > 0)
+                    .then(|| nanos(now).saturating_sub(slot.last_chosen - 1) as f64 / 1e6);
+                out.push(CandidateExplanation {
+                    inputs: *c,
+                    prediction: p,
+                    score,
+                    detail: ScoreDetail::Kinference {
+                        warm_bonus_ms: tolerance * p.warm_fraction,
+                        since_chosen_ms: since,
+                    },
+                });
+            }
+        }
+
+        // Equals: least recently chosen first, then the seeded RNG.
+        let limit = best + params.tie_millis.max(params.tie_fraction * best.max(0.0));
+        let mut equals = 0u32;
+        let mut oldest = u64::MAX;
+        let mut oldest_count = 0usize;
+        for (c, &s) in candidates.iter().zip(&self.scores) {
+            if s <= limit {
+                equals += 1;
+                let t = self.slots.get(c.endpoint.index()).map_or(0, |s| s.last_chosen);
+                if t < oldest {
+                    oldest = t;
+                    oldest_count = 1;
+                } else if t == oldest {
+                    oldest_count += 1;
+                }
+            }
+        }
+        let mut skip = if oldest_count > 1 { below(rng, oldest_count) } else { 0 };
+        let mut index = 0;
+        for (i, (c, &s)) in candidates.iter().zip(&self.scores).enumerate() {
+            if s <= limit && self.slots.get(c.endpoint.index()).map_or(0, |s| s.last_chosen) == oldest {
+                if skip == 0 {
+                    index = i;
+                    break;
+                }
+                skip -= 1;
+            }
+        }
+        let tie = if oldest_count > 1 {
+            Tie::Random { among: oldest_count as u32 }
+        } else if equals > 1 {
+            Tie::LeastRecentlyChosen { among: equals }
+        } else {
+            Tie::None
+        };
+
+        let chosen = &candidates[index];
+        let prediction = match explain.as_deref() {
+            Some(out) => out[index].prediction,
+            None => predict(params, request, chosen, Some(&self.slot(chosen.endpoint).calibration), now),
+        };
+        let margin = params.tie_millis.max(params.tie_fraction * prediction.ttft_ms);
+        let reason = if prediction.ttft_ms > fastest.1 + margin {
+            Reason::WarmWithinTolerance {
+                fastest: candidates[fastest.0].endpoint,
+                later_ms: prediction.ttft_ms - fastest.1,
+            }
+        } else if warmest.0 != index
+            && warmest.1 > prediction.warm_fraction
+            && warmest.2 > prediction.ttft_ms + margin
+        {
+            Reason::SaturationRelease {
+                warmest: candidates[warmest.0].endpoint,
+                later_ms: warmest.2 - prediction.ttft_ms,
+            }
+        } else {
+            Reason::LowestPredictedTtft
+        };
+        let stamp = nanos(now).saturating_add(1);
+        if let Some(slot) = self.slot_mut(chosen.endpoint) {
+            slot.last_chosen = stamp;
+        }
+        Ok(Choice { endpoint: chosen.endpoint, index, prediction, reason, tie })
+    }
+}
+
+impl Pick for Kinference {
+    fn name(&self) -> PolicyName {
+        PolicyName::Kinference
+    }
+
+    fn pick(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Choice, ScoringError> {
+        self.decide(request, candidates, now, rng, None)
+    }
+
+    fn pick_explained(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Explanation, ScoringError> {
+        let mut out = Vec::with_capacity(candidates.len());
+        let choice = self.decide(request, candidates, now, rng, Some(&mut out))?;
+        Ok(Explanation {
+            policy: PolicyName::Kinference,
+            now_ms: millis(now),
+            request: *request,
+            choice,
+            candidates: out,
+        })
+    }
+
+    fn observe(
+        &mut self,
+        endpoint: EndpointId,
+        prediction: &Prediction,
+        observed: Duration,
+        now: Duration,
+    ) -> ObserveOutcome {
+        let params = self.params;
+        match self.slot_mut(endpoint) {
+            Some(slot) => slot.calibration.observe(&params, prediction.load_ms, observed, now),
+            None => ObserveOutcome::Ignored,
+        }
+    }
+
+    fn remove_endpoint(&mut self, endpoint: EndpointId) {
+        let fresh = self.fresh;
+        if let Some(slot) = self.slots.get_mut(endpoint.index()) {
+            *slot = fresh;
+        }
+        // Shrink trailing fresh slots so a vanished high id frees its memory.
+        while self.slots.last().is_some_and(|s| s.last_chosen == 0 && s.calibration == fresh.calibration) {
+            self.slots.pop();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::input::{CacheSource, CachedBlocks, InFlight};
+    use crate::rng::SplitMix64;
+
+    fn request() -> Request {
+        Request { prompt_tokens: 4000, block_tokens: 16, cache: CacheSource::Index }
+    }
+
+    fn cand(id: u32, gpu: u32, prefill_tokens: u64) -> Candidate {
+        Candidate {
+            endpoint: EndpointId(id),
+            cached: CachedBlocks { gpu, cpu: 0, disk: 0 },
+            in_flight: InFlight {
+                requests: u32::from(prefill_tokens > 0),
+                decoding: 0,
+                prefill_tokens,
+                context_tokens: prefill_tokens,
+            },
+            engine: None,
+        }
+    }
+
+    fn secs(s: u64) -> Duration {
+        Duration::from_secs(s)
+    }
+
+    #[test]
+    fn warm_idle_beats_cold_idle() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        let cands = [cand(0, 0, 0), cand(1, 240, 0), cand(2, 0, 0)];
+        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
+        assert_eq!(choice.endpoint, EndpointId(1));
+        assert_eq!(choice.reason, Reason::LowestPredictedTtft);
+        assert_eq!(choice.tie, Tie::None);
+        assert_eq!(choice.uncached_tokens(), 4000 - 240 * 16);
+    }
+
+    #[test]
+    fn cache_misses_spread_over_equal_endpoints() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        let cands: Vec<_> = (0..4).map(|i| cand(i, 0, 0)).collect();
+        let mut seen = Vec::new();
+        for t in 1..=8 {
+            let choice = p.pick(&request(), &cands, secs(t), &mut rng).unwrap();
+            seen.push(choice.endpoint.0);
+        }
+        // Each round of four visits every endpoint once, least recently
+        // chosen first.
+        let mut first: Vec<_> = seen[..4].to_vec();
+        first.sort_unstable();
+        assert_eq!(first, [0, 1, 2, 3]);
+        assert_eq!(seen[4..], seen[..4]);
+    }
+
+    #[test]
+    fn saturated_warm_endpoint_releases_to_a_cold_one() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        // The warm endpoint has ~2 s of prefill queued; a cold prefill of
+        // 4000 tokens takes ~160 ms.
+        let cands = [cand(0, 240, 50_000), cand(1, 0, 0)];
+        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
+        assert_eq!(choice.endpoint, EndpointId(1));
+        assert!(
+            matches!(choice.reason, Reason::SaturationRelease { warmest, later_ms } if warmest == EndpointId(0) && later_ms > 1000.0),
+            "{:?}",
+            choice.reason
+        );
+    }
+
+    #[test]
+    fn warm_endpoint_keeps_the_request_within_tolerance() {
+        let params = LatencyParams { tolerance_millis: 100.0, ..LatencyParams::default() };
+        let mut p = Kinference::new(params);
+        let mut rng = SplitMix64::new(1);
+        // Fully warm but with 5000 tokens queued (+200 ms); cold costs the
+        // whole prompt (160 ms): the warm one is ~40 ms later, within 100 ms.
+        let cands = [cand(0, 250, 5000), cand(1, 0, 0)];
+        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
+        assert_eq!(choice.endpoint, EndpointId(0));
+        assert!(
+            matches!(choice.reason, Reason::WarmWithinTolerance { fastest, .. } if fastest == EndpointId(1)),
+            "{:?}",
+            choice.reason
+        );
+        // With no tolerance the cold one wins.
+        let mut p = Kinference::new(LatencyParams { tolerance_millis: 0.0, ..params });
+        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
+        assert_eq!(choice.endpoint, EndpointId(1));
+    }
+
+    #[test]
+    fn calibration_steers_away_from_a_slow_endpoint() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        let cands = [cand(0, 0, 0), cand(1, 0, 0)];
+        let mut now = secs(1);
+        for _ in 0..100 {
+            now += Duration::from_millis(50);
+            let pred = p.predict(&request(), &cands[0], now);
+            let slow = Duration::from_secs_f64(pred.model_ms * 3.0 / 1e3);
+            p.observe(EndpointId(0), &pred, slow, now);
+            let pred = p.predict(&request(), &cands[1], now);
+            let ok = Duration::from_secs_f64(pred.model_ms / 1e3);
+            p.observe(EndpointId(1), &pred, ok, now);
+        }
+        for _ in 0..5 {
+            now += Duration::from_millis(50);
+            assert_eq!(p.pick(&request(), &cands, now, &mut rng).unwrap().endpoint, EndpointId(1));
+        }
+        assert!(p.calibration(EndpointId(0)).view(p.params(), now).scale > 2.0);
+        p.remove_endpoint(EndpointId(0));
+        assert_eq!(p.calibration(EndpointId(0)), &Calibration::prior(p.params()));
+    }
+
+    #[test]
+    fn explained_pick_is_the_same_decision() {
+        let mut a = Kinference::new(LatencyParams::default());
+        let cands = [cand(0, 10, 100), cand(1, 0, 0), cand(2, 0, 0), cand(3, 250, 90_000)];
+        let mut rng_a = SplitMix64::new(9);
+        let mut rng_b = rng_a.clone();
+        let mut b = a.clone();
+        for t in 1..20 {
+            let x = a.pick(&request(), &cands, secs(t), &mut rng_a).unwrap();
+            let e = b.pick_explained(&request(), &cands, secs(t), &mut rng_b).unwrap();
+            assert_eq!(x, e.choice);
+            assert_eq!(e.candidates.len(), cands.len());
+            assert_eq!(e.candidates[x.index].prediction, x.prediction);
+        }
+    }
+
+    #[test]
+    fn explanation_serialises_to_json() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        let cands = [cand(0, 0, 0), cand(1, 240, 0)];
+        let e = p.pick_explained(&request(), &cands, secs(1), &mut rng).unwrap();
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["policy"], "kinference");
+        assert_eq!(json["choice"]["endpoint"], 1);
+        assert_eq!(json["choice"]["reason"]["rule"], "lowest_predicted_ttft");
+        assert_eq!(json["candidates"][1]["inputs"]["cached"]["gpu"], 240);
+        assert_eq!(json["candidates"][0]["detail"]["policy"], "kinference");
+        assert!(json["candidates"][0]["prediction"]["ttft_ms"].as_f64().unwrap() > 0.0);
+        let back: Explanation = serde_json::from_value(json).unwrap();
+        assert_eq!(back, e);
+        let header = e.choice.to_string();
+        assert!(header.starts_with("endpoint=1; ttft_ms="), "{header}");
+    }
+
+    #[test]
+    fn bad_input_is_an_error() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        assert_eq!(p.pick(&request(), &[], secs(1), &mut rng), Err(ScoringError::NoCandidates));
+        let zero = Request { block_tokens: 0, ..request() };
+        assert_eq!(p.pick(&zero, &[cand(0, 0, 0)], secs(1), &mut rng), Err(ScoringError::ZeroBlockWidth));
+        let huge = cand(EndpointId::LIMIT, 0, 0);
+        assert_eq!(
+            p.pick(&request(), &[huge], secs(1), &mut rng),
+            Err(ScoringError::EndpointIdTooLarge(EndpointId(EndpointId::LIMIT)))
+        );
+        let pred = p.predict(&request(), &cand(0, 0, 0), secs(1));
+        assert_eq!(
+            p.observe(EndpointId(u32::MAX), &pred, Duration::from_millis(5), secs(1)),
+            ObserveOutcome::Ignored
+        );
+    }
+}

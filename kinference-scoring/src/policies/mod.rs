@@ -1,0 +1,294 @@
+//! Routing policies behind one interface, selectable by name.
+//!
+//! | name | rule |
+//! |---|---|
+//! | `kinference` | lowest calibrated predicted TTFT, warm bias of `tolerance × cached fraction`, equals spread least-recently-chosen ([`Kinference`]) |
+//! | `round-robin` | next in turn ([`RoundRobin`]) |
+//! | `least-inflight` | fewest requests in flight ([`LeastInflight`]) |
+//! | `llm-d-blend` | llm-d's weighted scorers: prefix 3, queue 2, KV utilisation 2 ([`LlmdBlend`]) |
+//! | `llm-d-default` | llm-d's prefix-cache affinity filter (≥ 0.8, TTFT gate) then token-load scorer ([`LlmdDefault`]) |
+//! | `dynamo-cost` | Dynamo's cost `w·prefill blocks + decode blocks` ([`DynamoCost`]) |
+//! | `sglang-cache-aware` | SGLang's cache-aware policy ([`SglangCacheAware`]) |
+//!
+//! The baselines are re-implementations from their projects' public
+//! descriptions and sources (cited on each type); none of their code is used.
+//! All of them read the same inputs as ours, including the same tier-credited
+//! cache estimate, so a comparison isolates the decision rule. Every policy
+//! returns a candidate from the given slice, breaks exact ties with the
+//! caller's seeded [`RandomSource`], and is deterministic for a given seed.
+
+mod baselines;
+mod kinference;
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use self::baselines::{
+    DynamoConfig, DynamoCost, LeastInflight, LlmdBlend, LlmdBlendConfig, LlmdDefault,
+    LlmdDefaultConfig, RoundRobin, SglangCacheAware, SglangConfig,
+};
+pub use self::kinference::Kinference;
+use crate::calibrate::ObserveOutcome;
+use crate::error::ScoringError;
+use crate::input::{Candidate, EndpointId, Request};
+use crate::latency::Prediction;
+use crate::pick::{Choice, Explanation};
+use crate::profile::LatencyParams;
+use crate::rng::RandomSource;
+
+/// A policy's name, as the router's and the harness's flags spell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyName {
+    /// Ours.
+    Kinference,
+    /// Round robin.
+    RoundRobin,
+    /// Least in-flight requests.
+    LeastInflight,
+    /// llm-d-style weighted blend.
+    LlmdBlend,
+    /// llm-d's newer default.
+    LlmdDefault,
+    /// Dynamo-style cost.
+    DynamoCost,
+    /// SGLang's cache-aware policy.
+    SglangCacheAware,
+}
+
+impl PolicyName {
+    /// Every policy, ours first.
+    pub const ALL: [PolicyName; 7] = [
+        Self::Kinference,
+        Self::RoundRobin,
+        Self::LeastInflight,
+        Self::LlmdBlend,
+        Self::LlmdDefault,
+        Self::DynamoCost,
+        Self::SglangCacheAware,
+    ];
+
+    /// The name as written on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kinference => "kinference",
+            Self::RoundRobin => "round-robin",
+            Self::LeastInflight => "least-inflight",
+            Self::LlmdBlend => "llm-d-blend",
+            Self::LlmdDefault => "llm-d-default",
+            Self::DynamoCost => "dynamo-cost",
+            Self::SglangCacheAware => "sglang-cache-aware",
+        }
+    }
+}
+
+impl fmt::Display for PolicyName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A policy name nobody knows.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "unknown policy {0:?}; known: kinference, round-robin, least-inflight, llm-d-blend, llm-d-default, dynamo-cost, sglang-cache-aware"
+)]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for PolicyName {
+    type Err = UnknownPolicy;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| UnknownPolicy(s.to_owned()))
+    }
+}
+
+/// The interface every policy implements.
+///
+/// The caller owns time and randomness: `now` is any monotonic clock's
+/// reading as a `Duration` since an arbitrary epoch (the same epoch for every
+/// call), and `rng` is a seeded source. Decisions mutate only the policy's own
+/// state (round-robin position, last-chosen times), never the inputs; the
+/// router updates its in-flight accounting with [`Choice::uncached_tokens`].
+pub trait Pick {
+    /// The policy's name.
+    fn name(&self) -> PolicyName;
+
+    /// Choose one of `candidates` for `request`.
+    ///
+    /// # Errors
+    ///
+    /// [`ScoringError`] when `candidates` is empty, the block width is 0, or an
+    /// endpoint id is at or above [`EndpointId::LIMIT`].
+    fn pick(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Choice, ScoringError>;
+
+    /// [`Pick::pick`] that also explains: every candidate's inputs, prediction
+    /// and score. The same decision as `pick` for the same state and seed;
+    /// slower (it allocates and predicts for every candidate).
+    ///
+    /// # Errors
+    ///
+    /// As [`Pick::pick`].
+    fn pick_explained(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Explanation, ScoringError>;
+
+    /// Report the observed time to first token of a request sent to
+    /// `endpoint` with `prediction` (from its [`Choice`]). Only policies that
+    /// calibrate use it.
+    fn observe(
+        &mut self,
+        endpoint: EndpointId,
+        prediction: &Prediction,
+        observed: Duration,
+        now: Duration,
+    ) -> ObserveOutcome {
+        let _ = (endpoint, prediction, observed, now);
+        ObserveOutcome::Disabled
+    }
+
+    /// Forget everything about `endpoint` (it left the set). Its id may be
+    /// reused afterwards.
+    fn remove_endpoint(&mut self, endpoint: EndpointId) {
+        let _ = endpoint;
+    }
+}
+
+/// Any of the policies, chosen by name. The router and the benchmark harness
+/// hold one per worker set.
+#[derive(Debug, Clone)]
+pub enum Policy {
+    /// See [`Kinference`].
+    Kinference(Kinference),
+    /// See [`RoundRobin`].
+    RoundRobin(RoundRobin),
+    /// See [`LeastInflight`].
+    LeastInflight(LeastInflight),
+    /// See [`LlmdBlend`].
+    LlmdBlend(LlmdBlend),
+    /// See [`LlmdDefault`].
+    LlmdDefault(LlmdDefault),
+    /// See [`DynamoCost`].
+    DynamoCost(DynamoCost),
+    /// See [`SglangCacheAware`].
+    SglangCacheAware(SglangCacheAware),
+}
+
+impl Policy {
+    /// The policy `name` with its default configuration. `params` is the
+    /// worker set's latency model: ours decides with it; every policy uses it
+    /// for the prediction it reports, and baselines that need a cache credit
+    /// or a throughput take the profile's.
+    pub fn new(name: PolicyName, params: LatencyParams) -> Self {
+        match name {
+            PolicyName::Kinference => Self::Kinference(Kinference::new(params)),
+            PolicyName::RoundRobin => Self::RoundRobin(RoundRobin::new(params)),
+            PolicyName::LeastInflight => Self::LeastInflight(LeastInflight::new(params)),
+            PolicyName::LlmdBlend => Self::LlmdBlend(LlmdBlend::new(params)),
+            PolicyName::LlmdDefault => Self::LlmdDefault(LlmdDefault::new(params)),
+            PolicyName::DynamoCost => Self::DynamoCost(DynamoCost::new(params)),
+            PolicyName::SglangCacheAware => Self::SglangCacheAware(SglangCacheAware::new(params)),
+        }
+    }
+
+    /// [`Policy::new`] from a name string.
+    ///
+    /// # Errors
+    ///
+    /// [`UnknownPolicy`] listing the known names.
+    pub fn from_name(name: &str, params: LatencyParams) -> Result<Self, UnknownPolicy> {
+        Ok(Self::new(name.parse()?, params))
+    }
+
+    fn inner(&mut self) -> &mut dyn Pick {
+        match self {
+            Self::Kinference(p) => p,
+            Self::RoundRobin(p) => p,
+            Self::LeastInflight(p) => p,
+            Self::LlmdBlend(p) => p,
+            Self::LlmdDefault(p) => p,
+            Self::DynamoCost(p) => p,
+            Self::SglangCacheAware(p) => p,
+        }
+    }
+}
+
+impl Pick for Policy {
+    fn name(&self) -> PolicyName {
+        match self {
+            Self::Kinference(_) => PolicyName::Kinference,
+            Self::RoundRobin(_) => PolicyName::RoundRobin,
+            Self::LeastInflight(_) => PolicyName::LeastInflight,
+            Self::LlmdBlend(_) => PolicyName::LlmdBlend,
+            Self::LlmdDefault(_) => PolicyName::LlmdDefault,
+            Self::DynamoCost(_) => PolicyName::DynamoCost,
+            Self::SglangCacheAware(_) => PolicyName::SglangCacheAware,
+        }
+    }
+
+    fn pick(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Choice, ScoringError> {
+        self.inner().pick(request, candidates, now, rng)
+    }
+
+    fn pick_explained(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Explanation, ScoringError> {
+        self.inner().pick_explained(request, candidates, now, rng)
+    }
+
+    fn observe(
+        &mut self,
+        endpoint: EndpointId,
+        prediction: &Prediction,
+        observed: Duration,
+        now: Duration,
+    ) -> ObserveOutcome {
+        self.inner().observe(endpoint, prediction, observed, now)
+    }
+
+    fn remove_endpoint(&mut self, endpoint: EndpointId) {
+        self.inner().remove_endpoint(endpoint);
+    }
+}
+
+/// Reject what no policy can decide on.
+pub(crate) fn check(request: &Request, candidates: &[Candidate]) -> Result<(), ScoringError> {
+    if candidates.is_empty() {
+        return Err(ScoringError::NoCandidates);
+    }
+    if request.block_tokens == 0 {
+        return Err(ScoringError::ZeroBlockWidth);
+    }
+    if let Some(c) = candidates.iter().find(|c| c.endpoint.0 >= EndpointId::LIMIT) {
+        return Err(ScoringError::EndpointIdTooLarge(c.endpoint));
+    }
+    Ok(())
+}
+
+/// Milliseconds since the caller's epoch, for explanations.
+pub(crate) fn millis(now: Duration) -> f64 {
+    now.as_secs_f64() * 1e3
+}
