@@ -51,7 +51,11 @@ fn fleet(seed: u64) -> Vec<Candidate> {
 
 fn bench(c: &mut Criterion) {
     let params = LatencyParams::default();
-    let request = Request { prompt_tokens: 3000, block_tokens: 16, cache: CacheSource::Index };
+    let request = Request {
+        prompt_tokens: 3000,
+        block_tokens: 16,
+        cache: CacheSource::Index,
+    };
     let candidates = fleet(1);
 
     let mut group = c.benchmark_group("pick_256");
@@ -62,7 +66,9 @@ fn bench(c: &mut Criterion) {
         let mut now = Duration::from_secs(1);
         for _ in 0..4 * CANDIDATES {
             now += Duration::from_millis(1);
-            let choice = policy.pick(&request, &candidates, now, &mut rng).expect("candidates");
+            let choice = policy
+                .pick(&request, &candidates, now, &mut rng)
+                .expect("candidates");
             let observed = Duration::from_secs_f64(choice.prediction.ttft_ms * 1.1 / 1e3);
             policy.observe(choice.endpoint, &choice.prediction, observed, now);
         }
@@ -95,7 +101,8 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let mut best = f64::INFINITY;
             for cand in black_box(&candidates) {
-                best = best.min(predict(&params, &request, cand, None, Duration::from_secs(1)).ttft_ms);
+                best = best
+                    .min(predict(&params, &request, cand, None, Duration::from_secs(1)).ttft_ms);
             }
             black_box(best)
         });

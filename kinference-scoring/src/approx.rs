@@ -168,7 +168,12 @@ impl PrefixRecord {
                 holders.push(Holder { endpoint, seq, at });
                 self.live += 1;
             }
-            self.log.push_back(Entry { key, endpoint, seq, at });
+            self.log.push_back(Entry {
+                key,
+                endpoint,
+                seq,
+                at,
+            });
             if self.log.len() > self.capacity {
                 if self.live <= self.capacity / 2 {
                     self.compact();
@@ -233,9 +238,10 @@ impl PrefixRecord {
     }
 
     fn is_current(&self, e: &Entry) -> bool {
-        self.map
-            .get(&e.key)
-            .is_some_and(|hs| hs.iter().any(|h| h.endpoint == e.endpoint && h.seq == e.seq))
+        self.map.get(&e.key).is_some_and(|hs| {
+            hs.iter()
+                .any(|h| h.endpoint == e.endpoint && h.seq == e.seq)
+        })
     }
 
     /// Pop the oldest log entry, evicting its record if it is still current.
@@ -243,13 +249,15 @@ impl PrefixRecord {
         let Some(e) = self.log.pop_front() else {
             return;
         };
-        if let Some(holders) = self.map.get_mut(&e.key) {
-            if let Some(pos) = holders.iter().position(|h| h.endpoint == e.endpoint && h.seq == e.seq) {
-                holders.swap_remove(pos);
-                self.live -= 1;
-                if holders.is_empty() {
-                    self.map.remove(&e.key);
-                }
+        if let Some(holders) = self.map.get_mut(&e.key)
+            && let Some(pos) = holders
+                .iter()
+                .position(|h| h.endpoint == e.endpoint && h.seq == e.seq)
+        {
+            holders.swap_remove(pos);
+            self.live -= 1;
+            if holders.is_empty() {
+                self.map.remove(&e.key);
             }
         }
     }
@@ -314,7 +322,10 @@ mod tests {
         let mut r = PrefixRecord::new(Duration::from_secs(10), 1000);
         let k = keys("0123456789abcdef");
         r.record(EndpointId(3), &k, Duration::from_secs(0));
-        assert_eq!(lookup(&r, &k, Duration::from_secs(10)), vec![(EndpointId(3), 4)]);
+        assert_eq!(
+            lookup(&r, &k, Duration::from_secs(10)),
+            vec![(EndpointId(3), 4)]
+        );
         assert!(lookup(&r, &k, Duration::from_secs(11)).is_empty());
         r.expire(Duration::from_secs(11));
         assert!(r.is_empty());
@@ -328,7 +339,10 @@ mod tests {
             r.record(EndpointId(0), &k, Duration::from_secs(s));
         }
         assert_eq!(r.len(), 2);
-        assert_eq!(lookup(&r, &k, Duration::from_secs(35)), vec![(EndpointId(0), 2)]);
+        assert_eq!(
+            lookup(&r, &k, Duration::from_secs(35)),
+            vec![(EndpointId(0), 2)]
+        );
     }
 
     #[test]
@@ -352,7 +366,10 @@ mod tests {
         for i in 0..10_000u64 {
             r.record(EndpointId(1), &[1, 2, 3], Duration::from_millis(i));
         }
-        assert_eq!(lookup(&r, &[42], Duration::from_secs(11)), vec![(EndpointId(9), 1)]);
+        assert_eq!(
+            lookup(&r, &[42], Duration::from_secs(11)),
+            vec![(EndpointId(9), 1)]
+        );
         assert_eq!(r.len(), 4);
     }
 

@@ -89,7 +89,11 @@ fn unit_ms(params: &LatencyParams) -> f64 {
 fn prior_cov(params: &LatencyParams) -> [f64; 3] {
     let c = &params.calibration;
     let offset_sd = c.offset_prior_sd_millis / unit_ms(params);
-    [offset_sd * offset_sd, 0.0, c.scale_prior_sd * c.scale_prior_sd]
+    [
+        offset_sd * offset_sd,
+        0.0,
+        c.scale_prior_sd * c.scale_prior_sd,
+    ]
 }
 
 fn nanos(d: Duration) -> u64 {
@@ -334,7 +338,10 @@ mod tests {
         let mut rng = SplitMix64::new(7);
         let mut cal = Calibration::prior(&p);
         let now = feed(&mut cal, &p, (20.0, 1.2), 400, &mut rng, Duration::ZERO);
-        let before: Vec<f64> = [10.0, 500.0, 3000.0].iter().map(|&x| cal.predict(&p, x, now)).collect();
+        let before: Vec<f64> = [10.0, 500.0, 3000.0]
+            .iter()
+            .map(|&x| cal.predict(&p, x, now))
+            .collect();
         let outcome = cal.observe(&p, 500.0, Duration::from_secs(120), now + ms(100.0));
         assert_eq!(outcome, ObserveOutcome::Clipped);
         let after: Vec<f64> = [10.0, 500.0, 3000.0]
@@ -370,7 +377,9 @@ mod tests {
             let y = if i % 2 == 0 { 1e-3 } else { 1e7 };
             cal.observe(&p, x, ms(y), now);
             let (offset, scale) = cal.effective(&p, now);
-            assert!(offset >= 0.0 && offset <= p.base_millis + p.calibration.max_extra_offset_millis);
+            assert!(
+                offset >= 0.0 && offset <= p.base_millis + p.calibration.max_extra_offset_millis
+            );
             assert!((p.calibration.scale_bounds.0..=p.calibration.scale_bounds.1).contains(&scale));
         }
     }
@@ -398,11 +407,23 @@ mod tests {
         let mut cal = Calibration::prior(&p);
         let before = cal;
         let now = Duration::from_secs(1);
-        assert_eq!(cal.observe(&p, 10.0, Duration::ZERO, now), ObserveOutcome::Ignored);
-        assert_eq!(cal.observe(&p, f64::NAN, ms(10.0), now), ObserveOutcome::Ignored);
-        assert_eq!(cal.observe(&p, -1.0, ms(10.0), now), ObserveOutcome::Ignored);
+        assert_eq!(
+            cal.observe(&p, 10.0, Duration::ZERO, now),
+            ObserveOutcome::Ignored
+        );
+        assert_eq!(
+            cal.observe(&p, f64::NAN, ms(10.0), now),
+            ObserveOutcome::Ignored
+        );
+        assert_eq!(
+            cal.observe(&p, -1.0, ms(10.0), now),
+            ObserveOutcome::Ignored
+        );
         p.calibrate = false;
-        assert_eq!(cal.observe(&p, 10.0, ms(500.0), now), ObserveOutcome::Disabled);
+        assert_eq!(
+            cal.observe(&p, 10.0, ms(500.0), now),
+            ObserveOutcome::Disabled
+        );
         assert_eq!(cal, before);
     }
 }

@@ -160,7 +160,11 @@ pub fn predict(
             ahead += trust * unseen_waiting;
             let unseen_running = (f64::from(m.running) - f64::from(own.requests)).max(0.0);
             decoding += trust * unseen_running;
-            let usage = if m.kv_usage.is_nan() { 0.0 } else { m.kv_usage.clamp(0.0, 1.0) };
+            let usage = if m.kv_usage.is_nan() {
+                0.0
+            } else {
+                m.kv_usage.clamp(0.0, 1.0)
+            };
             let start = params.kv_pressure_start;
             if usage > start && start < 1.0 {
                 kv_pressure_ms =
@@ -209,19 +213,31 @@ mod tests {
     use crate::input::{EndpointId, EngineMetrics, InFlight};
 
     fn req(prompt: u32) -> Request {
-        Request { prompt_tokens: prompt, block_tokens: 16, cache: CacheSource::Index }
+        Request {
+            prompt_tokens: prompt,
+            block_tokens: 16,
+            cache: CacheSource::Index,
+        }
     }
 
     fn idle() -> Candidate {
-        Candidate { endpoint: EndpointId(0), ..Candidate::default() }
+        Candidate {
+            endpoint: EndpointId(0),
+            ..Candidate::default()
+        }
     }
 
     #[test]
     fn idle_engine_costs_base_one_step_and_the_prompt() {
         let p = LatencyParams::default();
         let pred = predict(&p, &req(1000), &idle(), None, Duration::ZERO);
-        let want = p.base_millis + p.step_overhead_millis + 1000.0 * 1e3 / p.prefill_tokens_per_second;
-        assert!((pred.ttft_ms - want).abs() < 1e-9, "{} vs {want}", pred.ttft_ms);
+        let want =
+            p.base_millis + p.step_overhead_millis + 1000.0 * 1e3 / p.prefill_tokens_per_second;
+        assert!(
+            (pred.ttft_ms - want).abs() < 1e-9,
+            "{} vs {want}",
+            pred.ttft_ms
+        );
         assert_eq!(pred.steps, 1);
         assert_eq!(pred.uncached_tokens, 1000);
         assert!((pred.ttft_ms - pred.model_ms).abs() < 1e-12);
@@ -239,17 +255,37 @@ mod tests {
 
     #[test]
     fn tiers_count_at_the_best_covering_credit() {
-        let credits = TierCredits { gpu: 1.0, cpu: 0.8, disk: 0.4 };
-        let cached = CachedBlocks { gpu: 2, cpu: 5, disk: 10 };
+        let credits = TierCredits {
+            gpu: 1.0,
+            cpu: 0.8,
+            disk: 0.4,
+        };
+        let cached = CachedBlocks {
+            gpu: 2,
+            cpu: 5,
+            disk: 10,
+        };
         // 2 blocks at 1.0, 3 at 0.8, 5 at 0.4.
         let want = 2.0 + 3.0 * 0.8 + 5.0 * 0.4;
         assert!((credited_blocks(&cached, &credits) - want).abs() < 1e-9);
         // A CPU run shorter than the GPU run adds nothing.
-        let cached = CachedBlocks { gpu: 6, cpu: 3, disk: 0 };
+        let cached = CachedBlocks {
+            gpu: 6,
+            cpu: 3,
+            disk: 0,
+        };
         assert!((credited_blocks(&cached, &credits) - 6.0).abs() < 1e-9);
         // Credits need not be ordered: a better CPU credit wins where it covers.
-        let odd = TierCredits { gpu: 0.5, cpu: 1.0, disk: 0.0 };
-        let cached = CachedBlocks { gpu: 4, cpu: 2, disk: 0 };
+        let odd = TierCredits {
+            gpu: 0.5,
+            cpu: 1.0,
+            disk: 0.0,
+        };
+        let cached = CachedBlocks {
+            gpu: 4,
+            cpu: 2,
+            disk: 0,
+        };
         assert!((credited_blocks(&cached, &odd) - (2.0 + 2.0 * 0.5)).abs() < 1e-9);
     }
 
@@ -257,7 +293,12 @@ mod tests {
     fn queued_prefill_delays_by_its_compute_time() {
         let p = LatencyParams::default();
         let mut busy = idle();
-        busy.in_flight = InFlight { requests: 2, decoding: 0, prefill_tokens: 5000, context_tokens: 0 };
+        busy.in_flight = InFlight {
+            requests: 2,
+            decoding: 0,
+            prefill_tokens: 5000,
+            context_tokens: 0,
+        };
         let a = predict(&p, &req(1000), &idle(), None, Duration::ZERO);
         let b = predict(&p, &req(1000), &busy, None, Duration::ZERO);
         let extra_prefill = 5000.0 * 1e3 / p.prefill_tokens_per_second;
@@ -272,7 +313,12 @@ mod tests {
     fn long_queues_take_several_steps() {
         let p = LatencyParams::default();
         let mut busy = idle();
-        busy.in_flight = InFlight { requests: 40, decoding: 30, prefill_tokens: 30_000, context_tokens: 0 };
+        busy.in_flight = InFlight {
+            requests: 40,
+            decoding: 30,
+            prefill_tokens: 30_000,
+            context_tokens: 0,
+        };
         let pred = predict(&p, &req(2000), &busy, None, Duration::ZERO);
         // 32,000 tokens over (8192 − 35) tokens per step.
         assert_eq!(pred.steps, 4);
@@ -283,14 +329,32 @@ mod tests {
     fn fresh_metrics_reveal_unseen_load_and_stale_ones_do_not() {
         let p = LatencyParams::default();
         let mut c = idle();
-        c.in_flight = InFlight { requests: 1, decoding: 0, prefill_tokens: 100, context_tokens: 0 };
+        c.in_flight = InFlight {
+            requests: 1,
+            decoding: 0,
+            prefill_tokens: 100,
+            context_tokens: 0,
+        };
         let base = predict(&p, &req(500), &c, None, Duration::ZERO);
-        c.engine = Some(EngineMetrics { running: 5, waiting: 4, kv_usage: 0.5, age: Duration::ZERO });
+        c.engine = Some(EngineMetrics {
+            running: 5,
+            waiting: 4,
+            kv_usage: 0.5,
+            age: Duration::ZERO,
+        });
         let fresh = predict(&p, &req(500), &c, None, Duration::ZERO);
         // Three waiting requests beyond our one, four running beyond ours.
-        assert!((fresh.pending_tokens - (100.0 + 3.0 * f64::from(p.unseen_request_tokens))).abs() < 1e-9);
+        assert!(
+            (fresh.pending_tokens - (100.0 + 3.0 * f64::from(p.unseen_request_tokens))).abs()
+                < 1e-9
+        );
         assert!(fresh.ttft_ms > base.ttft_ms);
-        c.engine = Some(EngineMetrics { running: 5, waiting: 4, kv_usage: 0.5, age: p.metrics_max_age });
+        c.engine = Some(EngineMetrics {
+            running: 5,
+            waiting: 4,
+            kv_usage: 0.5,
+            age: p.metrics_max_age,
+        });
         let stale = predict(&p, &req(500), &c, None, Duration::ZERO);
         assert!((stale.ttft_ms - base.ttft_ms).abs() < 1e-12);
     }
@@ -300,7 +364,12 @@ mod tests {
         let p = LatencyParams::default();
         let mut c = idle();
         let mut at = |usage: f64| {
-            c.engine = Some(EngineMetrics { running: 0, waiting: 0, kv_usage: usage, age: Duration::ZERO });
+            c.engine = Some(EngineMetrics {
+                running: 0,
+                waiting: 0,
+                kv_usage: usage,
+                age: Duration::ZERO,
+            });
             predict(&p, &req(100), &c, None, Duration::ZERO).kv_pressure_ms
         };
         assert!(at(0.5).abs() < 1e-12);

@@ -101,7 +101,9 @@ mod rng;
 pub use crate::approx::PrefixRecord;
 pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 pub use crate::error::ScoringError;
-pub use crate::input::{CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, InFlight, Request};
+pub use crate::input::{
+    CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, InFlight, Request,
+};
 pub use crate::latency::{Prediction, predict};
 pub use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};
 pub use crate::policies::{Kinference, Pick, Policy, PolicyName, UnknownPolicy};

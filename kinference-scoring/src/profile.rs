@@ -288,21 +288,33 @@ impl LatencyParams {
             if value.is_finite() && value > 0.0 {
                 Ok(())
             } else {
-                Err(ParamsError { field, expected: "finite and greater than 0", value })
+                Err(ParamsError {
+                    field,
+                    expected: "finite and greater than 0",
+                    value,
+                })
             }
         }
         fn non_negative(field: &'static str, value: f64) -> Result<(), ParamsError> {
             if value.is_finite() && value >= 0.0 {
                 Ok(())
             } else {
-                Err(ParamsError { field, expected: "finite and not negative", value })
+                Err(ParamsError {
+                    field,
+                    expected: "finite and not negative",
+                    value,
+                })
             }
         }
         fn unit(field: &'static str, value: f64) -> Result<(), ParamsError> {
             if (0.0..=1.0).contains(&value) {
                 Ok(())
             } else {
-                Err(ParamsError { field, expected: "between 0 and 1", value })
+                Err(ParamsError {
+                    field,
+                    expected: "between 0 and 1",
+                    value,
+                })
             }
         }
         positive("prefillTokensPerSecond", self.prefill_tokens_per_second)?;
@@ -341,7 +353,10 @@ impl LatencyParams {
                 value: c.scale_bounds.1,
             });
         }
-        non_negative("calibration.maxExtraOffsetMillis", c.max_extra_offset_millis)?;
+        non_negative(
+            "calibration.maxExtraOffsetMillis",
+            c.max_extra_offset_millis,
+        )?;
         positive("calibration.staleHalfLife", c.stale_half_life.as_secs_f64())?;
         Ok(())
     }
@@ -358,12 +373,17 @@ mod tests {
             p.validate().expect("built-in profile is valid");
         }
         assert_eq!(LatencyParams::builtin("nope"), None);
-        assert_eq!(LatencyParams::default(), LatencyParams::builtin("default").unwrap());
+        assert_eq!(
+            LatencyParams::default(),
+            LatencyParams::builtin("default").unwrap()
+        );
     }
 
     #[test]
     fn unset_overrides_keep_the_default() {
-        let p = LatencyParams::default().with_overrides(&Overrides::default()).unwrap();
+        let p = LatencyParams::default()
+            .with_overrides(&Overrides::default())
+            .unwrap();
         assert_eq!(p, LatencyParams::default());
     }
 
@@ -386,12 +406,48 @@ mod tests {
     #[test]
     fn out_of_range_overrides_name_the_field() {
         let cases = [
-            (Overrides { prefill_tokens_per_second: Some(0.0), ..Overrides::default() }, "prefillTokensPerSecond"),
-            (Overrides { prefill_tokens_per_second: Some(f64::NAN), ..Overrides::default() }, "prefillTokensPerSecond"),
-            (Overrides { base_millis: Some(-1.0), ..Overrides::default() }, "baseMillis"),
-            (Overrides { decode_cost_millis: Some(f64::INFINITY), ..Overrides::default() }, "decodeCostMillis"),
-            (Overrides { disk_credit: Some(1.5), ..Overrides::default() }, "tierCredits.disk"),
-            (Overrides { tolerance_millis: Some(-0.1), ..Overrides::default() }, "toleranceMillis"),
+            (
+                Overrides {
+                    prefill_tokens_per_second: Some(0.0),
+                    ..Overrides::default()
+                },
+                "prefillTokensPerSecond",
+            ),
+            (
+                Overrides {
+                    prefill_tokens_per_second: Some(f64::NAN),
+                    ..Overrides::default()
+                },
+                "prefillTokensPerSecond",
+            ),
+            (
+                Overrides {
+                    base_millis: Some(-1.0),
+                    ..Overrides::default()
+                },
+                "baseMillis",
+            ),
+            (
+                Overrides {
+                    decode_cost_millis: Some(f64::INFINITY),
+                    ..Overrides::default()
+                },
+                "decodeCostMillis",
+            ),
+            (
+                Overrides {
+                    disk_credit: Some(1.5),
+                    ..Overrides::default()
+                },
+                "tierCredits.disk",
+            ),
+            (
+                Overrides {
+                    tolerance_millis: Some(-0.1),
+                    ..Overrides::default()
+                },
+                "toleranceMillis",
+            ),
         ];
         for (o, field) in cases {
             let err = LatencyParams::default().with_overrides(&o).unwrap_err();

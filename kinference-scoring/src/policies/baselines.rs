@@ -42,14 +42,14 @@ fn extreme(
         if improves || count == 0 {
             best = s;
             count = 1;
-        } else if s == best {
+        } else if s.total_cmp(&best).is_eq() {
             count += 1;
         }
     }
     let mut skip = if count > 1 { below(rng, count) } else { 0 };
     let mut chosen = 0;
     for (i, &s) in scores.iter().enumerate() {
-        if keep(i) && s == best {
+        if keep(i) && s.total_cmp(&best).is_eq() {
             if skip == 0 {
                 chosen = i;
                 break;
@@ -57,7 +57,13 @@ fn extreme(
             skip -= 1;
         }
     }
-    let tie = if count > 1 { Tie::Random { among: count as u32 } } else { Tie::None };
+    let tie = if count > 1 {
+        Tie::Random {
+            among: count as u32,
+        }
+    } else {
+        Tie::None
+    };
     (chosen, tie)
 }
 
@@ -73,15 +79,21 @@ fn choice(
     tie: Tie,
 ) -> Choice {
     let c = &candidates[index];
-    Choice { endpoint: c.endpoint, index, prediction: predict(params, request, c, None, now), reason, tie }
+    Choice {
+        endpoint: c.endpoint,
+        index,
+        prediction: predict(params, request, c, None, now),
+        reason,
+        tie,
+    }
 }
 
+/// Explain a baseline's decision: `scores` and `detail` are its own terms
+/// per candidate; the prediction is kinference's, uncalibrated.
 fn explanation(
     policy: PolicyName,
     params: &LatencyParams,
-    request: &Request,
-    candidates: &[Candidate],
-    now: Duration,
+    (request, candidates, now): (&Request, &[Candidate], Duration),
     choice: Choice,
     scores: &[f64],
     detail: impl Fn(usize) -> ScoreDetail,
@@ -97,7 +109,13 @@ fn explanation(
             detail: detail(i),
         })
         .collect();
-    Explanation { policy, now_ms: millis(now), request: *request, choice, candidates }
+    Explanation {
+        policy,
+        now_ms: millis(now),
+        request: *request,
+        choice,
+        candidates,
+    }
 }
 
 /// Fresh scraped figures, if any.
@@ -134,11 +152,24 @@ impl RoundRobin {
         Self { params, next: 0 }
     }
 
-    fn decide(&mut self, request: &Request, candidates: &[Candidate], now: Duration) -> Result<Choice, ScoringError> {
+    fn decide(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+    ) -> Result<Choice, ScoringError> {
         check(request, candidates)?;
         let index = (self.next % candidates.len() as u64) as usize;
         self.next = self.next.wrapping_add(1);
-        Ok(choice(&self.params, request, candidates, index, now, Reason::Rotation, Tie::None))
+        Ok(choice(
+            &self.params,
+            request,
+            candidates,
+            index,
+            now,
+            Reason::Rotation,
+            Tie::None,
+        ))
     }
 }
 
@@ -165,10 +196,17 @@ impl Pick for RoundRobin {
         _rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
         let choice = self.decide(request, candidates, now)?;
-        let scores: Vec<f64> = (0..candidates.len()).map(|i| if i == choice.index { 0.0 } else { 1.0 }).collect();
-        Ok(explanation(PolicyName::RoundRobin, &self.params, request, candidates, now, choice, &scores, |i| {
-            ScoreDetail::RoundRobin { position: i }
-        }))
+        let scores: Vec<f64> = (0..candidates.len())
+            .map(|i| if i == choice.index { 0.0 } else { 1.0 })
+            .collect();
+        Ok(explanation(
+            PolicyName::RoundRobin,
+            &self.params,
+            (request, candidates, now),
+            choice,
+            &scores,
+            |i| ScoreDetail::RoundRobin { position: i },
+        ))
     }
 }
 
@@ -184,7 +222,10 @@ pub struct LeastInflight {
 impl LeastInflight {
     /// The policy.
     pub fn new(params: LatencyParams) -> Self {
-        Self { params, scores: Vec::new() }
+        Self {
+            params,
+            scores: Vec::new(),
+        }
     }
 
     fn decide(
@@ -196,9 +237,18 @@ impl LeastInflight {
     ) -> Result<Choice, ScoringError> {
         check(request, candidates)?;
         self.scores.clear();
-        self.scores.extend(candidates.iter().map(|c| f64::from(c.in_flight.requests)));
+        self.scores
+            .extend(candidates.iter().map(|c| f64::from(c.in_flight.requests)));
         let (index, tie) = extreme(&self.scores, Better::Lower, |_| true, rng);
-        Ok(choice(&self.params, request, candidates, index, now, Reason::FewestInFlight, tie))
+        Ok(choice(
+            &self.params,
+            request,
+            candidates,
+            index,
+            now,
+            Reason::FewestInFlight,
+            tie,
+        ))
     }
 }
 
@@ -225,9 +275,16 @@ impl Pick for LeastInflight {
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
         let choice = self.decide(request, candidates, now, rng)?;
-        Ok(explanation(PolicyName::LeastInflight, &self.params, request, candidates, now, choice, &self.scores, |i| {
-            ScoreDetail::LeastInflight { requests: candidates[i].in_flight.requests }
-        }))
+        Ok(explanation(
+            PolicyName::LeastInflight,
+            &self.params,
+            (request, candidates, now),
+            choice,
+            &self.scores,
+            |i| ScoreDetail::LeastInflight {
+                requests: candidates[i].in_flight.requests,
+            },
+        ))
     }
 }
 
@@ -248,7 +305,11 @@ impl Default for LlmdBlendConfig {
     /// llm-d's long-standing default scheduling profile: prefix 3, queue 2,
     /// KV utilisation 2.
     fn default() -> Self {
-        Self { prefix_weight: 3.0, queue_weight: 2.0, kv_weight: 2.0 }
+        Self {
+            prefix_weight: 3.0,
+            queue_weight: 2.0,
+            kv_weight: 2.0,
+        }
     }
 }
 
@@ -277,7 +338,11 @@ impl LlmdBlend {
 
     /// With other weights.
     pub fn with_config(params: LatencyParams, config: LlmdBlendConfig) -> Self {
-        Self { params, config, scores: Vec::new() }
+        Self {
+            params,
+            config,
+            scores: Vec::new(),
+        }
     }
 
     fn queue_length(&self, c: &Candidate) -> u32 {
@@ -285,14 +350,23 @@ impl LlmdBlend {
     }
 
     fn kv_score(&self, c: &Candidate) -> f64 {
-        fresh_metrics(&self.params, c)
-            .map_or(0.0, |m| if m.kv_usage.is_nan() { 1.0 } else { 1.0 - m.kv_usage.clamp(0.0, 1.0) })
+        fresh_metrics(&self.params, c).map_or(0.0, |m| {
+            if m.kv_usage.is_nan() {
+                1.0
+            } else {
+                1.0 - m.kv_usage.clamp(0.0, 1.0)
+            }
+        })
     }
 
     fn terms(&self, request: &Request, c: &Candidate, min_q: u32, max_q: u32) -> (f64, f64, f64) {
         let prefix = prefix_score(&self.params, request, c);
         let q = self.queue_length(c);
-        let queue = if max_q == min_q { 1.0 } else { f64::from(max_q - q) / f64::from(max_q - min_q) };
+        let queue = if max_q == min_q {
+            1.0
+        } else {
+            f64::from(max_q - q) / f64::from(max_q - min_q)
+        };
         (prefix, queue, self.kv_score(c))
     }
 
@@ -317,7 +391,15 @@ impl LlmdBlend {
         }));
         self.scores = scores;
         let (index, tie) = extreme(&self.scores, Better::Higher, |_| true, rng);
-        Ok(choice(&self.params, request, candidates, index, now, Reason::HighestWeightedScore, tie))
+        Ok(choice(
+            &self.params,
+            request,
+            candidates,
+            index,
+            now,
+            Reason::HighestWeightedScore,
+            tie,
+        ))
     }
 }
 
@@ -348,11 +430,23 @@ impl Pick for LlmdBlend {
             .iter()
             .map(|c| self.queue_length(c))
             .fold((u32::MAX, 0), |(lo, hi), q| (lo.min(q), hi.max(q)));
-        Ok(explanation(PolicyName::LlmdBlend, &self.params, request, candidates, now, choice, &self.scores, |i| {
-            let c = &candidates[i];
-            let (prefix, queue, kv_utilization) = self.terms(request, c, min_q, max_q);
-            ScoreDetail::LlmdBlend { prefix, queue, kv_utilization, queue_length: self.queue_length(c) }
-        }))
+        Ok(explanation(
+            PolicyName::LlmdBlend,
+            &self.params,
+            (request, candidates, now),
+            choice,
+            &self.scores,
+            |i| {
+                let c = &candidates[i];
+                let (prefix, queue, kv_utilization) = self.terms(request, c, min_q, max_q);
+                ScoreDetail::LlmdBlend {
+                    prefix,
+                    queue,
+                    kv_utilization,
+                    queue_length: self.queue_length(c),
+                }
+            },
+        ))
     }
 }
 
@@ -418,11 +512,19 @@ impl LlmdDefault {
 
     /// With other settings.
     pub fn with_config(params: LatencyParams, config: LlmdDefaultConfig) -> Self {
-        Self { params, config, scores: Vec::new(), kept: Vec::new() }
+        Self {
+            params,
+            config,
+            scores: Vec::new(),
+            kept: Vec::new(),
+        }
     }
 
     fn gate_ttft_ms(&self, c: &Candidate) -> f64 {
-        let peak = self.config.peak_prefill_tokens_per_second.unwrap_or(self.params.prefill_tokens_per_second);
+        let peak = self
+            .config
+            .peak_prefill_tokens_per_second
+            .unwrap_or(self.params.prefill_tokens_per_second);
         c.in_flight.prefill_tokens as f64 / peak * 1e3
     }
 
@@ -450,9 +552,11 @@ impl LlmdDefault {
                 best_loose = best_loose.min(ttft);
             }
             self.kept.push(sticky);
-            let own = f64::from(request.prompt_tokens) - cached_tokens(&self.params, request, &c.cached);
+            let own =
+                f64::from(request.prompt_tokens) - cached_tokens(&self.params, request, &c.cached);
             let tokens = c.in_flight.prefill_tokens as f64 + own.max(0.0);
-            self.scores.push(1.0 - (tokens / cfg.queue_threshold_tokens).min(1.0));
+            self.scores
+                .push(1.0 - (tokens / cfg.queue_threshold_tokens).min(1.0));
         }
         let applicable = candidates.len() > 1 && cfg.affinity_threshold > 0.0;
         let reason = if !applicable || sticky_count == 0 {
@@ -470,7 +574,15 @@ impl LlmdDefault {
         }
         let kept = &self.kept;
         let (index, tie) = extreme(&self.scores, Better::Higher, |i| kept[i], rng);
-        Ok(choice(&self.params, request, candidates, index, now, reason, tie))
+        Ok(choice(
+            &self.params,
+            request,
+            candidates,
+            index,
+            now,
+            reason,
+            tie,
+        ))
     }
 }
 
@@ -497,16 +609,23 @@ impl Pick for LlmdDefault {
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
         let choice = self.decide(request, candidates, now, rng)?;
-        Ok(explanation(PolicyName::LlmdDefault, &self.params, request, candidates, now, choice, &self.scores, |i| {
-            let c = &candidates[i];
-            let prefix = prefix_score(&self.params, request, c);
-            ScoreDetail::LlmdDefault {
-                prefix,
-                sticky: prefix >= self.config.affinity_threshold,
-                gate_ttft_ms: self.gate_ttft_ms(c),
-                kept: self.kept[i],
-            }
-        }))
+        Ok(explanation(
+            PolicyName::LlmdDefault,
+            &self.params,
+            (request, candidates, now),
+            choice,
+            &self.scores,
+            |i| {
+                let c = &candidates[i];
+                let prefix = prefix_score(&self.params, request, c);
+                ScoreDetail::LlmdDefault {
+                    prefix,
+                    sticky: prefix >= self.config.affinity_threshold,
+                    gate_ttft_ms: self.gate_ttft_ms(c),
+                    kept: self.kept[i],
+                }
+            },
+        ))
     }
 }
 
@@ -523,7 +642,10 @@ pub struct DynamoConfig {
 
 impl Default for DynamoConfig {
     fn default() -> Self {
-        Self { overlap_weight: 1.0, temperature: 0.0 }
+        Self {
+            overlap_weight: 1.0,
+            temperature: 0.0,
+        }
     }
 }
 
@@ -555,7 +677,11 @@ impl DynamoCost {
 
     /// With other settings.
     pub fn with_config(params: LatencyParams, config: DynamoConfig) -> Self {
-        Self { params, config, scores: Vec::new() }
+        Self {
+            params,
+            config,
+            scores: Vec::new(),
+        }
     }
 
     fn terms(&self, request: &Request, c: &Candidate) -> (f64, f64) {
@@ -586,7 +712,12 @@ impl DynamoCost {
         self.scores = scores;
         let t = self.config.temperature;
         if t > 0.0 && candidates.len() > 1 {
-            let (lo, hi) = self.scores.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &s| (lo.min(s), hi.max(s)));
+            let (lo, hi) = self
+                .scores
+                .iter()
+                .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &s| {
+                    (lo.min(s), hi.max(s))
+                });
             let index = if hi > lo {
                 let weight = |s: f64| (-(s - lo) / (hi - lo) / t).exp();
                 let total: f64 = self.scores.iter().map(|&s| weight(s)).sum();
@@ -603,10 +734,26 @@ impl DynamoCost {
             } else {
                 below(rng, candidates.len())
             };
-            return Ok(choice(&self.params, request, candidates, index, now, Reason::SoftmaxSample, Tie::None));
+            return Ok(choice(
+                &self.params,
+                request,
+                candidates,
+                index,
+                now,
+                Reason::SoftmaxSample,
+                Tie::None,
+            ));
         }
         let (index, tie) = extreme(&self.scores, Better::Lower, |_| true, rng);
-        Ok(choice(&self.params, request, candidates, index, now, Reason::LowestCost, tie))
+        Ok(choice(
+            &self.params,
+            request,
+            candidates,
+            index,
+            now,
+            Reason::LowestCost,
+            tie,
+        ))
     }
 }
 
@@ -633,10 +780,20 @@ impl Pick for DynamoCost {
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
         let choice = self.decide(request, candidates, now, rng)?;
-        Ok(explanation(PolicyName::DynamoCost, &self.params, request, candidates, now, choice, &self.scores, |i| {
-            let (prefill_blocks, decode_blocks) = self.terms(request, &candidates[i]);
-            ScoreDetail::DynamoCost { prefill_blocks, decode_blocks }
-        }))
+        Ok(explanation(
+            PolicyName::DynamoCost,
+            &self.params,
+            (request, candidates, now),
+            choice,
+            &self.scores,
+            |i| {
+                let (prefill_blocks, decode_blocks) = self.terms(request, &candidates[i]);
+                ScoreDetail::DynamoCost {
+                    prefill_blocks,
+                    decode_blocks,
+                }
+            },
+        ))
     }
 }
 
@@ -655,7 +812,11 @@ pub struct SglangConfig {
 
 impl Default for SglangConfig {
     fn default() -> Self {
-        Self { cache_threshold: 0.3, balance_abs_threshold: 64, balance_rel_threshold: 1.5 }
+        Self {
+            cache_threshold: 0.3,
+            balance_abs_threshold: 64,
+            balance_rel_threshold: 1.5,
+        }
     }
 }
 
@@ -683,7 +844,11 @@ impl SglangCacheAware {
 
     /// With other settings.
     pub fn with_config(params: LatencyParams, config: SglangConfig) -> Self {
-        Self { params, config, scores: Vec::new() }
+        Self {
+            params,
+            config,
+            scores: Vec::new(),
+        }
     }
 
     fn match_rate(&self, request: &Request, c: &Candidate) -> f64 {
@@ -695,7 +860,8 @@ impl SglangCacheAware {
 
     fn footprint(&self, c: &Candidate, by_usage: bool) -> f64 {
         if by_usage {
-            fresh_metrics(&self.params, c).map_or(0.0, |m| if m.kv_usage.is_nan() { 0.0 } else { m.kv_usage })
+            fresh_metrics(&self.params, c)
+                .map_or(0.0, |m| if m.kv_usage.is_nan() { 0.0 } else { m.kv_usage })
         } else {
             c.in_flight.context_tokens as f64
         }
@@ -714,11 +880,12 @@ impl SglangCacheAware {
             .iter()
             .map(|c| c.in_flight.requests)
             .fold((u32::MAX, 0), |(lo, hi), l| (lo.min(l), hi.max(l)));
-        let imbalanced =
-            hi - lo > cfg.balance_abs_threshold && f64::from(hi) > cfg.balance_rel_threshold * f64::from(lo);
+        let imbalanced = hi - lo > cfg.balance_abs_threshold
+            && f64::from(hi) > cfg.balance_rel_threshold * f64::from(lo);
         self.scores.clear();
         let (index, tie, reason) = if imbalanced {
-            self.scores.extend(candidates.iter().map(|c| f64::from(c.in_flight.requests)));
+            self.scores
+                .extend(candidates.iter().map(|c| f64::from(c.in_flight.requests)));
             let (i, t) = extreme(&self.scores, Better::Lower, |_| true, rng);
             (i, t, Reason::LoadImbalance)
         } else {
@@ -730,7 +897,9 @@ impl SglangCacheAware {
                 let (i, t) = extreme(&self.scores, Better::Higher, |_| true, rng);
                 (i, t, Reason::LongestPrefixMatch)
             } else {
-                let by_usage = candidates.iter().all(|c| fresh_metrics(&self.params, c).is_some());
+                let by_usage = candidates
+                    .iter()
+                    .all(|c| fresh_metrics(&self.params, c).is_some());
                 let mut scores = std::mem::take(&mut self.scores);
                 scores.clear();
                 scores.extend(candidates.iter().map(|c| self.footprint(c, by_usage)));
@@ -739,7 +908,15 @@ impl SglangCacheAware {
                 (i, t, Reason::SmallestCache)
             }
         };
-        Ok(choice(&self.params, request, candidates, index, now, reason, tie))
+        Ok(choice(
+            &self.params,
+            request,
+            candidates,
+            index,
+            now,
+            reason,
+            tie,
+        ))
     }
 }
 
@@ -766,13 +943,13 @@ impl Pick for SglangCacheAware {
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
         let choice = self.decide(request, candidates, now, rng)?;
-        let by_usage = candidates.iter().all(|c| fresh_metrics(&self.params, c).is_some());
+        let by_usage = candidates
+            .iter()
+            .all(|c| fresh_metrics(&self.params, c).is_some());
         Ok(explanation(
             PolicyName::SglangCacheAware,
             &self.params,
-            request,
-            candidates,
-            now,
+            (request, candidates, now),
             choice,
             &self.scores,
             |i| {
@@ -794,20 +971,39 @@ mod tests {
     use crate::rng::SplitMix64;
 
     fn request() -> Request {
-        Request { prompt_tokens: 1600, block_tokens: 16, cache: CacheSource::Index }
+        Request {
+            prompt_tokens: 1600,
+            block_tokens: 16,
+            cache: CacheSource::Index,
+        }
     }
 
     fn cand(id: u32, gpu: u32, requests: u32, prefill_tokens: u64) -> Candidate {
         Candidate {
             endpoint: EndpointId(id),
-            cached: CachedBlocks { gpu, cpu: 0, disk: 0 },
-            in_flight: InFlight { requests, decoding: 0, prefill_tokens, context_tokens: prefill_tokens },
+            cached: CachedBlocks {
+                gpu,
+                cpu: 0,
+                disk: 0,
+            },
+            in_flight: InFlight {
+                requests,
+                decoding: 0,
+                prefill_tokens,
+                context_tokens: prefill_tokens,
+            },
             engine: None,
         }
     }
 
     fn pick(p: &mut dyn Pick, cands: &[Candidate], seed: u64) -> Choice {
-        p.pick(&request(), cands, Duration::from_secs(1), &mut SplitMix64::new(seed)).unwrap()
+        p.pick(
+            &request(),
+            cands,
+            Duration::from_secs(1),
+            &mut SplitMix64::new(seed),
+        )
+        .unwrap()
     }
 
     #[test]
@@ -821,7 +1017,12 @@ mod tests {
     #[test]
     fn least_inflight_takes_the_fewest_and_breaks_ties_by_seed() {
         let mut p = LeastInflight::new(LatencyParams::default());
-        let cands = [cand(0, 0, 5, 0), cand(1, 100, 2, 0), cand(2, 0, 2, 0), cand(3, 0, 9, 0)];
+        let cands = [
+            cand(0, 0, 5, 0),
+            cand(1, 100, 2, 0),
+            cand(2, 0, 2, 0),
+            cand(3, 0, 9, 0),
+        ];
         let mut seen = [false; 4];
         for seed in 0..50 {
             let c = pick(&mut p, &cands, seed);
@@ -835,13 +1036,27 @@ mod tests {
     #[test]
     fn llmd_blend_weighs_prefix_queue_and_kv() {
         let mut p = LlmdBlend::new(LatencyParams::default());
-        let fresh = |waiting, kv_usage| Some(EngineMetrics { running: 0, waiting, kv_usage, age: Duration::ZERO });
+        let fresh = |waiting, kv_usage| {
+            Some(EngineMetrics {
+                running: 0,
+                waiting,
+                kv_usage,
+                age: Duration::ZERO,
+            })
+        };
         let mut a = cand(0, 100, 0, 0); // full prefix (100 of 100 blocks)
         a.engine = fresh(10, 0.9);
         let mut b = cand(1, 0, 0, 0);
         b.engine = fresh(0, 0.1);
         // a: 3·1 + 2·0 + 2·0.1 = 3.2; b: 3·0 + 2·1 + 2·0.9 = 3.8.
-        let e = p.pick_explained(&request(), &[a, b], Duration::from_secs(1), &mut SplitMix64::new(1)).unwrap();
+        let e = p
+            .pick_explained(
+                &request(),
+                &[a, b],
+                Duration::from_secs(1),
+                &mut SplitMix64::new(1),
+            )
+            .unwrap();
         assert_eq!(e.choice.endpoint, EndpointId(1));
         assert!((e.candidates[0].score - 3.2).abs() < 1e-9);
         assert!((e.candidates[1].score - 3.8).abs() < 1e-9);
@@ -862,11 +1077,17 @@ mod tests {
         // 1e9 in-flight tokens = 40,000 s at 25k tokens/s: beyond 18 s.
         let swamped = cand(0, 100, 3, 1_000_000_000);
         let c = pick(&mut p, &[swamped, cold], 1);
-        assert_eq!((c.endpoint, c.reason), (EndpointId(1), Reason::StickinessReleased));
+        assert_eq!(
+            (c.endpoint, c.reason),
+            (EndpointId(1), Reason::StickinessReleased)
+        );
         // Nobody sticky: fewest in-flight tokens incl. this request's own.
         let half = cand(0, 50, 0, 0);
         let c = pick(&mut p, &[half, cand(1, 0, 0, 100)], 1);
-        assert_eq!((c.endpoint, c.reason), (EndpointId(0), Reason::NoStickyEndpoint));
+        assert_eq!(
+            (c.endpoint, c.reason),
+            (EndpointId(0), Reason::NoStickyEndpoint)
+        );
     }
 
     #[test]
@@ -875,15 +1096,40 @@ mod tests {
         // prompt 100 blocks. a: cached 60, 40 active prefill blocks, 300
         // context blocks: 80 + 400 = 480. b: cold, idle: 100 + 100 = 200.
         let a = cand(0, 60, 2, 640);
-        let a = Candidate { in_flight: InFlight { context_tokens: 4800, ..a.in_flight }, ..a };
+        let a = Candidate {
+            in_flight: InFlight {
+                context_tokens: 4800,
+                ..a.in_flight
+            },
+            ..a
+        };
         let b = cand(1, 0, 0, 0);
-        let e = p.pick_explained(&request(), &[a, b], Duration::from_secs(1), &mut SplitMix64::new(1)).unwrap();
-        assert!((e.candidates[0].score - 480.0).abs() < 1e-9, "{}", e.candidates[0].score);
+        let e = p
+            .pick_explained(
+                &request(),
+                &[a, b],
+                Duration::from_secs(1),
+                &mut SplitMix64::new(1),
+            )
+            .unwrap();
+        assert!(
+            (e.candidates[0].score - 480.0).abs() < 1e-9,
+            "{}",
+            e.candidates[0].score
+        );
         assert!((e.candidates[1].score - 200.0).abs() < 1e-9);
         assert_eq!(e.choice.endpoint, EndpointId(1));
         // At a positive temperature both get picked sometimes.
-        let mut p = DynamoCost::with_config(LatencyParams::default(), DynamoConfig { overlap_weight: 1.0, temperature: 1.0 });
-        let picks: Vec<u32> = (0..200).map(|s| pick(&mut p, &[a, b], s).endpoint.0).collect();
+        let mut p = DynamoCost::with_config(
+            LatencyParams::default(),
+            DynamoConfig {
+                overlap_weight: 1.0,
+                temperature: 1.0,
+            },
+        );
+        let picks: Vec<u32> = (0..200)
+            .map(|s| pick(&mut p, &[a, b], s).endpoint.0)
+            .collect();
         let zeros = picks.iter().filter(|&&e| e == 0).count();
         assert!(zeros > 10 && zeros < 100, "{zeros}");
     }
@@ -893,14 +1139,23 @@ mod tests {
         let mut p = SglangCacheAware::new(LatencyParams::default());
         let busy_warm = cand(0, 100, 200, 0);
         let idle = cand(1, 0, 10, 0);
-        assert_eq!(pick(&mut p, &[busy_warm, idle], 1).reason, Reason::LoadImbalance);
+        assert_eq!(
+            pick(&mut p, &[busy_warm, idle], 1).reason,
+            Reason::LoadImbalance
+        );
         assert_eq!(pick(&mut p, &[busy_warm, idle], 1).endpoint, EndpointId(1));
         let warm = cand(0, 50, 20, 0);
         let c = pick(&mut p, &[warm, idle], 1);
-        assert_eq!((c.endpoint, c.reason), (EndpointId(0), Reason::LongestPrefixMatch));
+        assert_eq!(
+            (c.endpoint, c.reason),
+            (EndpointId(0), Reason::LongestPrefixMatch)
+        );
         let small = cand(0, 10, 20, 5_000);
         let c = pick(&mut p, &[small, cand(1, 0, 10, 100)], 1);
-        assert_eq!((c.endpoint, c.reason), (EndpointId(1), Reason::SmallestCache));
+        assert_eq!(
+            (c.endpoint, c.reason),
+            (EndpointId(1), Reason::SmallestCache)
+        );
     }
 
     #[test]
@@ -909,7 +1164,13 @@ mod tests {
         for name in PolicyName::ALL {
             let mut p = crate::Policy::new(name, LatencyParams::default());
             let c = pick(&mut p, &cands, 3);
-            let want = predict(&LatencyParams::default(), &request(), &cands[c.index], None, Duration::from_secs(1));
+            let want = predict(
+                &LatencyParams::default(),
+                &request(),
+                &cands[c.index],
+                None,
+                Duration::from_secs(1),
+            );
             assert_eq!(c.prediction, want, "{name}");
         }
     }

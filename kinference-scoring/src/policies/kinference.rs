@@ -47,8 +47,16 @@ fn nanos(d: Duration) -> u64 {
 impl Kinference {
     /// A policy with no history.
     pub fn new(params: LatencyParams) -> Self {
-        let fresh = Slot { calibration: Calibration::prior(&params), last_chosen: 0 };
-        Self { params, fresh, slots: Vec::new(), scores: Vec::new() }
+        let fresh = Slot {
+            calibration: Calibration::prior(&params),
+            last_chosen: 0,
+        };
+        Self {
+            params,
+            fresh,
+            slots: Vec::new(),
+            scores: Vec::new(),
+        }
     }
 
     /// The latency model in use.
@@ -63,7 +71,13 @@ impl Kinference {
 
     /// Predict `candidate`'s TTFT with its calibration, without deciding.
     pub fn predict(&self, request: &Request, candidate: &Candidate, now: Duration) -> Prediction {
-        predict(&self.params, request, candidate, Some(self.calibration(candidate.endpoint)), now)
+        predict(
+            &self.params,
+            request,
+            candidate,
+            Some(self.calibration(candidate.endpoint)),
+            now,
+        )
     }
 
     fn slot(&self, endpoint: EndpointId) -> &Slot {
@@ -106,7 +120,9 @@ impl Kinference {
             if p.ttft_ms < fastest.1 {
                 fastest = (i, p.ttft_ms);
             }
-            if p.warm_fraction > warmest.1 || (p.warm_fraction == warmest.1 && p.ttft_ms < warmest.2) {
+            if p.warm_fraction > warmest.1
+                || (p.warm_fraction.total_cmp(&warmest.1).is_eq() && p.ttft_ms < warmest.2)
+            {
                 warmest = (i, p.warm_fraction, p.ttft_ms);
             }
             if let Some(out) = explain.as_deref_mut() {
@@ -132,7 +148,10 @@ impl Kinference {
         for (c, &s) in candidates.iter().zip(&self.scores) {
             if s <= limit {
                 equals += 1;
-                let t = self.slots.get(c.endpoint.index()).map_or(0, |s| s.last_chosen);
+                let t = self
+                    .slots
+                    .get(c.endpoint.index())
+                    .map_or(0, |s| s.last_chosen);
                 if t < oldest {
                     oldest = t;
                     oldest_count = 1;
@@ -141,10 +160,20 @@ impl Kinference {
                 }
             }
         }
-        let mut skip = if oldest_count > 1 { below(rng, oldest_count) } else { 0 };
+        let mut skip = if oldest_count > 1 {
+            below(rng, oldest_count)
+        } else {
+            0
+        };
         let mut index = 0;
         for (i, (c, &s)) in candidates.iter().zip(&self.scores).enumerate() {
-            if s <= limit && self.slots.get(c.endpoint.index()).map_or(0, |s| s.last_chosen) == oldest {
+            if s <= limit
+                && self
+                    .slots
+                    .get(c.endpoint.index())
+                    .map_or(0, |s| s.last_chosen)
+                    == oldest
+            {
                 if skip == 0 {
                     index = i;
                     break;
@@ -153,7 +182,9 @@ impl Kinference {
             }
         }
         let tie = if oldest_count > 1 {
-            Tie::Random { among: oldest_count as u32 }
+            Tie::Random {
+                among: oldest_count as u32,
+            }
         } else if equals > 1 {
             Tie::LeastRecentlyChosen { among: equals }
         } else {
@@ -163,9 +194,17 @@ impl Kinference {
         let chosen = &candidates[index];
         let prediction = match explain.as_deref() {
             Some(out) => out[index].prediction,
-            None => predict(params, request, chosen, Some(&self.slot(chosen.endpoint).calibration), now),
+            None => predict(
+                params,
+                request,
+                chosen,
+                Some(&self.slot(chosen.endpoint).calibration),
+                now,
+            ),
         };
-        let margin = params.tie_millis.max(params.tie_fraction * prediction.ttft_ms);
+        let margin = params
+            .tie_millis
+            .max(params.tie_fraction * prediction.ttft_ms);
         let reason = if prediction.ttft_ms > fastest.1 + margin {
             Reason::WarmWithinTolerance {
                 fastest: candidates[fastest.0].endpoint,
@@ -186,7 +225,13 @@ impl Kinference {
         if let Some(slot) = self.slot_mut(chosen.endpoint) {
             slot.last_chosen = stamp;
         }
-        Ok(Choice { endpoint: chosen.endpoint, index, prediction, reason, tie })
+        Ok(Choice {
+            endpoint: chosen.endpoint,
+            index,
+            prediction,
+            reason,
+            tie,
+        })
     }
 }
 
@@ -232,7 +277,9 @@ impl Pick for Kinference {
     ) -> ObserveOutcome {
         let params = self.params;
         match self.slot_mut(endpoint) {
-            Some(slot) => slot.calibration.observe(&params, prediction.load_ms, observed, now),
+            Some(slot) => slot
+                .calibration
+                .observe(&params, prediction.load_ms, observed, now),
             None => ObserveOutcome::Ignored,
         }
     }
@@ -243,7 +290,11 @@ impl Pick for Kinference {
             *slot = fresh;
         }
         // Shrink trailing fresh slots so a vanished high id frees its memory.
-        while self.slots.last().is_some_and(|s| s.last_chosen == 0 && s.calibration == fresh.calibration) {
+        while self
+            .slots
+            .last()
+            .is_some_and(|s| s.last_chosen == 0 && s.calibration == fresh.calibration)
+        {
             self.slots.pop();
         }
     }
@@ -256,13 +307,21 @@ mod tests {
     use crate::rng::SplitMix64;
 
     fn request() -> Request {
-        Request { prompt_tokens: 4000, block_tokens: 16, cache: CacheSource::Index }
+        Request {
+            prompt_tokens: 4000,
+            block_tokens: 16,
+            cache: CacheSource::Index,
+        }
     }
 
     fn cand(id: u32, gpu: u32, prefill_tokens: u64) -> Candidate {
         Candidate {
             endpoint: EndpointId(id),
-            cached: CachedBlocks { gpu, cpu: 0, disk: 0 },
+            cached: CachedBlocks {
+                gpu,
+                cpu: 0,
+                disk: 0,
+            },
             in_flight: InFlight {
                 requests: u32::from(prefill_tokens > 0),
                 decoding: 0,
@@ -325,7 +384,10 @@ mod tests {
 
     #[test]
     fn warm_endpoint_keeps_the_request_within_tolerance() {
-        let params = LatencyParams { tolerance_millis: 100.0, ..LatencyParams::default() };
+        let params = LatencyParams {
+            tolerance_millis: 100.0,
+            ..LatencyParams::default()
+        };
         let mut p = Kinference::new(params);
         let mut rng = SplitMix64::new(1);
         // Fully warm but with 5000 tokens queued (+200 ms); cold costs the
@@ -339,7 +401,10 @@ mod tests {
             choice.reason
         );
         // With no tolerance the cold one wins.
-        let mut p = Kinference::new(LatencyParams { tolerance_millis: 0.0, ..params });
+        let mut p = Kinference::new(LatencyParams {
+            tolerance_millis: 0.0,
+            ..params
+        });
         let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
         assert_eq!(choice.endpoint, EndpointId(1));
     }
@@ -361,23 +426,36 @@ mod tests {
         }
         for _ in 0..5 {
             now += Duration::from_millis(50);
-            assert_eq!(p.pick(&request(), &cands, now, &mut rng).unwrap().endpoint, EndpointId(1));
+            assert_eq!(
+                p.pick(&request(), &cands, now, &mut rng).unwrap().endpoint,
+                EndpointId(1)
+            );
         }
         assert!(p.calibration(EndpointId(0)).view(p.params(), now).scale > 2.0);
         p.remove_endpoint(EndpointId(0));
-        assert_eq!(p.calibration(EndpointId(0)), &Calibration::prior(p.params()));
+        assert_eq!(
+            p.calibration(EndpointId(0)),
+            &Calibration::prior(p.params())
+        );
     }
 
     #[test]
     fn explained_pick_is_the_same_decision() {
         let mut a = Kinference::new(LatencyParams::default());
-        let cands = [cand(0, 10, 100), cand(1, 0, 0), cand(2, 0, 0), cand(3, 250, 90_000)];
+        let cands = [
+            cand(0, 10, 100),
+            cand(1, 0, 0),
+            cand(2, 0, 0),
+            cand(3, 250, 90_000),
+        ];
         let mut rng_a = SplitMix64::new(9);
         let mut rng_b = rng_a.clone();
         let mut b = a.clone();
         for t in 1..20 {
             let x = a.pick(&request(), &cands, secs(t), &mut rng_a).unwrap();
-            let e = b.pick_explained(&request(), &cands, secs(t), &mut rng_b).unwrap();
+            let e = b
+                .pick_explained(&request(), &cands, secs(t), &mut rng_b)
+                .unwrap();
             assert_eq!(x, e.choice);
             assert_eq!(e.candidates.len(), cands.len());
             assert_eq!(e.candidates[x.index].prediction, x.prediction);
@@ -389,14 +467,21 @@ mod tests {
         let mut p = Kinference::new(LatencyParams::default());
         let mut rng = SplitMix64::new(1);
         let cands = [cand(0, 0, 0), cand(1, 240, 0)];
-        let e = p.pick_explained(&request(), &cands, secs(1), &mut rng).unwrap();
+        let e = p
+            .pick_explained(&request(), &cands, secs(1), &mut rng)
+            .unwrap();
         let json = serde_json::to_value(&e).unwrap();
         assert_eq!(json["policy"], "kinference");
         assert_eq!(json["choice"]["endpoint"], 1);
         assert_eq!(json["choice"]["reason"]["rule"], "lowest_predicted_ttft");
         assert_eq!(json["candidates"][1]["inputs"]["cached"]["gpu"], 240);
         assert_eq!(json["candidates"][0]["detail"]["policy"], "kinference");
-        assert!(json["candidates"][0]["prediction"]["ttft_ms"].as_f64().unwrap() > 0.0);
+        assert!(
+            json["candidates"][0]["prediction"]["ttft_ms"]
+                .as_f64()
+                .unwrap()
+                > 0.0
+        );
         let back: Explanation = serde_json::from_value(json).unwrap();
         assert_eq!(back, e);
         let header = e.choice.to_string();
@@ -407,17 +492,33 @@ mod tests {
     fn bad_input_is_an_error() {
         let mut p = Kinference::new(LatencyParams::default());
         let mut rng = SplitMix64::new(1);
-        assert_eq!(p.pick(&request(), &[], secs(1), &mut rng), Err(ScoringError::NoCandidates));
-        let zero = Request { block_tokens: 0, ..request() };
-        assert_eq!(p.pick(&zero, &[cand(0, 0, 0)], secs(1), &mut rng), Err(ScoringError::ZeroBlockWidth));
+        assert_eq!(
+            p.pick(&request(), &[], secs(1), &mut rng),
+            Err(ScoringError::NoCandidates)
+        );
+        let zero = Request {
+            block_tokens: 0,
+            ..request()
+        };
+        assert_eq!(
+            p.pick(&zero, &[cand(0, 0, 0)], secs(1), &mut rng),
+            Err(ScoringError::ZeroBlockWidth)
+        );
         let huge = cand(EndpointId::LIMIT, 0, 0);
         assert_eq!(
             p.pick(&request(), &[huge], secs(1), &mut rng),
-            Err(ScoringError::EndpointIdTooLarge(EndpointId(EndpointId::LIMIT)))
+            Err(ScoringError::EndpointIdTooLarge(EndpointId(
+                EndpointId::LIMIT
+            )))
         );
         let pred = p.predict(&request(), &cand(0, 0, 0), secs(1));
         assert_eq!(
-            p.observe(EndpointId(u32::MAX), &pred, Duration::from_millis(5), secs(1)),
+            p.observe(
+                EndpointId(u32::MAX),
+                &pred,
+                Duration::from_millis(5),
+                secs(1)
+            ),
             ObserveOutcome::Ignored
         );
     }

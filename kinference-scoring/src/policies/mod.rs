@@ -102,7 +102,10 @@ impl FromStr for PolicyName {
     type Err = UnknownPolicy;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Self::ALL.into_iter().find(|p| p.as_str() == s).ok_or_else(|| UnknownPolicy(s.to_owned()))
+        Self::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| UnknownPolicy(s.to_owned()))
     }
 }
 
@@ -282,7 +285,10 @@ pub(crate) fn check(request: &Request, candidates: &[Candidate]) -> Result<(), S
     if request.block_tokens == 0 {
         return Err(ScoringError::ZeroBlockWidth);
     }
-    if let Some(c) = candidates.iter().find(|c| c.endpoint.0 >= EndpointId::LIMIT) {
+    if let Some(c) = candidates
+        .iter()
+        .find(|c| c.endpoint.0 >= EndpointId::LIMIT)
+    {
         return Err(ScoringError::EndpointIdTooLarge(c.endpoint));
     }
     Ok(())
