@@ -78,6 +78,9 @@ pub struct Calibration {
     samples: u32,
     clipped: u32,
     last_nanos: Option<u64>,
+    /// Until when `(offset, scale)` apply undecayed: the prior never decays;
+    /// a fit is fresh until `last + stale_after`.
+    fresh_until: u64,
 }
 
 /// `base_millis` floored at 1 ms: the offset's unit, so both parameters are
@@ -96,9 +99,7 @@ fn prior_cov(params: &LatencyParams) -> [f64; 3] {
     ]
 }
 
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
-}
+use crate::latency::nanos;
 
 impl Calibration {
     /// The prior: the model as the profile states it.
@@ -111,17 +112,18 @@ impl Calibration {
             samples: 0,
             clipped: 0,
             last_nanos: None,
+            fresh_until: u64::MAX,
         }
     }
 
     /// Weight of the fit against the prior at `now`: 1 while fresh, then
     /// halving every `stale_half_life`.
-    fn freshness(&self, params: &LatencyParams, now: Duration) -> f64 {
+    fn freshness(&self, params: &LatencyParams, now_nanos: u64) -> f64 {
         let Some(last) = self.last_nanos else {
             return 0.0;
         };
         let c = &params.calibration;
-        let idle = nanos(now).saturating_sub(last);
+        let idle = now_nanos.saturating_sub(last);
         let stale_after = nanos(c.stale_after);
         if idle <= stale_after {
             return 1.0;
@@ -132,7 +134,16 @@ impl Calibration {
 
     /// `(offset_ms, scale)` at `now`, staleness applied.
     pub fn effective(&self, params: &LatencyParams, now: Duration) -> (f64, f64) {
-        let w = self.freshness(params, now);
+        self.effective_at(params, nanos(now))
+    }
+
+    /// [`Calibration::effective`] with `now` in nanoseconds.
+    #[inline]
+    pub(crate) fn effective_at(&self, params: &LatencyParams, now_nanos: u64) -> (f64, f64) {
+        if now_nanos <= self.fresh_until {
+            return (self.offset * unit_ms(params), self.scale);
+        }
+        let w = self.freshness(params, now_nanos);
         let unit = unit_ms(params);
         if w >= 1.0 {
             return (self.offset * unit, self.scale);
@@ -141,6 +152,14 @@ impl Calibration {
         (
             prior_offset + w * (self.offset * unit - prior_offset),
             1.0 + w * (self.scale - 1.0),
+        )
+    }
+
+    /// The undecayed `(offset_ms, scale)` and until when (ns) they apply.
+    pub(crate) fn fresh_coefficients(&self, params: &LatencyParams) -> ((f64, f64), u64) {
+        (
+            (self.offset * unit_ms(params), self.scale),
+            self.fresh_until,
         )
     }
 
@@ -165,7 +184,7 @@ impl Calibration {
 
     /// Decay towards the prior for the idle time up to `now`.
     fn age_to(&mut self, params: &LatencyParams, now: Duration) {
-        let w = self.freshness(params, now);
+        let w = self.freshness(params, nanos(now));
         if w >= 1.0 {
             return;
         }
@@ -197,6 +216,7 @@ impl Calibration {
         }
         self.age_to(params, now);
         self.last_nanos = Some(nanos(now));
+        self.fresh_until = nanos(now).saturating_add(nanos(params.calibration.stale_after));
         let c = &params.calibration;
         let unit = unit_ms(params);
 

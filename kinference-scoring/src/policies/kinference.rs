@@ -5,18 +5,55 @@ use std::time::Duration;
 use crate::calibrate::{Calibration, ObserveOutcome};
 use crate::error::ScoringError;
 use crate::input::{Candidate, EndpointId, Request};
-use crate::latency::{Prediction, predict};
+use crate::latency::{Model, Prediction, nanos};
 use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};
 use crate::policies::{Pick, PolicyName, check, millis};
 use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
 
-/// Per-endpoint state: calibration and when it was last chosen.
+/// Per-endpoint state. The first four fields are what a decision reads per
+/// candidate; the calibration itself is touched only by `observe` and when a
+/// fit has gone stale.
 #[derive(Debug, Clone, Copy)]
 struct Slot {
-    calibration: Calibration,
+    /// The calibration's coefficients while fresh.
+    offset_ms: f64,
+    scale: f64,
+    /// Until when (ns) `offset_ms` and `scale` apply as they are.
+    fresh_until: u64,
     /// 0 = never; otherwise the decision's time in nanoseconds + 1.
     last_chosen: u64,
+    calibration: Calibration,
+}
+
+impl Slot {
+    fn new(params: &LatencyParams) -> Self {
+        let mut slot = Self {
+            offset_ms: 0.0,
+            scale: 1.0,
+            fresh_until: 0,
+            last_chosen: 0,
+            calibration: Calibration::prior(params),
+        };
+        slot.cache_coefficients(params);
+        slot
+    }
+
+    fn cache_coefficients(&mut self, params: &LatencyParams) {
+        let ((offset_ms, scale), fresh_until) = self.calibration.fresh_coefficients(params);
+        self.offset_ms = offset_ms;
+        self.scale = scale;
+        self.fresh_until = fresh_until;
+    }
+
+    #[inline]
+    fn coefficients(&self, params: &LatencyParams, now_nanos: u64) -> (f64, f64) {
+        if now_nanos <= self.fresh_until {
+            (self.offset_ms, self.scale)
+        } else {
+            self.calibration.effective_at(params, now_nanos)
+        }
+    }
 }
 
 /// kinference's policy.
@@ -29,7 +66,7 @@ struct Slot {
 /// the least recently chosen wins, so cache misses spread over idle endpoints
 /// instead of piling onto one; remaining ties go to the seeded RNG.
 ///
-/// State: one 96-byte slot per endpoint id ever chosen or observed (a dense
+/// State: one 112-byte slot per endpoint id ever chosen or observed (a dense
 /// vector indexed by id), plus a reusable score buffer. A decision is
 /// O(candidates) with no allocation once the buffers have grown.
 #[derive(Debug, Clone)]
@@ -38,24 +75,18 @@ pub struct Kinference {
     fresh: Slot,
     slots: Vec<Slot>,
     scores: Vec<f64>,
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+    equals: Vec<usize>,
 }
 
 impl Kinference {
     /// A policy with no history.
     pub fn new(params: LatencyParams) -> Self {
-        let fresh = Slot {
-            calibration: Calibration::prior(&params),
-            last_chosen: 0,
-        };
         Self {
             params,
-            fresh,
+            fresh: Slot::new(&params),
             slots: Vec::new(),
             scores: Vec::new(),
+            equals: Vec::new(),
         }
     }
 
@@ -71,13 +102,9 @@ impl Kinference {
 
     /// Predict `candidate`'s TTFT with its calibration, without deciding.
     pub fn predict(&self, request: &Request, candidate: &Candidate, now: Duration) -> Prediction {
-        predict(
-            &self.params,
-            request,
-            candidate,
-            Some(self.calibration(candidate.endpoint)),
-            now,
-        )
+        let model = Model::new(&self.params, request);
+        let coefficients = self.coefficients(&model, self.slot(candidate.endpoint), nanos(now));
+        model.prediction(&model.terms(candidate), coefficients)
     }
 
     fn slot(&self, endpoint: EndpointId) -> &Slot {
@@ -95,6 +122,15 @@ impl Kinference {
         self.slots.get_mut(i)
     }
 
+    #[inline]
+    fn coefficients(&self, model: &Model, slot: &Slot, now_nanos: u64) -> (f64, f64) {
+        if model.calibrates() {
+            slot.coefficients(&self.params, now_nanos)
+        } else {
+            model.uncalibrated()
+        }
+    }
+
     fn decide(
         &mut self,
         request: &Request,
@@ -104,36 +140,67 @@ impl Kinference {
         mut explain: Option<&mut Vec<CandidateExplanation>>,
     ) -> Result<Choice, ScoringError> {
         check(request, candidates)?;
-        let params = &self.params;
-        let tolerance = params.tolerance_millis;
-        self.scores.clear();
+        let model = Model::new(&self.params, request);
+        let now_nanos = nanos(now);
+        let tolerance = self.params.tolerance_millis;
+        let mut scores = std::mem::take(&mut self.scores);
+        scores.clear();
+        scores.resize(candidates.len(), 0.0);
+        let (tie_millis, tie_fraction) = (self.params.tie_millis, self.params.tie_fraction);
+        let equals_limit = |best: f64| best + tie_millis.max(tie_fraction * best.max(0.0));
         let mut best = f64::INFINITY;
+        let mut limit = f64::INFINITY;
         let mut fastest = (0usize, f64::INFINITY);
-        // (index, warm fraction, ttft) of the warmest; ties go to the earlier.
+        // (index, warm fraction, ttft) of the warmest; ties go to the faster.
         let mut warmest = (0usize, f64::NEG_INFINITY, f64::INFINITY);
-        for (i, c) in candidates.iter().enumerate() {
+        let prune = explain.is_none();
+        for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
-            let p = predict(params, request, c, Some(&slot.calibration), now);
-            let score = p.ttft_ms - tolerance * p.warm_fraction;
-            self.scores.push(score);
-            best = best.min(score);
-            if p.ttft_ms < fastest.1 {
-                fastest = (i, p.ttft_ms);
+            let coefficients = self.coefficients(&model, slot, now_nanos);
+            if prune {
+                // Skip the full model for a candidate that cannot be among the
+                // equals (its score's lower bound is past the current limit,
+                // which only falls), cannot be the fastest, and cannot be the
+                // warmest. Its stored score is the bound, also past the limit.
+                let (cached, uncached) = model.cache_terms(c);
+                let warm = model.warm_fraction(cached);
+                let ttft_bound =
+                    coefficients.0 + coefficients.1 * model.lower_bound_load(c, uncached);
+                let score_bound = ttft_bound - tolerance * warm;
+                let may_be_warmest =
+                    warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
+                if !may_be_warmest
+                    && ttft_bound >= fastest.1
+                    && score_bound > limit + 1e-9 * limit.abs().max(1.0)
+                {
+                    *out = score_bound;
+                    continue;
+                }
             }
-            if p.warm_fraction > warmest.1
-                || (p.warm_fraction.total_cmp(&warmest.1).is_eq() && p.ttft_ms < warmest.2)
-            {
-                warmest = (i, p.warm_fraction, p.ttft_ms);
+            let terms = model.terms(c);
+            let ttft = coefficients.0 + coefficients.1 * terms.load_ms;
+            let warm = model.warm_fraction(terms.cached);
+            let score = ttft - tolerance * warm;
+            *out = score;
+            if score < best {
+                best = score;
+                limit = equals_limit(best);
+            }
+            if ttft < fastest.1 {
+                fastest = (i, ttft);
+            }
+            if warm > warmest.1 || (warm >= warmest.1 && ttft < warmest.2) {
+                warmest = (i, warm, ttft);
             }
             if let Some(out) = explain.as_deref_mut() {
                 let since = (slot.last_chosen > 0)
-                    .then(|| nanos(now).saturating_sub(slot.last_chosen - 1) as f64 / 1e6);
+                    .then(|| now_nanos.saturating_sub(slot.last_chosen - 1) as f64 / 1e6);
                 out.push(CandidateExplanation {
                     inputs: *c,
-                    prediction: p,
+                    prediction: model.prediction(&terms, coefficients),
                     score,
                     detail: ScoreDetail::Kinference {
-                        warm_bonus_ms: tolerance * p.warm_fraction,
+                        warm_bonus_ms: tolerance * warm,
                         since_chosen_ms: since,
                     },
                 });
@@ -141,66 +208,62 @@ impl Kinference {
         }
 
         // Equals: least recently chosen first, then the seeded RNG.
-        let limit = best + params.tie_millis.max(params.tie_fraction * best.max(0.0));
-        let mut equals = 0u32;
+        let params = &self.params;
+        let last_chosen = |c: &Candidate| {
+            self.slots
+                .get(c.endpoint.index())
+                .map_or(0, |s| s.last_chosen)
+        };
+        let mut equals = std::mem::take(&mut self.equals);
+        equals.clear();
+        equals.extend(
+            scores
+                .iter()
+                .enumerate()
+                .filter(|&(_, &s)| s <= limit)
+                .map(|(i, _)| i),
+        );
         let mut oldest = u64::MAX;
         let mut oldest_count = 0usize;
-        for (c, &s) in candidates.iter().zip(&self.scores) {
-            if s <= limit {
-                equals += 1;
-                let t = self
-                    .slots
-                    .get(c.endpoint.index())
-                    .map_or(0, |s| s.last_chosen);
-                if t < oldest {
-                    oldest = t;
-                    oldest_count = 1;
-                } else if t == oldest {
-                    oldest_count += 1;
-                }
+        for &i in &equals {
+            let t = last_chosen(&candidates[i]);
+            if t < oldest {
+                oldest = t;
+                oldest_count = 1;
+            } else if t == oldest {
+                oldest_count += 1;
             }
         }
-        let mut skip = if oldest_count > 1 {
+        let skip = if oldest_count > 1 {
             below(rng, oldest_count)
         } else {
             0
         };
-        let mut index = 0;
-        for (i, (c, &s)) in candidates.iter().zip(&self.scores).enumerate() {
-            if s <= limit
-                && self
-                    .slots
-                    .get(c.endpoint.index())
-                    .map_or(0, |s| s.last_chosen)
-                    == oldest
-            {
-                if skip == 0 {
-                    index = i;
-                    break;
-                }
-                skip -= 1;
-            }
-        }
+        let index = equals
+            .iter()
+            .copied()
+            .filter(|&i| last_chosen(&candidates[i]) == oldest)
+            .nth(skip)
+            .unwrap_or(0);
+        let equal_count = equals.len() as u32;
+        self.equals = equals;
+        self.scores = scores;
         let tie = if oldest_count > 1 {
             Tie::Random {
                 among: oldest_count as u32,
             }
-        } else if equals > 1 {
-            Tie::LeastRecentlyChosen { among: equals }
+        } else if equal_count > 1 {
+            Tie::LeastRecentlyChosen { among: equal_count }
         } else {
             Tie::None
         };
 
         let chosen = &candidates[index];
-        let prediction = match explain.as_deref() {
-            Some(out) => out[index].prediction,
-            None => predict(
-                params,
-                request,
-                chosen,
-                Some(&self.slot(chosen.endpoint).calibration),
-                now,
-            ),
+        let prediction = if let Some(out) = explain.as_deref() {
+            out[index].prediction
+        } else {
+            let coefficients = self.coefficients(&model, self.slot(chosen.endpoint), now_nanos);
+            model.prediction(&model.terms(chosen), coefficients)
         };
         let margin = params
             .tie_millis
@@ -221,9 +284,8 @@ impl Kinference {
         } else {
             Reason::LowestPredictedTtft
         };
-        let stamp = nanos(now).saturating_add(1);
         if let Some(slot) = self.slot_mut(chosen.endpoint) {
-            slot.last_chosen = stamp;
+            slot.last_chosen = now_nanos.saturating_add(1);
         }
         Ok(Choice {
             endpoint: chosen.endpoint,
@@ -276,12 +338,14 @@ impl Pick for Kinference {
         now: Duration,
     ) -> ObserveOutcome {
         let params = self.params;
-        match self.slot_mut(endpoint) {
-            Some(slot) => slot
-                .calibration
-                .observe(&params, prediction.load_ms, observed, now),
-            None => ObserveOutcome::Ignored,
-        }
+        let Some(slot) = self.slot_mut(endpoint) else {
+            return ObserveOutcome::Ignored;
+        };
+        let outcome = slot
+            .calibration
+            .observe(&params, prediction.load_ms, observed, now);
+        slot.cache_coefficients(&params);
+        outcome
     }
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
