@@ -295,6 +295,19 @@ impl Model {
             + self.decode_cost * sharing
     }
 
+    /// Milliseconds per prefill token.
+    #[inline]
+    pub(crate) fn ms_per_token(&self) -> f64 {
+        self.ms_per_token
+    }
+
+    /// The candidate's own queued prefill in ms: a lower bound of
+    /// `Terms::queue_ms`.
+    #[inline]
+    pub(crate) fn queue_ms_lower_bound(&self, candidate: &Candidate) -> f64 {
+        count(candidate.in_flight.prefill_tokens) * self.ms_per_token
+    }
+
     /// Whether calibration applies.
     #[inline]
     pub(crate) fn calibrates(&self) -> bool {

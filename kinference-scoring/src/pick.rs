@@ -15,8 +15,9 @@ pub enum Reason {
     /// kinference: the lowest predicted TTFT.
     LowestPredictedTtft,
     /// kinference: a warmer endpoint kept the request although `fastest` was
-    /// predicted earlier, by less than the tolerance.
-    WarmWithinTolerance {
+    /// predicted earlier, by less than the tolerance plus the cost of the
+    /// extra prefill work going there would impose on others.
+    StayedWarm {
         /// The endpoint with the lowest predicted TTFT.
         fastest: EndpointId,
         /// How much later the chosen endpoint is predicted, ms.
@@ -106,7 +107,7 @@ impl fmt::Display for Choice {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let rule = match self.reason {
             Reason::LowestPredictedTtft => "lowest_predicted_ttft",
-            Reason::WarmWithinTolerance { .. } => "warm_within_tolerance",
+            Reason::StayedWarm { .. } => "stayed_warm",
             Reason::SaturationRelease { .. } => "saturation_release",
             Reason::Rotation => "rotation",
             Reason::FewestInFlight => "fewest_in_flight",
@@ -137,11 +138,13 @@ impl fmt::Display for Choice {
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "policy")]
 pub enum ScoreDetail {
-    /// kinference: score = predicted TTFT − tolerance × warm fraction (lower
+    /// kinference: score = predicted TTFT − warm bonus + externality (lower
     /// wins).
     Kinference {
         /// `tolerance × warm fraction`, ms.
         warm_bonus_ms: f64,
+        /// Delay this choice's prefill would impose on later requests, ms.
+        externality_ms: f64,
         /// Milliseconds since this endpoint was last chosen (`None`: never).
         since_chosen_ms: Option<f64>,
     },

@@ -110,6 +110,13 @@ pub struct LatencyParams {
     pub tie_millis: f64,
     /// See `tie_millis`.
     pub tie_fraction: f64,
+    /// Cap on the externality multiplier of [`crate::Kinference`]'s score: a
+    /// choice is charged its prefill time × min(queue ahead ÷ mean prefill
+    /// time, this cap), the delay its work imposes on requests that will
+    /// queue behind it (M/M/1: ρ/(1−ρ) per unit of work). 0 turns the charge
+    /// off: pure TTFT greed, which under load replicates prefixes until the
+    /// caches thrash (see `examples/fleet.rs`).
+    pub externality_cap: f64,
     /// The online calibrator.
     pub calibration: CalibrationParams,
 }
@@ -177,6 +184,10 @@ const DEFAULT: LatencyParams = LatencyParams {
     approximate_credit: 0.9,
     tie_millis: 2.0,
     tie_fraction: 0.03,
+    // Measured on examples/fleet.rs (8 engines, 200 prefix groups): 8 lets
+    // the fleet's knee drift lower, 32 and uncapped behave alike; 32 bounds
+    // stickiness under overload.
+    externality_cap: 32.0,
     calibration: CalibrationParams {
         forgetting: 0.98,
         offset_prior_sd_millis: 50.0,
@@ -331,6 +342,7 @@ impl LatencyParams {
         unit("approximateCredit", self.approximate_credit)?;
         non_negative("tieMillis", self.tie_millis)?;
         non_negative("tieFraction", self.tie_fraction)?;
+        non_negative("externalityCap", self.externality_cap)?;
         let c = &self.calibration;
         if !(c.forgetting > 0.0 && c.forgetting <= 1.0) {
             return Err(ParamsError {
