@@ -2,6 +2,14 @@
 //!
 //! Goal for `kinference`: ≤ 2 µs median per decision. Round robin and least
 //! in-flight, measured in the same run, are the baselines for ratios.
+//!
+//! - `pick_256/<policy>`: a mixed fleet (a quarter warm, some partly warm or
+//!   on CPU, varied loads, half with scraped figures), calibrated endpoints.
+//! - `kinference-uniform`: 256 identical idle endpoints, the worst case for
+//!   pruning (all are equals).
+//! - `kinference-explained`: the same decision with a full explanation.
+//! - `predict-only`: `predict()` per candidate, the convenience path that
+//!   rebuilds per-request constants each call.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -84,6 +92,23 @@ fn bench(c: &mut Criterion) {
             });
         });
     }
+    // Worst case for pruning: 256 idle, identical, cold endpoints; every one
+    // is an equal and least-recently-chosen decides.
+    let uniform: Vec<Candidate> = (0..CANDIDATES)
+        .map(|i| Candidate {
+            endpoint: EndpointId(i),
+            ..Candidate::default()
+        })
+        .collect();
+    let mut policy = Policy::new(PolicyName::Kinference, params);
+    let mut rng = SplitMix64::new(4);
+    let mut now = Duration::from_secs(1);
+    group.bench_function("kinference-uniform", |b| {
+        b.iter(|| {
+            now += Duration::from_micros(10);
+            black_box(policy.pick(black_box(&request), black_box(&uniform), now, &mut rng))
+        });
+    });
     let mut policy = Policy::new(PolicyName::Kinference, params);
     let mut rng = SplitMix64::new(3);
     let mut now = Duration::from_secs(1);
