@@ -185,7 +185,7 @@ const DEFAULT: LatencyParams = LatencyParams {
     tie_millis: 2.0,
     tie_fraction: 0.03,
     // Measured on examples/fleet.rs (8 engines, 200 prefix groups): with 8
-    // the median TTFT at 250 req/s was 3× worse than with 32, and 32 and
+    // the median TTFT at 250 req/s was 4× worse than with 32, and 32 and
     // uncapped behaved alike; the cap bounds stickiness under overload.
     externality_cap: 32.0,
     calibration: CalibrationParams {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::calibrate::{Calibration, ObserveOutcome};
+use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 use crate::error::ScoringError;
 use crate::input::{Candidate, EndpointId, Request};
 use crate::latency::{Model, Prediction, nanos};
@@ -10,6 +10,13 @@ use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail
 use crate::policies::{Pick, PolicyName, check, millis};
 use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
+
+/// The mean prefill time assumed before any decision: an
+/// `unseen_request_tokens` prompt.
+fn initial_mean_prefill_ms(params: &LatencyParams) -> f64 {
+    (f64::from(params.unseen_request_tokens) * 1e3 / params.prefill_tokens_per_second)
+        .max(params.step_overhead_millis.max(1.0))
+}
 
 /// Per-endpoint state. The first four fields are what a decision reads per
 /// candidate; the calibration itself is touched only by `observe` and when a
@@ -97,8 +104,10 @@ pub struct Kinference {
     fresh: Slot,
     slots: Vec<Slot>,
     scores: Vec<f64>,
-    equals: Vec<usize>,
+    equals: Vec<(usize, u64)>,
+    /// EWMA of the chosen candidates' prefill time, ms, and its reciprocal.
     mean_prefill_ms: f64,
+    inv_mean_prefill_ms: f64,
 }
 
 impl Kinference {
@@ -110,8 +119,8 @@ impl Kinference {
             slots: Vec::new(),
             scores: Vec::new(),
             equals: Vec::new(),
-            mean_prefill_ms: f64::from(params.unseen_request_tokens) * 1e3
-                / params.prefill_tokens_per_second,
+            mean_prefill_ms: initial_mean_prefill_ms(&params),
+            inv_mean_prefill_ms: 1.0 / initial_mean_prefill_ms(&params),
         }
     }
 
@@ -120,8 +129,8 @@ impl Kinference {
         &self.params
     }
 
-    /// `endpoint`'s calibration (the prior if it has none).
-    pub fn calibration(&self, endpoint: EndpointId) -> &Calibration {
+    /// `endpoint`'s calibration state (the prior if it has none).
+    pub fn calibration_state(&self, endpoint: EndpointId) -> &Calibration {
         &self.slot(endpoint).calibration
     }
 
@@ -153,7 +162,9 @@ impl Kinference {
     /// and a job of size s delays later arrivals by s·ρ/(1−ρ) in total.
     #[inline]
     fn externality(&self, scale: f64, prefill_ms: f64, queue_ms: f64) -> f64 {
-        let multiplier = (queue_ms / self.mean_prefill_ms).min(self.params.externality_cap);
+        let multiplier = queue_ms * self.inv_mean_prefill_ms;
+        let cap = self.params.externality_cap;
+        let multiplier = if multiplier < cap { multiplier } else { cap };
         scale * prefill_ms * multiplier
     }
 
@@ -185,6 +196,8 @@ impl Kinference {
         let equals_limit = |best: f64| best + tie_millis.max(tie_fraction * best.max(0.0));
         let mut best = f64::INFINITY;
         let mut limit = f64::INFINITY;
+        // The limit with a rounding margin, for comparing lower bounds.
+        let mut prune_limit = f64::INFINITY;
         let mut fastest = (0usize, f64::INFINITY);
         // (index, warm fraction, ttft) of the warmest; ties go to the faster.
         let mut warmest = (0usize, f64::NEG_INFINITY, f64::INFINITY);
@@ -192,13 +205,13 @@ impl Kinference {
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
             let coefficients = self.coefficients(&model, slot, now_nanos);
+            let (cached, uncached) = model.cache_terms(c);
+            let warm = model.warm_fraction(cached);
             if prune {
                 // Skip the full model for a candidate that cannot be among the
                 // equals (its score's lower bound is past the current limit,
                 // which only falls), cannot be the fastest, and cannot be the
                 // warmest. Its stored score is the bound, also past the limit.
-                let (cached, uncached) = model.cache_terms(c);
-                let warm = model.warm_fraction(cached);
                 let ttft_bound =
                     coefficients.0 + coefficients.1 * model.lower_bound_load(c, uncached);
                 let own_queue_ms = model.queue_ms_lower_bound(c);
@@ -210,23 +223,20 @@ impl Kinference {
                     );
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
-                if !may_be_warmest
-                    && ttft_bound >= fastest.1
-                    && score_bound > limit + 1e-9 * limit.abs().max(1.0)
-                {
+                if !may_be_warmest && ttft_bound >= fastest.1 && score_bound > prune_limit {
                     *out = score_bound;
                     continue;
                 }
             }
-            let terms = model.terms(c);
+            let terms = model.terms_given(c, cached, uncached);
             let ttft = coefficients.0 + coefficients.1 * terms.load_ms;
-            let warm = model.warm_fraction(terms.cached);
             let externality = self.externality(coefficients.1, terms.prefill_ms, terms.queue_ms);
             let score = ttft - tolerance * warm + externality;
             *out = score;
             if score < best {
                 best = score;
                 limit = equals_limit(best);
+                prune_limit = limit + 1e-9 * limit.abs().max(1.0);
             }
             if ttft < fastest.1 {
                 fastest = (i, ttft);
@@ -259,22 +269,18 @@ impl Kinference {
         };
         let mut equals = std::mem::take(&mut self.equals);
         equals.clear();
-        equals.extend(
-            scores
-                .iter()
-                .enumerate()
-                .filter(|&(_, &s)| s <= limit)
-                .map(|(i, _)| i),
-        );
         let mut oldest = u64::MAX;
         let mut oldest_count = 0usize;
-        for &i in &equals {
-            let t = last_chosen(&candidates[i]);
-            if t < oldest {
-                oldest = t;
-                oldest_count = 1;
-            } else if t == oldest {
-                oldest_count += 1;
+        for (i, (c, &s)) in candidates.iter().zip(&scores).enumerate() {
+            if s <= limit {
+                let t = last_chosen(c);
+                equals.push((i, t));
+                if t < oldest {
+                    oldest = t;
+                    oldest_count = 1;
+                } else if t == oldest {
+                    oldest_count += 1;
+                }
             }
         }
         let skip = if oldest_count > 1 {
@@ -284,10 +290,9 @@ impl Kinference {
         };
         let index = equals
             .iter()
-            .copied()
-            .filter(|&i| last_chosen(&candidates[i]) == oldest)
+            .filter(|&&(_, t)| t == oldest)
             .nth(skip)
-            .unwrap_or(0);
+            .map_or(0, |&(i, _)| i);
         let equal_count = equals.len() as u32;
         self.equals = equals;
         self.scores = scores;
@@ -333,6 +338,7 @@ impl Kinference {
         let floor = self.params.step_overhead_millis.max(1.0);
         self.mean_prefill_ms =
             (0.98 * self.mean_prefill_ms + 0.02 * prediction.prefill_ms).max(floor);
+        self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
         Ok(Choice {
             endpoint: chosen.endpoint,
             index,
@@ -392,6 +398,10 @@ impl Pick for Kinference {
             .observe(&params, prediction.load_ms, observed, now);
         slot.cache_coefficients(&params);
         outcome
+    }
+
+    fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
+        Some(self.slot(endpoint).calibration.view(&self.params, now))
     }
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
@@ -570,12 +580,22 @@ mod tests {
                 EndpointId(1)
             );
         }
-        assert!(p.calibration(EndpointId(0)).view(p.params(), now).scale > 2.0);
+        assert!(
+            p.calibration_state(EndpointId(0))
+                .view(p.params(), now)
+                .scale
+                > 2.0
+        );
         p.remove_endpoint(EndpointId(0));
         assert_eq!(
-            p.calibration(EndpointId(0)),
+            p.calibration_state(EndpointId(0)),
             &Calibration::prior(p.params())
         );
+        assert_eq!(
+            Pick::calibration(&p, EndpointId(0), now).map(|v| v.samples),
+            Some(0)
+        );
+        assert!(Pick::calibration(&p, EndpointId(1), now).is_some_and(|v| v.samples == 100));
     }
 
     #[test]

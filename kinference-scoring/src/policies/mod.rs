@@ -31,7 +31,7 @@ pub use self::baselines::{
     LlmdDefaultConfig, RoundRobin, SglangCacheAware, SglangConfig,
 };
 pub use self::kinference::Kinference;
-use crate::calibrate::ObserveOutcome;
+use crate::calibrate::{CalibrationView, ObserveOutcome};
 use crate::error::ScoringError;
 use crate::input::{Candidate, EndpointId, Request};
 use crate::latency::Prediction;
@@ -168,6 +168,13 @@ pub trait Pick {
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
         let _ = endpoint;
     }
+
+    /// `endpoint`'s calibration at `now`, for `/debug` and metrics; `None`
+    /// for policies that do not calibrate.
+    fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
+        let _ = (endpoint, now);
+        None
+    }
 }
 
 /// Any of the policies, chosen by name. The router and the benchmark harness
@@ -275,7 +282,21 @@ impl Pick for Policy {
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
         self.inner().remove_endpoint(endpoint);
     }
+
+    fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
+        match self {
+            Self::Kinference(p) => p.calibration(endpoint, now),
+            _ => None,
+        }
+    }
 }
+
+/// Routers share one policy per worker set across threads (behind a lock).
+const _: () = {
+    const fn shareable<T: Send + Sync>() {}
+    shareable::<Policy>();
+    shareable::<crate::approx::PrefixRecord>();
+};
 
 /// Reject what no policy can decide on.
 pub(crate) fn check(request: &Request, candidates: &[Candidate]) -> Result<(), ScoringError> {
