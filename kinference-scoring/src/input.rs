@@ -17,7 +17,7 @@ pub struct EndpointId(pub u32);
 
 impl EndpointId {
     /// One past the largest accepted id. Per-endpoint state is a dense vector
-    /// of about 100 bytes per slot, so the worst case is ~26 MB.
+    /// of 112-byte slots, so the worst case is ~29 MB.
     pub const LIMIT: u32 = 1 << 18;
 
     /// The id as a vector index.

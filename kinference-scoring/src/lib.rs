@@ -85,7 +85,7 @@
 //! A decision is O(candidates) with a few dozen floating-point operations
 //! per candidate and no allocation once buffers have grown;
 //! `benches/pick.rs` measures 256 candidates. Per-endpoint state is a dense
-//! vector indexed by [`EndpointId`] (~100 bytes per id). Explanations
+//! vector indexed by [`EndpointId`] (112 bytes per id). Explanations
 //! allocate one entry per candidate.
 
 pub mod approx;
