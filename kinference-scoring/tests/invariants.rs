@@ -317,6 +317,38 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    /// Pruning by lower bounds (plain picks) must never change a decision
+    /// against the full evaluation (explained picks), on fleets the size the
+    /// benchmark uses, with calibrated endpoints.
+    #[test]
+    fn pruning_changes_no_decision_on_large_fleets(
+        r in arb_request(),
+        cands in (200usize..=256).prop_flat_map(|n| (0..n as u32).map(arb_candidate).collect::<Vec<_>>()),
+        slowdowns in proptest::collection::vec(0.3f64..3.0, 256),
+        seed in any::<u64>(),
+    ) {
+        let r = Request { block_tokens: r.block_tokens.max(1), ..r };
+        let mut a = Policy::new(PolicyName::Kinference, LatencyParams::default());
+        let now = Duration::from_secs(1);
+        for (c, slow) in cands.iter().zip(&slowdowns) {
+            let p = predict(&LatencyParams::default(), &r, c, None, now);
+            a.observe(c.endpoint, &p, Duration::from_secs_f64(p.ttft_ms.max(1.0) * slow / 1e3), now);
+        }
+        let mut b = a.clone();
+        let mut rng_a = SplitMix64::new(seed);
+        let mut rng_b = rng_a.clone();
+        for t in 0..4 {
+            let now = now + Duration::from_millis(t);
+            let x = a.pick(&r, &cands, now, &mut rng_a).expect("valid input");
+            let e = b.pick_explained(&r, &cands, now, &mut rng_b).expect("valid input");
+            prop_assert_eq!(x, e.choice);
+        }
+    }
+}
+
 // --- calibration --------------------------------------------------------------
 
 /// Standard normal deviate (Box–Muller).
