@@ -290,30 +290,18 @@ impl Model {
         (cached, max(self.prompt - cached, 1.0))
     }
 
-    /// A cheap lower bound of [`Model::terms`]' `load_ms` given the
-    /// candidate's `uncached` tokens: its own queued prefill and one step,
-    /// without scraped figures, extra steps or KV pressure (all of which only
-    /// add).
+    /// Cheap lower bounds of [`Model::terms`]' `(load_ms, queue_ms)` and the
+    /// exact `prefill_ms`, given the candidate's `uncached` tokens: its own
+    /// queued prefill and one step, without scraped figures, extra steps or KV
+    /// pressure (all of which only add).
     #[inline]
-    pub(crate) fn lower_bound_load(&self, candidate: &Candidate, uncached: f64) -> f64 {
+    pub(crate) fn bounds(&self, candidate: &Candidate, uncached: f64) -> (f64, f64, f64) {
         let own = &candidate.in_flight;
         let sharing = f64::from(own.decoding) + 0.5 * f64::from(own.prefilling());
-        (count(own.prefill_tokens) + uncached) * self.ms_per_token
-            + self.step_overhead
-            + self.decode_cost * sharing
-    }
-
-    /// Milliseconds per prefill token.
-    #[inline]
-    pub(crate) fn ms_per_token(&self) -> f64 {
-        self.ms_per_token
-    }
-
-    /// The candidate's own queued prefill in ms: a lower bound of
-    /// `Terms::queue_ms`.
-    #[inline]
-    pub(crate) fn queue_ms_lower_bound(&self, candidate: &Candidate) -> f64 {
-        count(candidate.in_flight.prefill_tokens) * self.ms_per_token
+        let queue_ms = count(own.prefill_tokens) * self.ms_per_token;
+        let prefill_ms = uncached * self.ms_per_token;
+        let load_ms = queue_ms + prefill_ms + self.step_overhead + self.decode_cost * sharing;
+        (load_ms, queue_ms, prefill_ms)
     }
 
     /// Whether calibration applies.

@@ -212,15 +212,10 @@ impl Kinference {
                 // equals (its score's lower bound is past the current limit,
                 // which only falls), cannot be the fastest, and cannot be the
                 // warmest. Its stored score is the bound, also past the limit.
-                let ttft_bound =
-                    coefficients.0 + coefficients.1 * model.lower_bound_load(c, uncached);
-                let own_queue_ms = model.queue_ms_lower_bound(c);
+                let (load_bound, queue_bound, prefill_ms) = model.bounds(c, uncached);
+                let ttft_bound = coefficients.0 + coefficients.1 * load_bound;
                 let score_bound = ttft_bound - tolerance * warm
-                    + self.externality(
-                        coefficients.1,
-                        uncached * model.ms_per_token(),
-                        own_queue_ms,
-                    );
+                    + self.externality(coefficients.1, prefill_ms, queue_bound);
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
                 if !may_be_warmest && ttft_bound >= fastest.1 && score_bound > prune_limit {
