@@ -5,6 +5,8 @@
 //!
 //! - `pick_256/<policy>`: a mixed fleet (a quarter warm, some partly warm or
 //!   on CPU, varied loads, half with scraped figures), calibrated endpoints.
+//! - `kinference-stale`: the mixed fleet with every calibration an hour old
+//!   (the decaying path).
 //! - `kinference-uniform`: 256 identical idle endpoints, the worst case for
 //!   pruning (all are equals).
 //! - `kinference-explained`: the same decision with a full explanation.
@@ -87,11 +89,34 @@ fn bench(c: &mut Criterion) {
         }
         group.bench_function(name.as_str(), |b| {
             b.iter(|| {
-                now += Duration::from_micros(10);
+                // 100 ns of virtual time per decision keeps the calibrations
+                // fresh (< 30 s) through a whole run.
+                now += Duration::from_nanos(100);
                 black_box(policy.pick(black_box(&request), black_box(&candidates), now, &mut rng))
             });
         });
     }
+    // Every calibration stale (an hour without observations): the decaying
+    // path for all 256 endpoints.
+    let mut policy = Policy::new(PolicyName::Kinference, params);
+    let mut rng = SplitMix64::new(5);
+    let mut now = Duration::from_secs(1);
+    for cand in &candidates {
+        let p = predict(&params, &request, cand, None, now);
+        policy.observe(
+            cand.endpoint,
+            &p,
+            Duration::from_secs_f64(p.ttft_ms * 1.2 / 1e3),
+            now,
+        );
+    }
+    now += Duration::from_secs(3600);
+    group.bench_function("kinference-stale", |b| {
+        b.iter(|| {
+            now += Duration::from_nanos(100);
+            black_box(policy.pick(black_box(&request), black_box(&candidates), now, &mut rng))
+        });
+    });
     // Worst case for pruning: 256 idle, identical, cold endpoints; every one
     // is an equal and least-recently-chosen decides.
     let uniform: Vec<Candidate> = (0..CANDIDATES)

@@ -26,7 +26,8 @@
 //!   prior's (no wind-up when the load barely varies).
 //! - **Forgetting.** Each observation discounts older ones by `forgetting`.
 //! - **Staleness.** After `stale_after` without observations the fit decays
-//!   to the prior with half-life `stale_half_life`, so an endpoint that looked
+//!   to the prior, half-way after `stale_half_life` (weight `h / (h + t)`),
+//!   so an endpoint that looked
 //!   slow is tried again rather than shunned forever.
 //!
 //! Cost: O(1) time and 80 bytes per endpoint; no allocation.
@@ -117,7 +118,7 @@ impl Calibration {
     }
 
     /// Weight of the fit against the prior at `now`: 1 while fresh, then
-    /// halving every `stale_half_life`.
+    /// `h / (h + t)` after `t` more idle time, `h` = `stale_half_life`.
     fn freshness(&self, params: &LatencyParams, now_nanos: u64) -> f64 {
         let Some(last) = self.last_nanos else {
             return 0.0;
@@ -128,8 +129,11 @@ impl Calibration {
         if idle <= stale_after {
             return 1.0;
         }
-        let halvings = (idle - stale_after) as f64 / c.stale_half_life.as_secs_f64() / 1e9;
-        (-halvings).exp2()
+        // Hyperbolic rather than exponential: one division instead of an
+        // `exp2` call per stale endpoint per decision, with the same half
+        // weight after one half-life (a third after two, a tenth after nine).
+        let half = nanos(c.stale_half_life) as f64;
+        half / (half + (idle - stale_after) as f64)
     }
 
     /// `(offset_ms, scale)` at `now`, staleness applied.
@@ -417,8 +421,11 @@ mod tests {
         let (o2, s2) = cal.effective(&p, one_half_life);
         assert!(((s2 - 1.0) - 0.5 * (s1 - 1.0)).abs() < 1e-9);
         assert!(((o2 - p.base_millis) - 0.5 * (o1 - p.base_millis)).abs() < 1e-9);
-        let (o3, s3) = cal.effective(&p, now + Duration::from_secs(3600));
-        assert!((s3 - 1.0).abs() < 1e-3 && (o3 - p.base_millis).abs() < 0.1);
+        // Nine half-lives later the fit keeps a tenth of its weight.
+        let nine = now + p.calibration.stale_after + 9 * p.calibration.stale_half_life;
+        let (o3, s3) = cal.effective(&p, nine);
+        assert!(((s3 - 1.0) - 0.1 * (s1 - 1.0)).abs() < 1e-9);
+        assert!(((o3 - p.base_millis) - 0.1 * (o1 - p.base_millis)).abs() < 1e-6);
     }
 
     #[test]

@@ -53,8 +53,9 @@ pub struct CalibrationParams {
     pub max_extra_offset_millis: f64,
     /// A fit is fresh for this long after its last observation.
     pub stale_after: Duration,
-    /// After `stale_after`, the fit decays back to the prior with this
-    /// half-life, so an endpoint that looked slow is tried again.
+    /// After `stale_after`, the fit decays back to the prior, half-way after
+    /// this long (hyperbolically), so an endpoint that looked slow is tried
+    /// again.
     pub stale_half_life: Duration,
 }
 
