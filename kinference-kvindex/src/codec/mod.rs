@@ -11,7 +11,7 @@
 //! Encoding writes what vLLM writes, byte for byte (checked against the
 //! fixtures): [`EncodeForm::VllmMap`] is vLLM ≥ 0.24 (map events, fields
 //! that default to nil omitted when nil), [`EncodeForm::VllmArray`] is the
-//! last positional form (vLLM 0.22–0.23: 12-field `BlockStored`).
+//! last positional form (vLLM 0.22–0.23: 12-element `BlockStored`).
 
 pub mod frames;
 pub(crate) mod msgpack;
@@ -45,7 +45,7 @@ pub enum EncodeForm {
     /// vLLM ≥ 0.24 (current): events are maps keyed by field name.
     VllmMap,
     /// vLLM 0.22–0.23, the last positional form: `BlockStored` is a
-    /// 13-element array (tag + 12 fields), `BlockRemoved` 4 elements.
+    /// 12-element array (tag + 11 fields), `BlockRemoved` 4 elements.
     VllmArray,
 }
 
@@ -523,7 +523,7 @@ pub fn encode_batch(batch: &EventBatch, form: EncodeForm) -> Vec<u8> {
 fn encode_array_event(w: &mut Writer, ev: &KvEvent) {
     match ev {
         KvEvent::BlockStored(s) => {
-            w.array(13);
+            w.array(12);
             w.str("BlockStored");
             write_hashes(w, &s.block_hashes);
             match &s.parent_block_hash {
@@ -569,7 +569,9 @@ fn encode_map_event(w: &mut Writer, ev: &KvEvent) {
                 s.session_id.is_some(),
                 s.lookahead_token_ids.is_some(),
             ];
-            w.map(8 + optional.iter().filter(|x| **x).count());
+            // vLLM 0.33's BlockStored has 16 possible entries, so msgspec
+            // always writes the 3-byte map header.
+            w.map16(8 + optional.iter().filter(|x| **x).count());
             w.str("type");
             w.str("BlockStored");
             w.str("block_hashes");

@@ -513,6 +513,13 @@ impl Writer {
         }
     }
 
+    /// A map header always in the 3-byte form, as msgspec writes structs
+    /// with more than 15 fields even when fewer are present.
+    pub(crate) fn map16(&mut self, n: usize) {
+        self.buf.push(0xde);
+        self.buf.extend_from_slice(&(n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
+    }
+
     pub(crate) fn value(&mut self, v: &Value) {
         match v {
             Value::Nil => self.nil(),
