@@ -803,22 +803,30 @@ impl KvIndex {
             while j < recs.len() && recs[j].1.shard == shard {
                 j += 1;
             }
-            // The parent of the run's first block may live in another shard.
+            // The parent of the run's first block may live in another shard:
+            // account for it after this shard's lock is released.
             let first = recs[i].1;
-            let mut parent_held_external = None;
-            if first.pos > 0 && first.parent_shard != shard {
-                parent_held_external = Some(self.touch_parent(w, first.parent_shard, first.parent_key, 1));
-            }
+            let external = first.pos > 0 && first.parent_shard != shard;
             let mut sh = write(&self.shards[shard as usize].0);
             let ws = wr.workers[w].as_mut().expect("checked");
             let mut heap = 0isize;
+            let mut first_new = false;
             for (n_in_run, (_, r)) in recs[i..j].iter().enumerate() {
-                let ext = if n_in_run == 0 { parent_held_external } else { None };
-                if self.insert_holder(&mut sh.map, ws, w as u32, r, tier, ext, &mut heap) {
+                let ext = n_in_run == 0 && external;
+                let new = self.insert_holder(&mut sh.map, ws, w as u32, r, tier, ext, &mut heap);
+                if new {
                     stored += 1;
+                }
+                if n_in_run == 0 {
+                    first_new = new;
                 }
             }
             drop(sh);
+            if external && first_new && !self.touch_parent(w, first.parent_shard, first.parent_key, 1) {
+                let ws = wr.workers[w].as_mut().expect("checked");
+                ws.stats.holes += 1;
+                *ws.orphan_parents.entry(first.parent_key).or_insert(0) += 1;
+            }
             self.add_heap(heap);
             i = j;
         }
@@ -847,8 +855,9 @@ impl KvIndex {
         false
     }
 
-    /// Inserts or updates `(r.key, w)`. `parent_external` is `Some(held)`
-    /// when the parent lives in another shard and was already counted.
+    /// Inserts or updates `(r.key, w)`; returns whether the entry is new.
+    /// With `parent_external` the caller accounts for the parent (it lives
+    /// in another shard).
     #[allow(clippy::too_many_arguments)]
     fn insert_holder(
         &self,
@@ -857,7 +866,7 @@ impl KvIndex {
         w: u32,
         r: &Rec,
         tier: Tier,
-        parent_external: Option<bool>,
+        parent_external: bool,
         heap: &mut isize,
     ) -> bool {
         let bit = tier.bit();
@@ -885,20 +894,15 @@ impl KvIndex {
         if bit != gpu {
             ws.no_gpu += 1;
         }
-        if r.pos > 0 {
-            let held = match parent_external {
-                Some(held) => held,
-                None => {
-                    if let Some(ph) = map.get_mut(&r.parent_key)
-                        && let Some(i) = ph.find(w)
-                    {
-                        let h = ph.as_slice()[i];
-                        ph.set(i, holders::with_children(h, holders::children(h) + 1));
-                        true
-                    } else {
-                        false
-                    }
-                }
+        if r.pos > 0 && !parent_external {
+            let held = if let Some(ph) = map.get_mut(&r.parent_key)
+                && let Some(i) = ph.find(w)
+            {
+                let h = ph.as_slice()[i];
+                ph.set(i, holders::with_children(h, holders::children(h) + 1));
+                true
+            } else {
+                false
             };
             if !held {
                 ws.stats.holes += 1;
