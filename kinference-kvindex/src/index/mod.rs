@@ -59,9 +59,10 @@ pub enum IndexError {
 pub struct IndexConfig {
     /// Number of key shards (rounded up to a power of two, at most 65536).
     pub shards: usize,
-    /// Blocks per segment (rounded up to a power of two): all blocks of one
-    /// segment of one chain live in one shard, so a lookup takes one read
-    /// lock per segment it touches.
+    /// Length B of the first segment (rounded up to a power of two); later
+    /// segments double: `[0,B) [B,2B) [2B,4B) …`. All blocks of one segment
+    /// of one chain live in one shard (chosen by the key at the segment's
+    /// start), so a lookup takes one read lock per segment it touches.
     pub segment: u32,
     /// Budget: most (block, worker) entries held. When a store would pass
     /// it, the worker holding the most entries is cleared first (see the
@@ -255,6 +256,7 @@ struct Cand {
     worker: u32,
     lo: u32,
     hi: u32,
+    open: bool,
 }
 
 impl Matches {
@@ -355,6 +357,28 @@ impl KvIndex {
     /// The settings in effect (shards and segment rounded).
     pub fn config(&self) -> &IndexConfig {
         &self.config
+    }
+
+    /// Segments grow geometrically: `[0, B)`, `[B, 2B)`, `[2B, 4B)`, …
+    /// (B = `config.segment`), so a lookup of n blocks touches at most
+    /// log₂(n/B) + 2 segments.
+    #[inline]
+    fn seg_of(&self, pos: u32) -> usize {
+        if pos >> self.seg_shift == 0 {
+            0
+        } else {
+            (31 - pos.leading_zeros() - self.seg_shift) as usize + 1
+        }
+    }
+
+    #[inline]
+    fn seg_start(&self, seg: usize) -> u32 {
+        if seg == 0 { 0 } else { 1 << (self.seg_shift + seg as u32 - 1) }
+    }
+
+    #[inline]
+    fn seg_start_at(&self, pos: u32) -> bool {
+        pos == 0 || (pos >> self.seg_shift != 0 && pos.is_power_of_two())
     }
 
     #[inline]
@@ -496,6 +520,16 @@ impl KvIndex {
         }
         self.flags[w].store(0, Ordering::Relaxed);
         removed
+    }
+
+    fn flush(&self, d: &Delta) {
+        for (ctr, v) in [(&self.entries, d.entries), (&self.keys, d.keys), (&self.heap_words, d.heap as i64)] {
+            if v > 0 {
+                ctr.fetch_add(v as u64, Ordering::Relaxed);
+            } else if v < 0 {
+                ctr.fetch_sub(v.unsigned_abs(), Ordering::Relaxed);
+            }
+        }
     }
 
     fn add_heap(&self, delta: isize) {
@@ -756,14 +790,13 @@ impl KvIndex {
         if self.entries.load(Ordering::Relaxed) + locals.len() as u64 > self.config.max_entries {
             self.evict_largest(wr);
         }
-        let seg_mask = (1u32 << self.seg_shift) - 1;
         let mut recs = std::mem::take(&mut wr.scratch);
         recs.clear();
         for (i, h) in hashes.iter().enumerate() {
             let mut subs: SmallVec<[Rec; 4]> = SmallVec::new();
             for local in &locals[i * k..(i + 1) * k] {
                 let key = key::chain(prev_key, *local).0;
-                let shard = if pos & seg_mask == 0 { self.shard_of(key) } else { prev_shard };
+                let shard = if self.seg_start_at(pos) { self.shard_of(key) } else { prev_shard };
                 subs.push(Rec {
                     key,
                     parent_key: prev_key,
@@ -796,6 +829,7 @@ impl KvIndex {
             }
         }
         let mut stored = 0u64;
+        let mut delta = Delta::default();
         let mut i = 0;
         while i < recs.len() {
             let shard = recs[i].1.shard;
@@ -809,27 +843,35 @@ impl KvIndex {
             let external = first.pos > 0 && first.parent_shard != shard;
             let mut sh = write(&self.shards[shard as usize].0);
             let ws = wr.workers[w].as_mut().expect("checked");
-            let mut heap = 0isize;
-            let mut first_new = false;
-            for (n_in_run, (_, r)) in recs[i..j].iter().enumerate() {
-                let ext = n_in_run == 0 && external;
-                let new = self.insert_holder(&mut sh.map, ws, w as u32, r, tier, ext, &mut heap);
-                if new {
+            // Tail first: each block learns whether its child (inserted
+            // just before) is new, so parents need no second probe. Readers
+            // see the run only as a whole (the shard is write-locked).
+            let mut child_new = false;
+            for (n_in_run, (_, r)) in recs[i..j].iter().enumerate().rev() {
+                let parent = if r.pos == 0 {
+                    Parent::Root
+                } else if n_in_run > 0 {
+                    Parent::InRun
+                } else if external {
+                    Parent::External
+                } else {
+                    Parent::Probe
+                };
+                child_new = Self::insert_holder(&mut sh.map, ws, w as u32, r, tier, parent, u32::from(child_new), &mut delta);
+                if child_new {
                     stored += 1;
                 }
-                if n_in_run == 0 {
-                    first_new = new;
-                }
             }
+            let first_new = child_new;
             drop(sh);
             if external && first_new && !self.touch_parent(w, first.parent_shard, first.parent_key, 1) {
                 let ws = wr.workers[w].as_mut().expect("checked");
                 ws.stats.holes += 1;
                 *ws.orphan_parents.entry(first.parent_key).or_insert(0) += 1;
             }
-            self.add_heap(heap);
             i = j;
         }
+        self.flush(&delta);
         wr.scratch = recs;
         let ws = wr.workers[w].as_mut().expect("checked");
         ws.stats.stored_blocks += stored;
@@ -856,45 +898,54 @@ impl KvIndex {
     }
 
     /// Inserts or updates `(r.key, w)`; returns whether the entry is new.
-    /// With `parent_external` the caller accounts for the parent (it lives
-    /// in another shard).
+    /// `new_children`: new entries of this worker whose parent this block
+    /// is (inserted just before). `parent` says who accounts for the parent.
     #[allow(clippy::too_many_arguments)]
     fn insert_holder(
-        &self,
         map: &mut KeyMap<Holders>,
         ws: &mut WorkerState,
         w: u32,
         r: &Rec,
         tier: Tier,
-        parent_external: bool,
-        heap: &mut isize,
+        parent: Parent,
+        new_children: u32,
+        d: &mut Delta,
     ) -> bool {
         let bit = tier.bit();
         let gpu = Tier::Gpu.bit();
         let hs = map.entry(r.key).or_insert_with(|| {
-            self.keys.fetch_add(1, Ordering::Relaxed);
+            d.keys += 1;
             Holders::new()
         });
         if let Some(i) = hs.find(w) {
-            let h = hs.as_slice()[i];
+            let mut h = hs.as_slice()[i];
             let t = holders::tiers(h);
             if t & bit == 0 {
-                hs.set(i, holders::with_tiers(h, t | bit));
+                h = holders::with_tiers(h, t | bit);
                 if t & gpu == 0 && bit == gpu {
                     ws.no_gpu -= 1;
                 }
             }
+            if new_children > 0 {
+                h = holders::with_children(h, holders::children(h) + new_children);
+            }
+            hs.set(i, h);
             return false;
         }
-        let children = ws.orphan_parents.remove(&r.key).unwrap_or(0);
-        ws.stats.holes -= u64::from(children);
-        *heap += hs.insert(holders::pack(w, bit, children));
-        self.entries.fetch_add(1, Ordering::Relaxed);
+        let children = new_children
+            + if ws.orphan_parents.is_empty() {
+                0
+            } else {
+                ws.orphan_parents.remove(&r.key).unwrap_or(0)
+            };
+        ws.stats.holes -= u64::from(children - new_children);
+        d.heap += hs.insert(holders::pack(w, bit, children));
+        d.entries += 1;
         ws.stats.blocks_held += 1;
         if bit != gpu {
             ws.no_gpu += 1;
         }
-        if r.pos > 0 && !parent_external {
+        if parent == Parent::Probe {
             let held = if let Some(ph) = map.get_mut(&r.parent_key)
                 && let Some(i) = ph.find(w)
             {
@@ -934,22 +985,26 @@ impl KvIndex {
 
     fn remove_locked(&self, wr: &mut Writer, w: usize, hashes: impl Iterator<Item = u64>, tier: Tier) -> u64 {
         let mut removed = 0;
+        let mut delta = Delta::default();
+        // The write guard of the shard last touched, kept across blocks.
+        let mut cur: Option<(u16, RwLockWriteGuard<'_, Shard>)> = None;
         for h in hashes {
             let Some(last) = lookup_rec(wr, w, h) else {
                 wr.workers[w].as_mut().expect("checked").stats.unknown_removals += 1;
                 continue;
             };
-            let subs = wr.multi.get(&h).cloned();
-            let mut any = false;
-            let mut key_died = false;
-            // Tail first, so no transient holes.
             let mut all: SmallVec<[Rec; 4]> = SmallVec::new();
-            if let Some(s) = &subs {
+            if !wr.multi.is_empty()
+                && let Some(s) = wr.multi.get(&h)
+            {
                 all.extend(s.iter().copied());
             }
             all.push(last);
+            let mut any = false;
+            let mut key_died = false;
+            // Tail first, so no transient holes.
             for r in all.iter().rev() {
-                match self.remove_holder(wr, w, r, tier) {
+                match self.remove_holder(wr, w, r, tier, &mut cur, &mut delta) {
                     Removal::NotHeld => {}
                     Removal::TierOnly => any = true,
                     Removal::Removed { key_died: d } => {
@@ -964,28 +1019,44 @@ impl KvIndex {
                 ws.stats.unknown_removals += 1;
             }
             if key_died {
-                if ws.overrides.remove(&h).is_none() {
+                if ws.overrides.is_empty() || ws.overrides.remove(&h).is_none() {
                     wr.engine.remove(&h);
-                    wr.multi.remove(&h);
+                    if !wr.multi.is_empty() {
+                        wr.multi.remove(&h);
+                    }
                     if wr.engine.capacity() > 1024 && wr.engine.len() * 4 < wr.engine.capacity() {
                         wr.engine.shrink_to(wr.engine.len() * 2);
                     }
                 }
-            } else if !any {
+            } else if !any && !ws.overrides.is_empty() {
                 // Not held by this worker: forget its private record.
                 ws.overrides.remove(&h);
             }
         }
+        drop(cur);
+        self.flush(&delta);
         let ws = wr.workers[w].as_mut().expect("checked");
         ws.stats.removed_blocks += removed;
         self.publish_flags(w, ws);
         removed
     }
 
-    fn remove_holder(&self, wr: &mut Writer, w: usize, r: &Rec, tier: Tier) -> Removal {
+    fn remove_holder<'a>(
+        &'a self,
+        wr: &mut Writer,
+        w: usize,
+        r: &Rec,
+        tier: Tier,
+        cur: &mut Option<(u16, RwLockWriteGuard<'a, Shard>)>,
+        d: &mut Delta,
+    ) -> Removal {
         let wid = w as u32;
         let gpu = Tier::Gpu.bit();
-        let mut sh = write(&self.shards[r.shard as usize].0);
+        if cur.as_ref().is_none_or(|(s, _)| *s != r.shard) {
+            *cur = None;
+            *cur = Some((r.shard, write(&self.shards[r.shard as usize].0)));
+        }
+        let Some((_, sh)) = cur.as_mut() else { return Removal::NotHeld };
         let ws = wr.workers[w].as_mut().expect("checked");
         let Some(hs) = sh.map.get_mut(&r.key) else { return Removal::NotHeld };
         let Some(i) = hs.find(wid) else { return Removal::NotHeld };
@@ -1002,15 +1073,14 @@ impl KvIndex {
             }
             return Removal::TierOnly;
         }
-        let heap = hs.remove(i);
+        d.heap += hs.remove(i);
         let key_died = hs.is_empty();
         if key_died {
             sh.map.remove(&r.key);
-            self.keys.fetch_sub(1, Ordering::Relaxed);
+            d.keys -= 1;
             Self::maybe_shrink(&mut sh.map);
         }
-        self.add_heap(heap);
-        self.entries.fetch_sub(1, Ordering::Relaxed);
+        d.entries -= 1;
         ws.stats.blocks_held -= 1;
         if t & gpu == 0 {
             ws.no_gpu -= 1;
@@ -1021,8 +1091,7 @@ impl KvIndex {
             *ws.orphan_parents.entry(r.key).or_insert(0) += c;
         }
         if r.pos > 0 {
-            let same = r.parent_shard == r.shard;
-            let held = if same {
+            let held = if r.parent_shard == r.shard {
                 if let Some(ph) = sh.map.get_mut(&r.parent_key)
                     && let Some(j) = ph.find(wid)
                 {
@@ -1033,7 +1102,7 @@ impl KvIndex {
                     false
                 }
             } else {
-                drop(sh);
+                *cur = None;
                 self.touch_parent(w, r.parent_shard, r.parent_key, -1)
             };
             if !held {
@@ -1086,27 +1155,23 @@ impl KvIndex {
         }
         let mut guards: Guards<'_> = SmallVec::new();
         let mut seg_slot: SmallVec<[u16; 16]> = SmallVec::new();
-        let nseg = ((n - 1) >> self.seg_shift) as usize + 1;
+        let nseg = self.seg_of(n - 1) + 1;
         seg_slot.resize(nseg, u16::MAX);
 
-        self.ensure(keys, 0, &mut guards, &mut seg_slot);
-        let Some(h0) = self.probe(keys, 0, &guards, &seg_slot) else { return };
-        for h in h0.as_slice() {
-            out.cand.push(Cand {
-                worker: holders::worker(*h),
-                lo: 0,
-                hi: n,
-            });
-        }
-        // Multi-way search for the last held position, per bracket.
+        // Multi-way search for each worker's last held position, bracket by
+        // bracket; probes of one round are independent, so their cache
+        // misses overlap.
         let mut points = std::mem::take(&mut out.points);
+        let (mut lo, mut hi) = (0u32, n);
+        let mut first = true;
         loop {
-            // Pick the first unfinished bracket; probe FANOUT points in it.
-            let Some(c) = out.cand.iter().find(|c| c.hi - c.lo > 1) else { break };
-            let (lo, hi) = (c.lo, c.hi);
             points.clear();
             let span = hi - lo - 1;
-            if span <= FANOUT {
+            if first && n > 1 {
+                // Round 1: the first and the last block only. A full match
+                // (or none) is then settled with two parallel probes.
+                points.push(n - 1);
+            } else if span <= FANOUT {
                 points.extend(lo + 1..hi);
             } else {
                 for j in 1..=FANOUT {
@@ -1114,23 +1179,56 @@ impl KvIndex {
                 }
                 points.dedup();
             }
+            if first {
+                self.ensure(keys, 0, &mut guards, &mut seg_slot);
+            }
             for &p in &points {
                 self.ensure(keys, p, &mut guards, &mut seg_slot);
             }
-            // Highest point first: a candidate stops at its first hit.
+            let h0 = if first { self.probe(keys, 0, &guards, &seg_slot) } else { None };
             let mut found: SmallVec<[Option<&Holders>; 16]> = SmallVec::new();
             for &p in &points {
                 found.push(self.probe(keys, p, &guards, &seg_slot));
             }
-            for c in out.cand.iter_mut().filter(|c| c.lo == lo && c.hi == hi) {
-                for (idx, &p) in points.iter().enumerate().rev() {
-                    if found[idx].is_some_and(|hs| hs.find(c.worker).is_some()) {
-                        c.lo = p;
-                        break;
+            if first {
+                let Some(h0) = h0 else {
+                    out.points = points;
+                    return;
+                };
+                for h in h0.as_slice() {
+                    out.cand.push(Cand {
+                        worker: holders::worker(*h),
+                        lo: 0,
+                        hi: n,
+                        open: false,
+                    });
+                }
+                first = false;
+            }
+            // Highest point first: a candidate stops at its first hit.
+            // Candidates and holders are both sorted by worker id, so each
+            // point costs one merge walk, O(candidates + holders).
+            for c in &mut out.cand {
+                c.open = c.lo == lo && c.hi == hi;
+            }
+            for (idx, &p) in points.iter().enumerate().rev() {
+                let hs = found[idx].map_or(&[][..], Holders::as_slice);
+                let mut k = 0;
+                for c in out.cand.iter_mut().filter(|c| c.open) {
+                    while k < hs.len() && holders::worker(hs[k]) < c.worker {
+                        k += 1;
                     }
-                    c.hi = p;
+                    if k < hs.len() && holders::worker(hs[k]) == c.worker {
+                        c.lo = p;
+                        c.open = false;
+                    } else {
+                        c.hi = p;
+                    }
                 }
             }
+            // Next: the first unfinished bracket.
+            let Some(c) = out.cand.iter().find(|c| c.hi - c.lo > 1) else { break };
+            (lo, hi) = (c.lo, c.hi);
         }
         out.points = points;
         // Exact answers for workers with holes or non-GPU entries.
@@ -1170,9 +1268,9 @@ impl KvIndex {
     }
 
     fn ensure<'a>(&'a self, keys: &[BlockKey], pos: u32, guards: &mut Guards<'a>, seg_slot: &mut [u16]) {
-        let seg = (pos >> self.seg_shift) as usize;
+        let seg = self.seg_of(pos);
         if seg_slot[seg] == u16::MAX {
-            let anchor = keys[seg << self.seg_shift].0;
+            let anchor = keys[self.seg_start(seg) as usize].0;
             let shard = self.shard_of(anchor);
             let slot = if let Some(i) = guards.iter().position(|(s, _)| *s == shard) {
                 i
@@ -1186,12 +1284,33 @@ impl KvIndex {
 
     #[inline]
     fn probe<'g>(&self, keys: &[BlockKey], pos: u32, guards: &'g Guards<'_>, seg_slot: &[u16]) -> Option<&'g Holders> {
-        let slot = seg_slot[(pos >> self.seg_shift) as usize];
+        let slot = seg_slot[self.seg_of(pos)];
         guards.get(usize::from(slot))?.1.map.get(&keys[pos as usize].0)
     }
 }
 
 type Guards<'a> = SmallVec<[(u16, RwLockReadGuard<'a, Shard>); 8]>;
+
+/// Where a stored block's parent is, for child/hole accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Parent {
+    /// No parent (position 0).
+    Root,
+    /// The previous block of the same run: it accounts for this child.
+    InRun,
+    /// In another shard: the caller accounts after releasing this one.
+    External,
+    /// In this shard, outside the run: probe it.
+    Probe,
+}
+
+/// Counter changes of one event, published with one atomic op each.
+#[derive(Debug, Default)]
+struct Delta {
+    entries: i64,
+    keys: i64,
+    heap: isize,
+}
 
 enum Removal {
     NotHeld,

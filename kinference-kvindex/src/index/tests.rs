@@ -206,3 +206,16 @@ fn index_is_send_and_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<KvIndex>();
 }
+
+#[test]
+fn segments_double_in_length() {
+    let ix = KvIndex::new(IndexConfig {
+        segment: 64,
+        ..IndexConfig::default()
+    });
+    let segs: Vec<usize> = [0u32, 63, 64, 127, 128, 255, 256, 511, 512].iter().map(|p| ix.seg_of(*p)).collect();
+    assert_eq!(segs, vec![0, 0, 1, 1, 2, 2, 3, 3, 4]);
+    assert_eq!((0..5).map(|s| ix.seg_start(s)).collect::<Vec<_>>(), vec![0, 64, 128, 256, 512]);
+    let starts: Vec<u32> = (0..600).filter(|p| ix.seg_start_at(*p)).collect();
+    assert_eq!(starts, vec![0, 64, 128, 256, 512]);
+}
