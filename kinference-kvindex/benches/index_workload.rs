@@ -8,6 +8,7 @@
 //! Timings use the monotonic clock around the index call alone; the
 //! allocator figure comes from a counting global allocator (`cap`).
 #![allow(clippy::disallowed_methods)] // a benchmark must read the clock
+#![allow(clippy::many_single_char_names)] // d, w, c, i, j: as named in the spec
 
 use std::alloc::System;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,7 +17,8 @@ use std::time::Instant;
 use cap::Cap;
 use kinference_kvindex::key::{chain, seed_for_lora};
 use kinference_kvindex::{
-    BlockHash, BlockKey, BlockStored, EncodeForm, EventBatch, IndexConfig, KvEvent, KvIndex, Matches, Tier, WorkerId, WorkerRef, decode_batch, encode_batch,
+    BlockHash, BlockKey, BlockStored, EncodeForm, EventBatch, IndexConfig, KvEvent, KvIndex,
+    Matches, Tier, WorkerId, WorkerRef, decode_batch, encode_batch,
 };
 
 #[global_allocator]
@@ -84,7 +86,12 @@ impl Workload {
             .collect();
         let mut s3 = SplitMix(3);
         let unknown = (0..DOCS * LEN).map(|_| s3.next()).collect();
-        Workload { local, seq, workers, unknown }
+        Workload {
+            local,
+            seq,
+            workers,
+            unknown,
+        }
     }
 
     fn l(&self, d: usize, i: usize) -> u64 {
@@ -97,25 +104,80 @@ impl Workload {
     /// The spec's test vectors; any mismatch aborts the run.
     fn check_vectors(&self) {
         let mut s = SplitMix(1);
-        assert_eq!([s.next(), s.next(), s.next()], [0x910a_2dec_8902_5cc1, 0xbeeb_8da1_658e_ec67, 0xf893_a2ee_fb32_555e]);
-        assert_eq!([self.l(0, 0), self.l(0, 1), self.l(0, 511)], [0x910a_2dec_8902_5cc1, 0xbeeb_8da1_658e_ec67, 0x619b_42a2_1ecc_04b3]);
+        assert_eq!(
+            [s.next(), s.next(), s.next()],
+            [
+                0x910a_2dec_8902_5cc1,
+                0xbeeb_8da1_658e_ec67,
+                0xf893_a2ee_fb32_555e
+            ]
+        );
+        assert_eq!(
+            [self.l(0, 0), self.l(0, 1), self.l(0, 511)],
+            [
+                0x910a_2dec_8902_5cc1,
+                0xbeeb_8da1_658e_ec67,
+                0x619b_42a2_1ecc_04b3
+            ]
+        );
         assert_eq!(self.l(DOCS - 1, 511), 0x341c_f1db_cd57_ff83);
-        assert_eq!([self.s(0, 0), self.s(0, 1), self.s(0, 511)], [0xdce4_23fc_82c0_d5b8, 0x082d_5c21_ba5c_9187, 0x6816_0908_4d7c_39ad]);
+        assert_eq!(
+            [self.s(0, 0), self.s(0, 1), self.s(0, 511)],
+            [
+                0xdce4_23fc_82c0_d5b8,
+                0x082d_5c21_ba5c_9187,
+                0x6816_0908_4d7c_39ad
+            ]
+        );
         assert_eq!(self.s(DOCS - 1, 511), 0xfaff_f34e_d52f_5ccf);
-        assert_eq!(self.local.iter().fold(0u64, |a, x| a.wrapping_add(*x)), 0xddaa_3e71_2e3c_a765);
-        assert_eq!(self.seq.iter().fold(0u64, |a, x| a.wrapping_add(*x)), 0x7708_dcd8_cea8_22c0);
-        assert_eq!(self.workers[0], [206, 66, 47, 100, 41, 179, 134, 131, 255, 108]);
-        assert_eq!(self.workers[1], [53, 119, 97, 174, 243, 25, 18, 212, 82, 213]);
-        assert_eq!(self.workers[DOCS - 1], [62, 29, 22, 246, 26, 210, 32, 14, 71, 133]);
-        let sum: u64 = self.workers.iter().flat_map(|w| w.iter()).map(|w| u64::from(*w)).sum();
+        assert_eq!(
+            self.local.iter().fold(0u64, |a, x| a.wrapping_add(*x)),
+            0xddaa_3e71_2e3c_a765
+        );
+        assert_eq!(
+            self.seq.iter().fold(0u64, |a, x| a.wrapping_add(*x)),
+            0x7708_dcd8_cea8_22c0
+        );
+        assert_eq!(
+            self.workers[0],
+            [206, 66, 47, 100, 41, 179, 134, 131, 255, 108]
+        );
+        assert_eq!(
+            self.workers[1],
+            [53, 119, 97, 174, 243, 25, 18, 212, 82, 213]
+        );
+        assert_eq!(
+            self.workers[DOCS - 1],
+            [62, 29, 22, 246, 26, 210, 32, 14, 71, 133]
+        );
+        let sum: u64 = self
+            .workers
+            .iter()
+            .flat_map(|w| w.iter())
+            .map(|w| u64::from(*w))
+            .sum();
         assert_eq!(sum, 2_550_493);
-        assert_eq!([self.unknown[0], self.unknown[DOCS * LEN - 1]], [0x1d0b_14e4_db01_8fed, 0xabfd_3f23_0709_79d9]);
+        assert_eq!(
+            [self.unknown[0], self.unknown[DOCS * LEN - 1]],
+            [0x1d0b_14e4_db01_8fed, 0xabfd_3f23_0709_79d9]
+        );
         let mut a = SplitMix(4);
-        assert_eq!((0..5).map(|_| a.below(2000)).collect::<Vec<_>>(), vec![1978, 304, 1247, 1582, 41]);
+        assert_eq!(
+            (0..5).map(|_| a.below(2000)).collect::<Vec<_>>(),
+            vec![1978, 304, 1247, 1582, 41]
+        );
         let mut b = SplitMix(5);
-        assert_eq!((0..3).map(|_| (b.below(2000), b.below(2000))).collect::<Vec<_>>(), vec![(618, 344), (1063, 709), (1461, 436)]);
+        assert_eq!(
+            (0..3)
+                .map(|_| (b.below(2000), b.below(2000)))
+                .collect::<Vec<_>>(),
+            vec![(618, 344), (1063, 709), (1461, 436)]
+        );
         let mut c = SplitMix(6);
-        assert_eq!((0..3).map(|_| c.below(2000)).collect::<Vec<_>>(), vec![592, 1833, 1686]);
+        assert_eq!(
+            (0..3).map(|_| c.below(2000)).collect::<Vec<_>>(),
+            vec![592, 1833, 1686]
+        );
         let mut ch = SplitMix(7);
         let churn: Vec<(u64, u16)> = (0..3)
             .map(|_| {
@@ -125,11 +187,18 @@ impl Workload {
             .collect();
         assert_eq!(churn, vec![(487, 251), (1346, 2), (1674, 243)]);
         let mut r = SplitMix(8);
-        assert_eq!((0..3).map(|_| r.below(2000)).collect::<Vec<_>>(), vec![1622, 817, 1505]);
+        assert_eq!(
+            (0..3).map(|_| r.below(2000)).collect::<Vec<_>>(),
+            vec![1622, 817, 1505]
+        );
         let mut distinct: Vec<u64> = self.local.iter().chain(&self.unknown).copied().collect();
         distinct.sort_unstable();
         distinct.dedup();
-        assert_eq!(distinct.len(), 2 * DOCS * LEN, "content hashes are distinct");
+        assert_eq!(
+            distinct.len(),
+            2 * DOCS * LEN,
+            "content hashes are distinct"
+        );
         let mut sq = self.seq.clone();
         sq.sort_unstable();
         sq.dedup();
@@ -184,7 +253,11 @@ fn remove_event(wl: &Workload, d: usize, c: usize) -> [u64; EVENT] {
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
-        .and_then(|s| s.split_whitespace().nth(1).and_then(|x| x.parse::<u64>().ok()))
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|x| x.parse::<u64>().ok())
+        })
         .map_or(0, |pages| pages * 4096)
 }
 
@@ -221,29 +294,48 @@ fn timer_floor() -> u64 {
 }
 
 fn expect(m: &Matches, ids: &[WorkerId], ws: &[u16; REPLICAS], depth: u32) -> bool {
-    m.len() == REPLICAS && ws.iter().all(|w| m.get(ids[usize::from(*w)]).is_some_and(|x| x.blocks == depth && x.gpu_blocks == depth))
+    m.len() == REPLICAS
+        && ws.iter().all(|w| {
+            m.get(ids[usize::from(*w)])
+                .is_some_and(|x| x.blocks == depth && x.gpu_blocks == depth)
+        })
 }
 
 fn main() {
     let json = std::env::args().any(|a| a == "--json");
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("kinference-kvindex: index workload v1 (load before: {})", load.trim());
+    println!(
+        "kinference-kvindex: index workload v1 (load before: {})",
+        load.trim()
+    );
 
     // 0. Generate.
     let wl = Workload::generate();
     wl.check_vectors();
     println!("test vectors: all match");
     let mut config = IndexConfig::default();
-    if let Some(v) = std::env::var("KVBENCH_SEGMENT").ok().and_then(|v| v.parse().ok()) {
+    if let Some(v) = std::env::var("KVBENCH_SEGMENT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         config.segment = v;
     }
-    if let Some(v) = std::env::var("KVBENCH_SHARDS").ok().and_then(|v| v.parse().ok()) {
+    if let Some(v) = std::env::var("KVBENCH_SHARDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         config.shards = v;
     }
-    println!("index config: {} shards, segment {}", config.shards, config.segment);
-    let ix = KvIndex::new(config.clone());
+    println!(
+        "index config: {} shards, segment {}",
+        config.shards, config.segment
+    );
+    let ix = KvIndex::new(config);
     let ids: Vec<WorkerId> = (0..WORKERS)
-        .map(|w| ix.register_worker(WorkerRef::new(format!("w{w}"), 0), 16).expect("registers"))
+        .map(|w| {
+            ix.register_worker(WorkerRef::new(format!("w{w}"), 0), 16)
+                .expect("registers")
+        })
         .collect();
     let floor = timer_floor();
     let rss0 = rss_bytes();
@@ -264,7 +356,8 @@ fn main() {
         }
         let t = Instant::now();
         for e in &evs {
-            ix.store_hashed(e.w, e.parent, seed, &e.hashes, &e.locals, Tier::Gpu).expect("stores");
+            ix.store_hashed(e.w, e.parent, seed, &e.hashes, &e.locals, Tier::Gpu)
+                .expect("stores");
         }
         timed += t.elapsed().as_secs_f64();
         events += evs.len() as u64;
@@ -295,7 +388,14 @@ fn main() {
                 'b' => {
                     let d = rng.below(2000) as usize;
                     let u = rng.below(2000) as usize;
-                    (keys_of((0..256).map(|i| wl.l(d, i)).chain((0..256).map(|j| wl.unknown[u * LEN + j]))), Some((d, 256)))
+                    (
+                        keys_of(
+                            (0..256)
+                                .map(|i| wl.l(d, i))
+                                .chain((0..256).map(|j| wl.unknown[u * LEN + j])),
+                        ),
+                        Some((d, 256)),
+                    )
                 }
                 _ => {
                     let u = rng.below(2000) as usize;
@@ -352,7 +452,8 @@ fn main() {
                     ix.remove_hashed(r.0, &r.1, Tier::Gpu).expect("removes");
                 }
                 for e in &stores[op * 8..op * 8 + 8] {
-                    ix.store_hashed(e.w, e.parent, seed, &e.hashes, &e.locals, Tier::Gpu).expect("stores");
+                    ix.store_hashed(e.w, e.parent, seed, &e.hashes, &e.locals, Tier::Gpu)
+                        .expect("stores");
                 }
             }
             let secs = t.elapsed().as_secs_f64();
@@ -368,7 +469,11 @@ fn main() {
             ix.find_matches_into(&q, &mut m);
             conc.push(t.elapsed().as_nanos() as u64);
             let ws = &wl.workers[d];
-            let ok = m.len() == REPLICAS && ws.iter().all(|w| m.get(ids[usize::from(*w)]).is_some_and(|x| (256..=512).contains(&x.blocks)));
+            let ok = m.len() == REPLICAS
+                && ws.iter().all(|w| {
+                    m.get(ids[usize::from(*w)])
+                        .is_some_and(|x| (256..=512).contains(&x.blocks))
+                });
             if !ok {
                 conc_wrong += 1;
             }
@@ -403,37 +508,103 @@ fn main() {
     let rss_after = rss_bytes();
 
     println!("entries after populate             {entries}");
-    println!("ingest                             {:.2} M blocks/s ({:.0} k events/s)", ingest / 1e6, events as f64 / timed / 1e3);
+    println!(
+        "ingest                             {:.2} M blocks/s ({:.0} k events/s)",
+        ingest / 1e6,
+        events as f64 / timed / 1e3
+    );
     println!("allocator bytes per entry          {heap_per_entry:.2}");
-    println!("RSS bytes per entry                {rss_per_entry:.2} (no malloc_trim: unsafe is forbidden here)");
-    println!("whole-process RSS after populate   {:.0} MiB", rss1 as f64 / 1048576.0);
-    println!("index's own size estimate          {:.2} bytes/entry ({} keys, {} engine records)", stats.bytes as f64 / ENTRIES as f64, stats.keys, stats.engine_records);
-    println!("(a) full match   median/p99        {} / {} ns", la.median, la.p99);
-    println!("(b) half match   median/p99        {} / {} ns", lb.median, lb.p99);
-    println!("(c) no match     median/p99        {} / {} ns", lc.median, lc.p99);
+    println!(
+        "RSS bytes per entry                {rss_per_entry:.2} (no malloc_trim: unsafe is forbidden here)"
+    );
+    println!(
+        "whole-process RSS after populate   {:.0} MiB",
+        rss1 as f64 / 1_048_576.0
+    );
+    println!(
+        "index's own size estimate          {:.2} bytes/entry ({} keys, {} engine records)",
+        stats.bytes as f64 / ENTRIES as f64,
+        stats.keys,
+        stats.engine_records
+    );
+    println!(
+        "(a) full match   median/p99        {} / {} ns",
+        la.median, la.p99
+    );
+    println!(
+        "(b) half match   median/p99        {} / {} ns",
+        lb.median, lb.p99
+    );
+    println!(
+        "(c) no match     median/p99        {} / {} ns",
+        lc.median, lc.p99
+    );
     println!("wrong answers                      {}", wa + wb + wc);
-    println!("during churn     median/p99        {} / {} ns over {} lookups ({} wrong)", lconc.median, lconc.p99, lconc.n, conc_wrong);
-    println!("churn writer                       {:.2} M block-ops/s", writer_rate / 1e6);
-    println!("remove                             {:.2} M blocks/s ({:.0} k events/s)", remove_rate / 1e6, 320_000f64 / timed_rm / 1e3);
+    println!(
+        "during churn     median/p99        {} / {} ns over {} lookups ({} wrong)",
+        lconc.median, lconc.p99, lconc.n, conc_wrong
+    );
+    println!(
+        "churn writer                       {:.2} M block-ops/s",
+        writer_rate / 1e6
+    );
+    println!(
+        "remove                             {:.2} M blocks/s ({:.0} k events/s)",
+        remove_rate / 1e6,
+        320_000f64 / timed_rm / 1e3
+    );
     println!("entries after removing all         {entries_after}");
-    println!("allocator MiB still held           {:.2} (RSS {:.0} MiB)", held_after as f64 / 1048576.0, rss_after as f64 / 1048576.0);
+    println!(
+        "allocator MiB still held           {:.2} (RSS {:.0} MiB)",
+        held_after as f64 / 1_048_576.0,
+        rss_after as f64 / 1_048_576.0
+    );
     println!("timer floor                        {floor} ns");
     drop(ix);
 
     let (decode_rate, decode_blocks) = decode_apply(&config);
-    println!("decode+apply (vLLM 0.33 map form)  {:.2} M blocks/s over {decode_blocks} blocks", decode_rate / 1e6);
+    println!(
+        "decode+apply (vLLM 0.33 map form)  {:.2} M blocks/s over {decode_blocks} blocks",
+        decode_rate / 1e6
+    );
     let br = branching(&config);
     println!(
         "branching: {} entries, ingest {:.2} M blocks/s, {:.2} B/entry; lookup median/p99 {} / {} ns ({} wrong); during churn {} / {} ns ({} lookups, {} wrong), writer {:.2} M ops/s",
-        br.entries, br.ingest / 1e6, br.bytes_per_entry, br.quiet.median, br.quiet.p99, br.wrong, br.conc.median, br.conc.p99, br.conc.n, br.conc_wrong, br.writer / 1e6
+        br.entries,
+        br.ingest / 1e6,
+        br.bytes_per_entry,
+        br.quiet.median,
+        br.quiet.p99,
+        br.wrong,
+        br.conc.median,
+        br.conc.p99,
+        br.conc.n,
+        br.conc_wrong,
+        br.writer / 1e6
     );
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("load after: {}", load.trim());
     if json {
         println!(
             "{{\"ingest\":{ingest},\"heap_per_entry\":{heap_per_entry},\"rss_per_entry\":{rss_per_entry},\"rss1\":{rss1},\"a_med\":{},\"a_p99\":{},\"b_med\":{},\"b_p99\":{},\"c_med\":{},\"c_p99\":{},\"wrong\":{},\"conc_med\":{},\"conc_p99\":{},\"conc_n\":{},\"conc_wrong\":{conc_wrong},\"writer\":{writer_rate},\"remove\":{remove_rate},\"held_after\":{held_after},\"floor\":{floor},\"decode_apply\":{decode_rate},\"br_ingest\":{},\"br_bpe\":{},\"br_med\":{},\"br_p99\":{},\"br_conc_med\":{},\"br_conc_p99\":{},\"br_writer\":{},\"br_wrong\":{}}}",
-            la.median, la.p99, lb.median, lb.p99, lc.median, lc.p99, wa + wb + wc, lconc.median, lconc.p99, lconc.n,
-            br.ingest, br.bytes_per_entry, br.quiet.median, br.quiet.p99, br.conc.median, br.conc.p99, br.writer, br.wrong + br.conc_wrong
+            la.median,
+            la.p99,
+            lb.median,
+            lb.p99,
+            lc.median,
+            lc.p99,
+            wa + wb + wc,
+            lconc.median,
+            lconc.p99,
+            lconc.n,
+            br.ingest,
+            br.bytes_per_entry,
+            br.quiet.median,
+            br.quiet.p99,
+            br.conc.median,
+            br.conc.p99,
+            br.writer,
+            br.wrong + br.conc_wrong
         );
     }
 }
@@ -442,12 +613,19 @@ fn main() {
 /// each, in 32-block `BlockStored` payloads of vLLM 0.33's map form with
 /// 16 token ids per block and u64 hashes (6 400 payloads, 204 800 blocks).
 fn decode_apply(config: &IndexConfig) -> (f64, u64) {
-    let ix = KvIndex::new(config.clone());
-    let ids: Vec<WorkerId> = (0..10).map(|w| ix.register_worker(WorkerRef::new(format!("d{w}"), 0), 16).expect("registers")).collect();
+    let ix = KvIndex::new(*config);
+    let ids: Vec<WorkerId> = (0..10)
+        .map(|w| {
+            ix.register_worker(WorkerRef::new(format!("d{w}"), 0), 16)
+                .expect("registers")
+        })
+        .collect();
     let mut rng = SplitMix(99);
     let mut payloads = Vec::new();
     for d in 0..200u64 {
-        let tokens: Vec<u32> = (0..LEN * 16).map(|_| (rng.next() % 150_000) as u32).collect();
+        let tokens: Vec<u32> = (0..LEN * 16)
+            .map(|_| (rng.next() % 150_000) as u32)
+            .collect();
         let hashes: Vec<u64> = (0..LEN).map(|_| rng.next()).collect();
         for r in 0..2u64 {
             let w = ids[((d + r * 3) % 10) as usize];
@@ -455,7 +633,10 @@ fn decode_apply(config: &IndexConfig) -> (f64, u64) {
                 let b = EventBatch {
                     ts: 1_767_225_600.0,
                     events: vec![KvEvent::BlockStored(BlockStored {
-                        block_hashes: hashes[c * EVENT..(c + 1) * EVENT].iter().map(|h| BlockHash::Uint(*h)).collect(),
+                        block_hashes: hashes[c * EVENT..(c + 1) * EVENT]
+                            .iter()
+                            .map(|h| BlockHash::Uint(*h))
+                            .collect(),
                         parent_block_hash: (c > 0).then(|| BlockHash::Uint(hashes[c * EVENT - 1])),
                         token_ids: tokens[c * EVENT * 16..(c + 1) * EVENT * 16].to_vec(),
                         block_size: 16,
@@ -507,8 +688,13 @@ fn branching(config: &IndexConfig) -> Branching {
     const PROMPT: usize = 128;
     const CONVS: usize = 20_000;
     const CONV: usize = 64;
-    let ix = KvIndex::new(config.clone());
-    let ids: Vec<WorkerId> = (0..W).map(|w| ix.register_worker(WorkerRef::new(format!("b{w}"), 0), 16).expect("registers")).collect();
+    let ix = KvIndex::new(*config);
+    let ids: Vec<WorkerId> = (0..W)
+        .map(|w| {
+            ix.register_worker(WorkerRef::new(format!("b{w}"), 0), 16)
+                .expect("registers")
+        })
+        .collect();
     let seed = seed_for_lora(None);
     let mut rng = SplitMix(1001);
     let p_local: Vec<u64> = (0..PROMPT).map(|_| rng.next()).collect();
@@ -547,7 +733,15 @@ fn branching(config: &IndexConfig) -> Branching {
     for id in &ids {
         for c in 0..PROMPT / EVENT {
             let r = c * EVENT..(c + 1) * EVENT;
-            ix.store_hashed(*id, (c > 0).then(|| p_seq[c * EVENT - 1]), seed, &p_seq[r.clone()], &p_local[r], Tier::Gpu).expect("stores");
+            ix.store_hashed(
+                *id,
+                (c > 0).then(|| p_seq[c * EVENT - 1]),
+                seed,
+                &p_seq[r.clone()],
+                &p_local[r],
+                Tier::Gpu,
+            )
+            .expect("stores");
             blocks += EVENT as u64;
         }
     }
@@ -555,8 +749,20 @@ fn branching(config: &IndexConfig) -> Branching {
         for &(w, len) in hs {
             for k in 0..len / 16 {
                 let r = c * CONV + k * 16..c * CONV + (k + 1) * 16;
-                let parent = if k == 0 { p_seq[PROMPT - 1] } else { c_seq[c * CONV + k * 16 - 1] };
-                ix.store_hashed(ids[w], Some(parent), seed, &c_seq[r.clone()], &c_local[r], Tier::Gpu).expect("stores");
+                let parent = if k == 0 {
+                    p_seq[PROMPT - 1]
+                } else {
+                    c_seq[c * CONV + k * 16 - 1]
+                };
+                ix.store_hashed(
+                    ids[w],
+                    Some(parent),
+                    seed,
+                    &c_seq[r.clone()],
+                    &c_local[r],
+                    Tier::Gpu,
+                )
+                .expect("stores");
                 blocks += 16;
             }
         }
@@ -565,11 +771,21 @@ fn branching(config: &IndexConfig) -> Branching {
     let entries = ix.entries();
     assert_eq!(entries, blocks);
     let bytes_per_entry = (ALLOC.allocated() as u64 - h0) as f64 / entries as f64;
-    let query = |c: usize| keys_of(p_local.iter().copied().chain(c_local[c * CONV..(c + 1) * CONV].iter().copied()));
+    let query = |c: usize| {
+        keys_of(
+            p_local
+                .iter()
+                .copied()
+                .chain(c_local[c * CONV..(c + 1) * CONV].iter().copied()),
+        )
+    };
     let check = |m: &Matches, c: usize| -> bool {
         m.len() == W
             && m.as_slice().iter().all(|x| {
-                let want = holders[c].iter().find(|h| ids[h.0] == x.worker).map_or(PROMPT, |h| PROMPT + h.1) as u32;
+                let want = holders[c]
+                    .iter()
+                    .find(|h| ids[h.0] == x.worker)
+                    .map_or(PROMPT, |h| PROMPT + h.1) as u32;
                 x.blocks == want
             })
     };
@@ -606,8 +822,20 @@ fn branching(config: &IndexConfig) -> Branching {
                 let tail = c * CONV + len - 16..c * CONV + len;
                 let rev: Vec<u64> = c_seq[tail.clone()].iter().rev().copied().collect();
                 ix.remove_hashed(ids[w], &rev, Tier::Gpu).expect("removes");
-                let parent = if len == 16 { p_seq[PROMPT - 1] } else { c_seq[c * CONV + len - 17] };
-                ix.store_hashed(ids[w], Some(parent), seed, &c_seq[tail.clone()], &c_local[tail], Tier::Gpu).expect("stores");
+                let parent = if len == 16 {
+                    p_seq[PROMPT - 1]
+                } else {
+                    c_seq[c * CONV + len - 17]
+                };
+                ix.store_hashed(
+                    ids[w],
+                    Some(parent),
+                    seed,
+                    &c_seq[tail.clone()],
+                    &c_local[tail],
+                    Tier::Gpu,
+                )
+                .expect("stores");
                 ops += 32;
             }
             let rate = ops as f64 / t.elapsed().as_secs_f64();
@@ -625,7 +853,10 @@ fn branching(config: &IndexConfig) -> Branching {
             // Mid-churn a holder may be 16 short; anything else is wrong.
             let ok = m.len() == W
                 && m.as_slice().iter().all(|x| {
-                    let want = holders[c].iter().find(|h| ids[h.0] == x.worker).map_or(PROMPT, |h| PROMPT + h.1) as u32;
+                    let want = holders[c]
+                        .iter()
+                        .find(|h| ids[h.0] == x.worker)
+                        .map_or(PROMPT, |h| PROMPT + h.1) as u32;
                     x.blocks == want || x.blocks + 16 == want
                 });
             if !ok {

@@ -48,7 +48,10 @@ enum Cmd {
 fn print_payload(payload: &[u8], worker: Option<&str>, seq: Option<u64>) {
     match decode_batch(payload) {
         Ok(b) => print!("{}", dump::batch_lines(&b, worker, seq)),
-        Err(e) => println!("{}", serde_json::json!({"worker": worker, "seq": seq, "error": e.to_string()})),
+        Err(e) => println!(
+            "{}",
+            serde_json::json!({"worker": worker, "seq": seq, "error": e.to_string()})
+        ),
     }
 }
 
@@ -58,11 +61,19 @@ fn decode(file: &std::path::Path) -> Result<()> {
         let f = frames::read_frames_container(&bytes)?;
         if let Ok(m) = frames::parse_live(&f) {
             let topic = String::from_utf8_lossy(m.topic);
-            print_payload(m.payload, (!topic.is_empty()).then_some(&*topic), Some(m.seq));
+            print_payload(
+                m.payload,
+                (!topic.is_empty()).then_some(&*topic),
+                Some(m.seq),
+            );
             return Ok(());
         }
         match frames::parse_replay_reply(&f)? {
-            ReplayReply::Batch { topic, seq, payload } => {
+            ReplayReply::Batch {
+                topic,
+                seq,
+                payload,
+            } => {
                 let topic = topic.map(String::from_utf8_lossy).filter(|t| !t.is_empty());
                 print_payload(payload, topic.as_deref(), Some(seq));
             }
@@ -87,14 +98,26 @@ async fn watch(endpoint: &str, replay: Option<&str>, topic: &str) -> Result<()> 
         let mut opts = SocketOptions::default();
         opts.connect_timeout(Duration::from_secs(2));
         let mut dealer = DealerSocket::with_options(opts);
-        dealer.connect(r).await.context("connecting to the replay socket")?;
-        let req: Vec<Bytes> = frames::replay_request(0).into_iter().map(Bytes::from).collect();
-        dealer.send(ZmqMessage::try_from(req).map_err(|e| anyhow::anyhow!("{e:?}"))?).await?;
+        dealer
+            .connect(r)
+            .await
+            .context("connecting to the replay socket")?;
+        let req: Vec<Bytes> = frames::replay_request(0)
+            .into_iter()
+            .map(Bytes::from)
+            .collect();
+        dealer
+            .send(ZmqMessage::try_from(req).map_err(|e| anyhow::anyhow!("{e:?}"))?)
+            .await?;
         loop {
-            let m = tokio::time::timeout(Duration::from_secs(5), dealer.recv()).await.context("replay timed out")??;
+            let m = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+                .await
+                .context("replay timed out")??;
             let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
             match frames::parse_replay_reply(&parts)? {
-                ReplayReply::Batch { seq, payload, .. } => print_payload(payload, Some("replay"), Some(seq)),
+                ReplayReply::Batch { seq, payload, .. } => {
+                    print_payload(payload, Some("replay"), Some(seq))
+                }
                 ReplayReply::End => break,
             }
         }
@@ -117,7 +140,11 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     match args.cmd {
         Cmd::Decode { file } => decode(&file),
-        Cmd::Watch { endpoint, replay, topic } => {
+        Cmd::Watch {
+            endpoint,
+            replay,
+            topic,
+        } => {
             if !endpoint.starts_with("tcp://") && !endpoint.starts_with("ipc://") {
                 bail!("endpoint must look like tcp://HOST:PORT");
             }

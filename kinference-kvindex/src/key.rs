@@ -120,7 +120,11 @@ pub fn extra_digest(items: &[ExtraItem]) -> u64 {
                 buf.extend_from_slice(&offset.to_le_bytes());
             }
             ExtraItem::Str(s) | ExtraItem::Other(s) => {
-                buf.push(if matches!(it, ExtraItem::Str(_)) { 2 } else { 4 });
+                buf.push(if matches!(it, ExtraItem::Str(_)) {
+                    2
+                } else {
+                    4
+                });
                 buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
                 buf.extend_from_slice(s.as_bytes());
             }
@@ -196,7 +200,12 @@ impl ExtraKeys {
         {
             items.push(ExtraItem::Str(salt.clone()));
         }
-        items.extend(self.per_block.iter().filter(|(b, _)| *b == i).map(|(_, it)| it.clone()));
+        items.extend(
+            self.per_block
+                .iter()
+                .filter(|(b, _)| *b == i)
+                .map(|(_, it)| it.clone()),
+        );
         items
     }
 
@@ -251,7 +260,9 @@ pub fn event_extra_digests(ev: &BlockStored) -> Vec<u64> {
                 *d = extra_digest(&items_from_published(items, ev.lora_name.as_deref()));
             }
         }
-    } else if let (Some(salt), None, Some(first)) = (&ev.cache_salt, &ev.parent_block_hash, out.first_mut()) {
+    } else if let (Some(salt), None, Some(first)) =
+        (&ev.cache_salt, &ev.parent_block_hash, out.first_mut())
+    {
         *first = extra_digest(&[ExtraItem::Str(salt.clone())]);
     }
     out
@@ -309,7 +320,10 @@ impl BlockKeyer {
     pub fn keys_into(&self, tokens: &[u32], extra: &ExtraKeys, out: &mut Vec<BlockKey>) {
         let mut prev = self.seed;
         for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
-            let k = chain(prev, local_hash(block, extra.digest_for_block(i, self.block_size)));
+            let k = chain(
+                prev,
+                local_hash(block, extra.digest_for_block(i, self.block_size)),
+            );
             out.push(k);
             prev = k.0;
         }
@@ -318,7 +332,12 @@ impl BlockKeyer {
 
 /// Keys of every full block of `tokens`: the one function for request
 /// token ids (the index applies the same chain to `BlockStored` tokens).
-pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>, extra: &ExtraKeys) -> Vec<BlockKey> {
+pub fn block_keys(
+    tokens: &[u32],
+    block_size: u32,
+    lora_name: Option<&str>,
+    extra: &ExtraKeys,
+) -> Vec<BlockKey> {
     BlockKeyer::new(block_size, lora_name).keys(tokens, extra)
 }
 

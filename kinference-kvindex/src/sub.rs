@@ -29,7 +29,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
 
 use crate::codec::frames::{self, ReplayReply};
 use crate::event::EventBatch;
@@ -155,15 +157,20 @@ impl StreamHealth {
     /// The width seen for group 0, if any (what the controller compares
     /// with `kvBlockSize`).
     pub fn observed_block_width(&self) -> Option<u32> {
-        self.observed_widths.iter().find(|(g, _)| *g == 0).map(|(_, w)| *w)
+        self.observed_widths
+            .iter()
+            .find(|(g, _)| *g == 0)
+            .map(|(_, w)| *w)
     }
 }
+
+type ViewFn = dyn Fn(WorkerId) -> (u64, Vec<(u32, u32)>) + Send + Sync;
 
 /// A running subscription. Dropping it stops the task.
 pub struct SubscriberHandle {
     worker: WorkerId,
     health: Arc<Mutex<StreamHealth>>,
-    view: Arc<dyn Fn(WorkerId) -> (u64, Vec<(u32, u32)>) + Send + Sync>,
+    view: Arc<ViewFn>,
     task: JoinHandle<()>,
 }
 
@@ -184,7 +191,11 @@ impl SubscriberHandle {
     /// A snapshot of the stream's health, with the index's view of the
     /// worker (blocks held, widths seen).
     pub fn health(&self) -> StreamHealth {
-        let mut h = self.health.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let mut h = self
+            .health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         let (blocks, widths) = (self.view)(self.worker);
         h.blocks_held = blocks;
         h.observed_widths = widths;
@@ -208,7 +219,11 @@ impl Drop for SubscriberHandle {
 ///
 /// # Panics
 /// Outside a tokio runtime.
-pub fn spawn<S: EventSink>(config: SubscriberConfig, worker: WorkerId, sink: Arc<S>) -> SubscriberHandle {
+pub fn spawn<S: EventSink>(
+    config: SubscriberConfig,
+    worker: WorkerId,
+    sink: Arc<S>,
+) -> SubscriberHandle {
     let health = Arc::new(Mutex::new(StreamHealth::default()));
     let view_sink = Arc::clone(&sink);
     let view = Arc::new(move |w: WorkerId| view_sink.view(w));
@@ -295,7 +310,9 @@ impl<S: EventSink> Run<S> {
                 ev = monitor.next() => ev.map(Live::Event),
             };
             match next {
-                Some(Live::Batch(seq, payload)) => self.on_batch(&mut sub, &mut monitor, seq, &payload).await,
+                Some(Live::Batch(seq, payload)) => {
+                    self.on_batch(&mut sub, &mut monitor, seq, &payload).await
+                }
                 Some(Live::Event(ev)) => self.on_socket_event(&ev),
                 None => {}
             }
@@ -326,7 +343,13 @@ impl<S: EventSink> Run<S> {
         }
     }
 
-    async fn on_batch(&mut self, sub: &mut SubSocket, monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>, seq: u64, payload: &[u8]) {
+    async fn on_batch(
+        &mut self,
+        sub: &mut SubSocket,
+        monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+        seq: u64,
+        payload: &[u8],
+    ) {
         match self.next_seq {
             Some(n) if seq == n => self.apply(seq, payload),
             None if seq == 0 || self.config.replay_endpoint.is_none() => self.apply(seq, payload),
@@ -393,7 +416,9 @@ impl<S: EventSink> Run<S> {
         seq: u64,
         payload: &[u8],
     ) {
-        let Some(endpoint) = self.config.replay_endpoint.clone() else { return };
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            return;
+        };
         let mut buffered: Vec<(u64, Bytes)> = vec![(seq, Bytes::copy_from_slice(payload))];
         let mut overflow = false;
         let fetch = fetch_replay(endpoint, from, self.options(), self.config.replay_timeout);
@@ -423,7 +448,10 @@ impl<S: EventSink> Run<S> {
         match replayed {
             // Contiguous with what we applied, or a first join (nothing to
             // be contiguous with: a partial back-fill beats none).
-            Ok(batches) if batches.first().is_some_and(|(s, _)| *s <= from) || (self.next_seq.is_none() && !batches.is_empty()) => {
+            Ok(batches)
+                if batches.first().is_some_and(|(s, _)| *s <= from)
+                    || (self.next_seq.is_none() && !batches.is_empty()) =>
+            {
                 self.h().replays += 1;
                 for (s, p) in batches {
                     if s >= from && self.next_seq.is_none_or(|n| s >= n) {
@@ -433,7 +461,10 @@ impl<S: EventSink> Run<S> {
             }
             other => {
                 let why = match other {
-                    Ok(b) => format!("replay starts at {:?}, asked for {from}", b.first().map(|x| x.0)),
+                    Ok(b) => format!(
+                        "replay starts at {:?}, asked for {from}",
+                        b.first().map(|x| x.0)
+                    ),
                     Err(e) => e,
                 };
                 tracing::warn!(endpoint = %self.config.endpoint, from, reason = %why, "kv replay failed: dropping the worker's blocks");
@@ -460,15 +491,24 @@ impl<S: EventSink> Run<S> {
 
 /// One replay request on a fresh DEALER: `["", from]`, then replies until
 /// the end marker. Accepts both reply layouts.
-async fn fetch_replay(endpoint: String, from: u64, options: SocketOptions, timeout: Duration) -> Result<Vec<(u64, Bytes)>, String> {
+async fn fetch_replay(
+    endpoint: String,
+    from: u64,
+    options: SocketOptions,
+    timeout: Duration,
+) -> Result<Vec<(u64, Bytes)>, String> {
     let mut dealer = DealerSocket::with_options(options);
     tokio::time::timeout(timeout, dealer.connect(&endpoint))
         .await
         .map_err(|_| "replay connect timed out".to_owned())?
         .map_err(|e| format!("replay connect: {e}"))?;
     let req = frames::replay_request(from);
-    let msg = ZmqMessage::try_from(req.into_iter().map(Bytes::from).collect::<Vec<_>>()).map_err(|e| format!("{e:?}"))?;
-    dealer.send(msg).await.map_err(|e| format!("replay send: {e}"))?;
+    let msg = ZmqMessage::try_from(req.into_iter().map(Bytes::from).collect::<Vec<_>>())
+        .map_err(|e| format!("{e:?}"))?;
+    dealer
+        .send(msg)
+        .await
+        .map_err(|e| format!("replay send: {e}"))?;
     let mut out = Vec::new();
     loop {
         let m = tokio::time::timeout(timeout, dealer.recv())
@@ -478,7 +518,9 @@ async fn fetch_replay(endpoint: String, from: u64, options: SocketOptions, timeo
         let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
         match frames::parse_replay_reply(&parts).map_err(|e| format!("replay reply: {e}"))? {
             ReplayReply::End => return Ok(out),
-            ReplayReply::Batch { seq, payload, .. } => out.push((seq, Bytes::copy_from_slice(payload))),
+            ReplayReply::Batch { seq, payload, .. } => {
+                out.push((seq, Bytes::copy_from_slice(payload)))
+            }
         }
     }
 }

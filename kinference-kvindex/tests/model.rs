@@ -5,7 +5,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use kinference_kvindex::key::{BlockKeyer, ExtraKeys};
-use kinference_kvindex::{BlockHash, BlockKey, BlockRemoved, BlockStored, IndexConfig, KvEvent, KvIndex, WorkerId, WorkerRef, decode_batch};
+use kinference_kvindex::{
+    BlockHash, BlockKey, BlockRemoved, BlockStored, IndexConfig, KvEvent, KvIndex, WorkerId,
+    WorkerRef, decode_batch,
+};
 use proptest::prelude::*;
 
 const WIDTH: usize = 4;
@@ -43,12 +46,35 @@ fn engine_hash(d: usize, i: usize) -> u64 {
 
 #[derive(Debug, Clone)]
 enum Op {
-    Store { w: usize, d: usize, from: usize, len: usize, cpu: bool },
-    Remove { w: usize, d: usize, i: usize, cpu: bool },
-    Placeholder { w: usize, d: usize, i: usize, cpu: bool },
-    Clear { w: usize },
-    RemoveWorker { w: usize },
-    Lookup { d: usize, len: usize },
+    Store {
+        w: usize,
+        d: usize,
+        from: usize,
+        len: usize,
+        cpu: bool,
+    },
+    Remove {
+        w: usize,
+        d: usize,
+        i: usize,
+        cpu: bool,
+    },
+    Placeholder {
+        w: usize,
+        d: usize,
+        i: usize,
+        cpu: bool,
+    },
+    Clear {
+        w: usize,
+    },
+    RemoveWorker {
+        w: usize,
+    },
+    Lookup {
+        d: usize,
+        len: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -75,7 +101,11 @@ impl Model {
     }
     fn depth(&self, w: usize, keys: &[BlockKey], gpu_only: bool) -> u32 {
         keys.iter()
-            .take_while(|k| self.held[w].get(k).is_some_and(|t| !gpu_only || t.contains(&false)))
+            .take_while(|k| {
+                self.held[w]
+                    .get(k)
+                    .is_some_and(|t| !gpu_only || t.contains(&false))
+            })
             .count() as u32
     }
     fn holes(&self, w: usize, keys: &[Vec<BlockKey>]) -> u64 {
@@ -94,8 +124,8 @@ impl Model {
     }
 }
 
-fn medium(cpu: bool) -> Option<String> {
-    Some(if cpu { "CPU" } else { "GPU" }.to_owned())
+fn medium(cpu: bool) -> String {
+    if cpu { "CPU" } else { "GPU" }.to_owned()
 }
 
 proptest! {
@@ -119,21 +149,21 @@ proptest! {
                         parent_block_hash: parent.map(BlockHash::Uint),
                         token_ids: toks[d][from * WIDTH..(from + len) * WIDTH].to_vec(),
                         block_size: WIDTH as u32,
-                        medium: medium(cpu),
+                        medium: Some(medium(cpu)),
                         ..BlockStored::default()
                     });
                     ix.apply_event(ids[w], &ev).expect("applies");
                     // The parent must be known to someone, else the event is an orphan.
                     if from == 0 || m.any_holder(keys[d][from - 1]) {
-                        for i in from..from + len {
-                            m.held[w].entry(keys[d][i]).or_default().insert(cpu);
+                        for k in &keys[d][from..from + len] {
+                            m.held[w].entry(*k).or_default().insert(cpu);
                         }
                     }
                 }
                 Op::Remove { w, d, i, cpu } => {
                     let ev = KvEvent::BlockRemoved(BlockRemoved {
                         block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
-                        medium: medium(cpu),
+                        medium: Some(medium(cpu)),
                         ..BlockRemoved::default()
                     });
                     ix.apply_event(ids[w], &ev).expect("applies");
@@ -147,7 +177,7 @@ proptest! {
                 Op::Placeholder { w, d, i, cpu } => {
                     let ev = KvEvent::BlockStored(BlockStored {
                         block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
-                        medium: medium(cpu),
+                        medium: Some(medium(cpu)),
                         ..BlockStored::default()
                     });
                     ix.apply_event(ids[w], &ev).expect("applies");

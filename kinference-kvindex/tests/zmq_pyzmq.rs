@@ -13,7 +13,10 @@ use std::time::Duration;
 use kinference_kvindex::codec::frames;
 use kinference_kvindex::key::{BlockKeyer, ExtraKeys};
 use kinference_kvindex::sub::{self, StreamHealth, SubscriberConfig, SubscriberHandle};
-use kinference_kvindex::{BlockHash, BlockStored, EncodeForm, EventBatch, KvEvent, KvIndex, WorkerId, WorkerRef, encode_batch};
+use kinference_kvindex::{
+    BlockHash, BlockStored, EncodeForm, EventBatch, KvEvent, KvIndex, WorkerId, WorkerRef,
+    encode_batch,
+};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, ChildStdin, Command};
@@ -118,14 +121,21 @@ impl Drop for Publisher {
     }
 }
 
-async fn wait_for(h: &SubscriberHandle, what: &str, cond: impl Fn(&StreamHealth) -> bool) -> StreamHealth {
+async fn wait_for(
+    h: &SubscriberHandle,
+    what: &str,
+    cond: impl Fn(&StreamHealth) -> bool,
+) -> StreamHealth {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         let s = h.health();
         if cond(&s) {
             return s;
         }
-        assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}: {s:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting for {what}: {s:?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
@@ -142,9 +152,16 @@ fn tokens(n: usize) -> Vec<u32> {
 
 /// Three chained batches: seq 0 stores blocks 1-3, seq 1 blocks 4-5, seq 2
 /// block 6 (16-token blocks), written with our encoder in `form`.
-fn chained_payloads(dir: &Path, form: EncodeForm) -> (Vec<PathBuf>, Vec<kinference_kvindex::BlockKey>) {
+fn chained_payloads(
+    dir: &Path,
+    form: EncodeForm,
+) -> (Vec<PathBuf>, Vec<kinference_kvindex::BlockKey>) {
     let t = tokens(96);
-    let parts: [(&[u64], Option<u64>, std::ops::Range<usize>); 3] = [(&[1, 2, 3], None, 0..48), (&[4, 5], Some(3), 48..80), (&[6], Some(5), 80..96)];
+    let parts: [(&[u64], Option<u64>, std::ops::Range<usize>); 3] = [
+        (&[1, 2, 3], None, 0..48),
+        (&[4, 5], Some(3), 48..80),
+        (&[6], Some(5), 80..96),
+    ];
     let mut files = vec![];
     for (i, (hashes, parent, range)) in parts.into_iter().enumerate() {
         let b = EventBatch {
@@ -165,11 +182,16 @@ fn chained_payloads(dir: &Path, form: EncodeForm) -> (Vec<PathBuf>, Vec<kinferen
         std::fs::write(&p, encode_batch(&b, form)).expect("writes payload");
         files.push(p);
     }
-    (files, BlockKeyer::new(16, None).keys(&t, &ExtraKeys::none()))
+    (
+        files,
+        BlockKeyer::new(16, None).keys(&t, &ExtraKeys::none()),
+    )
 }
 
 fn capture_payload(dir: &Path, capture: &str) -> (PathBuf, String) {
-    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events").join(capture);
+    let src = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/kv-events")
+        .join(capture);
     let bytes = std::fs::read(&src).expect("capture");
     let f = frames::read_frames_container(&bytes).expect("container");
     let m = frames::parse_live(&f).expect("live capture");
@@ -180,7 +202,9 @@ fn capture_payload(dir: &Path, capture: &str) -> (PathBuf, String) {
 
 fn setup() -> (Arc<KvIndex>, WorkerId) {
     let ix = Arc::new(KvIndex::default());
-    let w = ix.register_worker(WorkerRef::new("pod-0", 0), 16).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("pod-0", 0), 16)
+        .expect("registers");
     (ix, w)
 }
 
@@ -205,13 +229,23 @@ async fn fixture_captures_then_a_publisher_restart() {
     ]});
     let mut publ = Publisher::start(&dir, &plan).await;
     let (ix, w) = setup();
-    let h = sub::spawn(SubscriberConfig::new(publ.endpoint()).with_topic("kv@"), w, Arc::clone(&ix));
+    let h = sub::spawn(
+        SubscriberConfig::new(publ.endpoint()).with_topic("kv@"),
+        w,
+        Arc::clone(&ix),
+    );
     let s = wait_for(&h, "two batches", |s| s.batches == 2).await;
     assert!(s.connected);
-    assert_eq!((s.blocks_held, s.last_seq, s.observed_block_width()), (3, Some(1), Some(16)));
+    assert_eq!(
+        (s.blocks_held, s.last_seq, s.observed_block_width()),
+        (3, Some(1), Some(16))
+    );
     publ.proceed().await;
     let s = wait_for(&h, "the restart", |s| s.restarts == 1 && s.batches == 3).await;
-    assert_eq!((s.blocks_held, s.resets, s.gaps, s.last_seq), (5, 1, 0, Some(0)));
+    assert_eq!(
+        (s.blocks_held, s.resets, s.gaps, s.last_seq),
+        (5, 1, 0, Some(0))
+    );
     publ.proceed().await;
     publ.expect_line("PLAN DONE").await;
 }
@@ -238,10 +272,18 @@ async fn gap_scenario(layout: &str, with_replay: bool) -> StreamHealth {
     publ.proceed().await;
     publ.expect_line("PLAN DONE").await;
     if with_replay {
-        assert_eq!((s.replays, s.resets, s.batches, s.blocks_held, d), (1, 0, 3, 6, 6), "{s:?}");
+        assert_eq!(
+            (s.replays, s.resets, s.batches, s.blocks_held, d),
+            (1, 0, 3, 6, 6),
+            "{s:?}"
+        );
     } else {
         // The worker's blocks were dropped; block 6's parent is unknown.
-        assert_eq!((s.replays, s.resets, s.batches, s.blocks_held, d), (0, 1, 2, 0, 0), "{s:?}");
+        assert_eq!(
+            (s.replays, s.resets, s.batches, s.blocks_held, d),
+            (0, 1, 2, 0, 0),
+            "{s:?}"
+        );
     }
     s
 }
@@ -276,9 +318,17 @@ async fn a_late_joiner_back_fills_by_replay() {
     ]});
     let mut publ = Publisher::start(&dir, &plan).await;
     let (ix, w) = setup();
-    let h = sub::spawn(SubscriberConfig::new(publ.endpoint()).with_replay(publ.replay()), w, Arc::clone(&ix));
+    let h = sub::spawn(
+        SubscriberConfig::new(publ.endpoint()).with_replay(publ.replay()),
+        w,
+        Arc::clone(&ix),
+    );
     let s = wait_for(&h, "the back-fill", |s| s.last_seq == Some(2)).await;
-    assert_eq!((s.replays, s.batches, s.blocks_held, s.gaps), (1, 3, 6, 0), "{s:?}");
+    assert_eq!(
+        (s.replays, s.batches, s.blocks_held, s.gaps),
+        (1, 3, 6, 0),
+        "{s:?}"
+    );
     assert_eq!(depth(&ix, &keys, w), 6);
     publ.proceed().await;
     publ.expect_line("PLAN DONE").await;

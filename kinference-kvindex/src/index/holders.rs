@@ -14,7 +14,9 @@ const CHILD_MAX: u64 = (1 << 24) - 1;
 
 #[inline]
 pub(crate) fn pack(worker: u32, tiers: u8, children: u32) -> u64 {
-    u64::from(worker) | (u64::from(tiers) << TIER_SHIFT) | (u64::from(children).min(CHILD_MAX) << CHILD_SHIFT)
+    u64::from(worker)
+        | (u64::from(tiers) << TIER_SHIFT)
+        | (u64::from(children).min(CHILD_MAX) << CHILD_SHIFT)
 }
 #[inline]
 pub(crate) fn worker(h: u64) -> u32 {
@@ -39,10 +41,16 @@ pub(crate) fn with_children(h: u64, c: u32) -> u64 {
 
 #[derive(Debug, Clone)]
 pub(crate) enum Holders {
-    Inline { len: u8, items: [u64; 2] },
+    Inline {
+        len: u8,
+        items: [u64; 2],
+    },
     /// `buf[..len]` live; capacity grows by 4 slots at a time (10 holders
     /// cost 12 slots, not 16).
-    Heap { len: u32, buf: Box<[u64]> },
+    Heap {
+        len: u32,
+        buf: Box<[u64]>,
+    },
 }
 
 const GROW: usize = 4;
@@ -105,6 +113,7 @@ impl Holders {
 
     /// Inserts a holder for a worker not yet present; returns the change in
     /// heap words.
+    #[allow(clippy::many_single_char_names)]
     pub(crate) fn insert(&mut self, h: u64) -> isize {
         let w = worker(h);
         let s = self.as_slice();

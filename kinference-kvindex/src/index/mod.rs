@@ -55,7 +55,7 @@ pub enum IndexError {
 }
 
 /// Index settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexConfig {
     /// Number of key shards (rounded up to a power of two, at most 65536).
     pub shards: usize,
@@ -315,6 +315,7 @@ fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
+#[inline]
 fn lookup_rec(writer: &Writer, w: usize, h: u64) -> Option<Rec> {
     let ws = writer.workers.get(w)?.as_ref()?;
     if !ws.overrides.is_empty()
@@ -367,13 +368,17 @@ impl KvIndex {
         if pos >> self.seg_shift == 0 {
             0
         } else {
-            (31 - pos.leading_zeros() - self.seg_shift) as usize + 1
+            (pos.ilog2() - self.seg_shift) as usize + 1
         }
     }
 
     #[inline]
     fn seg_start(&self, seg: usize) -> u32 {
-        if seg == 0 { 0 } else { 1 << (self.seg_shift + seg as u32 - 1) }
+        if seg == 0 {
+            0
+        } else {
+            1 << (self.seg_shift + seg as u32 - 1)
+        }
     }
 
     #[inline]
@@ -394,13 +399,19 @@ impl KvIndex {
     ///
     /// # Errors
     /// [`IndexError::ZeroBlockSize`], [`IndexError::TooManyWorkers`].
-    pub fn register_worker(&self, worker: WorkerRef, block_size: u32) -> Result<WorkerId, IndexError> {
+    pub fn register_worker(
+        &self,
+        worker: WorkerRef,
+        block_size: u32,
+    ) -> Result<WorkerId, IndexError> {
         if block_size == 0 {
             return Err(IndexError::ZeroBlockSize);
         }
         let mut wr = lock(&self.writer);
         if let Some(&id) = wr.by_ref.get(&worker) {
-            let same = wr.workers[id as usize].as_ref().is_some_and(|s| s.block_size == block_size);
+            let same = wr.workers[id as usize]
+                .as_ref()
+                .is_some_and(|s| s.block_size == block_size);
             if !same {
                 self.clear_locked(&mut wr, id as usize);
                 if let Some(ws) = wr.workers[id as usize].as_mut() {
@@ -466,11 +477,11 @@ impl KvIndex {
     /// [`IndexError::UnknownWorker`].
     pub fn clear_worker(&self, id: WorkerId) -> Result<u64, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         Ok(self.clear_locked(&mut wr, id.0 as usize))
     }
 
-    fn check(&self, wr: &Writer, id: WorkerId) -> Result<(), IndexError> {
+    fn check(wr: &Writer, id: WorkerId) -> Result<(), IndexError> {
         match wr.workers.get(id.0 as usize) {
             Some(Some(_)) => Ok(()),
             _ => Err(IndexError::UnknownWorker(id.0)),
@@ -480,7 +491,8 @@ impl KvIndex {
     fn clear_locked(&self, wr: &mut Writer, w: usize) -> u64 {
         let wid = w as u32;
         let mut removed = 0u64;
-        let mut dead_keys: hashbrown::HashSet<u64, BuildHasherDefault<KeyHasher>> = hashbrown::HashSet::default();
+        let mut dead_keys: hashbrown::HashSet<u64, BuildHasherDefault<KeyHasher>> =
+            hashbrown::HashSet::default();
         let mut heap_delta = 0isize;
         for s in &self.shards {
             let mut sh = write(&s.0);
@@ -506,7 +518,8 @@ impl KvIndex {
         self.add_heap(heap_delta);
         if !dead_keys.is_empty() {
             wr.engine.retain(|_, r| !dead_keys.contains(&r.key));
-            wr.multi.retain(|_, subs| subs.first().is_none_or(|r| !dead_keys.contains(&r.key)));
+            wr.multi
+                .retain(|_, subs| subs.first().is_none_or(|r| !dead_keys.contains(&r.key)));
             wr.engine.shrink_to_fit();
             wr.multi.shrink_to_fit();
         }
@@ -523,7 +536,11 @@ impl KvIndex {
     }
 
     fn flush(&self, d: &Delta) {
-        for (ctr, v) in [(&self.entries, d.entries), (&self.keys, d.keys), (&self.heap_words, d.heap as i64)] {
+        for (ctr, v) in [
+            (&self.entries, d.entries),
+            (&self.keys, d.keys),
+            (&self.heap_words, d.heap as i64),
+        ] {
             if v > 0 {
                 ctr.fetch_add(v as u64, Ordering::Relaxed);
             } else if v < 0 {
@@ -536,7 +553,8 @@ impl KvIndex {
         if delta >= 0 {
             self.heap_words.fetch_add(delta as u64, Ordering::Relaxed);
         } else {
-            self.heap_words.fetch_sub(delta.unsigned_abs() as u64, Ordering::Relaxed);
+            self.heap_words
+                .fetch_sub(delta.unsigned_abs() as u64, Ordering::Relaxed);
         }
     }
 
@@ -560,13 +578,20 @@ impl KvIndex {
     /// Counters of one worker.
     pub fn worker_stats(&self, id: WorkerId) -> Option<WorkerStats> {
         let wr = lock(&self.writer);
-        wr.workers.get(id.0 as usize)?.as_ref().map(|s| s.stats.clone())
+        wr.workers
+            .get(id.0 as usize)?
+            .as_ref()
+            .map(|s| s.stats.clone())
     }
 
     /// Ids of all registered workers.
     pub fn workers(&self) -> Vec<(WorkerId, WorkerRef)> {
         let wr = lock(&self.writer);
-        let mut v: Vec<_> = wr.by_ref.iter().map(|(r, &i)| (WorkerId(i), r.clone())).collect();
+        let mut v: Vec<_> = wr
+            .by_ref
+            .iter()
+            .map(|(r, &i)| (WorkerId(i), r.clone()))
+            .collect();
         v.sort();
         v
     }
@@ -586,7 +611,8 @@ impl KvIndex {
         }
         bytes += wr.multi.capacity() as u64 * (std::mem::size_of::<(u64, Box<[Rec]>)>() as u64 + 1);
         for ws in wr.workers.iter().flatten() {
-            bytes += ws.overrides.capacity() as u64 * rec_slot + ws.orphan_parents.capacity() as u64 * 13;
+            bytes += ws.overrides.capacity() as u64 * rec_slot
+                + ws.orphan_parents.capacity() as u64 * 13;
         }
         IndexStats {
             entries: self.entries.load(Ordering::Relaxed),
@@ -627,7 +653,7 @@ impl KvIndex {
     /// [`IndexError::UnknownWorker`].
     pub fn apply_event(&self, id: WorkerId, ev: &KvEvent) -> Result<Applied, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         let w = id.0 as usize;
         Ok(match ev {
             KvEvent::BlockStored(s) => self.apply_stored(&mut wr, w, s),
@@ -649,7 +675,12 @@ impl KvIndex {
                     });
                 }
                 let tier = Tier::from_medium(r.medium.as_deref());
-                let removed = self.remove_locked(&mut wr, w, r.block_hashes.iter().map(crate::event::BlockHash::id), tier);
+                let removed = self.remove_locked(
+                    &mut wr,
+                    w,
+                    r.block_hashes.iter().map(crate::event::BlockHash::id),
+                    tier,
+                );
                 Applied {
                     removed,
                     ..Applied::default()
@@ -670,7 +701,10 @@ impl KvIndex {
         let n = s.block_hashes.len() as u64;
         let group = s.group_idx.unwrap_or(0);
         let ws = wr.workers[w].as_mut().expect("checked");
-        if s.block_size > 0 && !ws.stats.observed_widths.contains(&(group, s.block_size)) && ws.stats.observed_widths.len() < 16 {
+        if s.block_size > 0
+            && !ws.stats.observed_widths.contains(&(group, s.block_size))
+            && ws.stats.observed_widths.len() < 16
+        {
             ws.stats.observed_widths.push((group, s.block_size));
         }
         let dropped = Applied {
@@ -700,7 +734,7 @@ impl KvIndex {
         }
         let width = ws.block_size;
         let bs = s.block_size;
-        if bs == 0 || bs % width != 0 || s.token_ids.len() as u64 != u64::from(bs) * n {
+        if bs == 0 || !bs.is_multiple_of(width) || s.token_ids.len() as u64 != u64::from(bs) * n {
             ws.stats.width_mismatch_blocks += n;
             return dropped;
         }
@@ -715,8 +749,15 @@ impl KvIndex {
         for (i, chunk) in s.token_ids.chunks_exact(width as usize).enumerate() {
             locals.push(key::local_hash(chunk, extras[i / k]));
         }
-        let hashes: SmallVec<[u64; 64]> = s.block_hashes.iter().map(crate::event::BlockHash::id).collect();
-        let parent = s.parent_block_hash.as_ref().map(crate::event::BlockHash::id);
+        let hashes: SmallVec<[u64; 64]> = s
+            .block_hashes
+            .iter()
+            .map(crate::event::BlockHash::id)
+            .collect();
+        let parent = s
+            .parent_block_hash
+            .as_ref()
+            .map(crate::event::BlockHash::id);
         let out = self.store_locked(wr, w, parent, seed, &hashes, &locals, k, tier);
         wr.locals = locals;
         out
@@ -742,9 +783,18 @@ impl KvIndex {
         tier: Tier,
     ) -> Result<Applied, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         let n = hashes.len().min(locals.len());
-        Ok(self.store_locked(&mut wr, id.0 as usize, parent, seed, &hashes[..n], &locals[..n], 1, tier))
+        Ok(self.store_locked(
+            &mut wr,
+            id.0 as usize,
+            parent,
+            seed,
+            &hashes[..n],
+            &locals[..n],
+            1,
+            tier,
+        ))
     }
 
     /// Removes blocks of a worker from one tier by engine id (the
@@ -752,14 +802,20 @@ impl KvIndex {
     ///
     /// # Errors
     /// [`IndexError::UnknownWorker`].
-    pub fn remove_hashed(&self, id: WorkerId, hashes: &[u64], tier: Tier) -> Result<u64, IndexError> {
+    pub fn remove_hashed(
+        &self,
+        id: WorkerId,
+        hashes: &[u64],
+        tier: Tier,
+    ) -> Result<u64, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         Ok(self.remove_locked(&mut wr, id.0 as usize, hashes.iter().copied(), tier))
     }
 
     /// `k` locals per engine hash (re-chunking when k > 1).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     fn store_locked(
         &self,
         wr: &mut Writer,
@@ -772,20 +828,18 @@ impl KvIndex {
         tier: Tier,
     ) -> Applied {
         let n = hashes.len() as u64;
-        let (mut prev_key, mut pos, mut prev_shard) = match parent {
-            None => (seed, 0u32, 0u16),
-            Some(p) => match lookup_rec(wr, w, p) {
-                Some(r) => (r.key, r.pos + 1, r.shard),
-                None => {
-                    let ws = wr.workers[w].as_mut().expect("checked");
-                    ws.stats.orphan_blocks += n;
-                    return Applied {
-                        dropped: n,
-                        ..Applied::default()
-                    };
-                }
-            },
-        };
+        let (mut prev_key, mut pos, mut prev_shard) = (seed, 0u32, 0u16);
+        if let Some(p) = parent {
+            let Some(r) = lookup_rec(wr, w, p) else {
+                let ws = wr.workers[w].as_mut().expect("checked");
+                ws.stats.orphan_blocks += n;
+                return Applied {
+                    dropped: n,
+                    ..Applied::default()
+                };
+            };
+            (prev_key, pos, prev_shard) = (r.key, r.pos + 1, r.shard);
+        }
         // Budget: clear the largest worker first if this store could pass it.
         if self.entries.load(Ordering::Relaxed) + locals.len() as u64 > self.config.max_entries {
             self.evict_largest(wr);
@@ -796,7 +850,11 @@ impl KvIndex {
             let mut subs: SmallVec<[Rec; 4]> = SmallVec::new();
             for local in &locals[i * k..(i + 1) * k] {
                 let key = key::chain(prev_key, *local).0;
-                let shard = if self.seg_start_at(pos) { self.shard_of(key) } else { prev_shard };
+                let shard = if self.seg_start_at(pos) {
+                    self.shard_of(key)
+                } else {
+                    prev_shard
+                };
                 subs.push(Rec {
                     key,
                     parent_key: prev_key,
@@ -857,14 +915,26 @@ impl KvIndex {
                 } else {
                     Parent::Probe
                 };
-                child_new = Self::insert_holder(&mut sh.map, ws, w as u32, r, tier, parent, u32::from(child_new), &mut delta);
+                child_new = Self::insert_holder(
+                    &mut sh.map,
+                    ws,
+                    w as u32,
+                    r,
+                    tier,
+                    parent,
+                    u32::from(child_new),
+                    &mut delta,
+                );
                 if child_new {
                     stored += 1;
                 }
             }
             let first_new = child_new;
             drop(sh);
-            if external && first_new && !self.touch_parent(w, first.parent_shard, first.parent_key, 1) {
+            if external
+                && first_new
+                && !self.touch_parent(w, first.parent_shard, first.parent_key, 1)
+            {
                 let ws = wr.workers[w].as_mut().expect("checked");
                 ws.stats.holes += 1;
                 *ws.orphan_parents.entry(first.parent_key).or_insert(0) += 1;
@@ -901,6 +971,7 @@ impl KvIndex {
     /// `new_children`: new entries of this worker whose parent this block
     /// is (inserted just before). `parent` says who accounts for the parent.
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     fn insert_holder(
         map: &mut KeyMap<Holders>,
         ws: &mut WorkerState,
@@ -964,12 +1035,19 @@ impl KvIndex {
     }
 
     /// Adds a tier to a block the worker holds (placeholder stores).
+    #[allow(clippy::many_single_char_names)]
     fn add_tier_locked(&self, wr: &mut Writer, w: usize, h: u64, tier: Tier) -> bool {
-        let Some(r) = lookup_rec(wr, w, h) else { return false };
+        let Some(r) = lookup_rec(wr, w, h) else {
+            return false;
+        };
         let mut sh = write(&self.shards[r.shard as usize].0);
         let ws = wr.workers[w].as_mut().expect("checked");
-        let Some(hs) = sh.map.get_mut(&r.key) else { return false };
-        let Some(i) = hs.find(w as u32) else { return false };
+        let Some(hs) = sh.map.get_mut(&r.key) else {
+            return false;
+        };
+        let Some(i) = hs.find(w as u32) else {
+            return false;
+        };
         let x = hs.as_slice()[i];
         let t = holders::tiers(x);
         if t & tier.bit() == 0 {
@@ -983,14 +1061,28 @@ impl KvIndex {
         true
     }
 
-    fn remove_locked(&self, wr: &mut Writer, w: usize, hashes: impl Iterator<Item = u64>, tier: Tier) -> u64 {
+    fn remove_locked(
+        &self,
+        wr: &mut Writer,
+        w: usize,
+        hashes: impl Iterator<Item = u64>,
+        tier: Tier,
+    ) -> u64 {
         let mut removed = 0;
         let mut delta = Delta::default();
         // The write guard of the shard last touched, kept across blocks.
         let mut cur: Option<(u16, RwLockWriteGuard<'_, Shard>)> = None;
-        for h in hashes {
-            let Some(last) = lookup_rec(wr, w, h) else {
-                wr.workers[w].as_mut().expect("checked").stats.unknown_removals += 1;
+        // All record lookups first: independent probes whose cache misses
+        // overlap (the shard locks below would serialize them).
+        let found: SmallVec<[(u64, Option<Rec>); 32]> =
+            hashes.map(|h| (h, lookup_rec(wr, w, h))).collect();
+        for (h, rec) in found {
+            let Some(last) = rec else {
+                wr.workers[w]
+                    .as_mut()
+                    .expect("checked")
+                    .stats
+                    .unknown_removals += 1;
                 continue;
             };
             let mut all: SmallVec<[Rec; 4]> = SmallVec::new();
@@ -1041,6 +1133,7 @@ impl KvIndex {
         removed
     }
 
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     fn remove_holder<'a>(
         &'a self,
         wr: &mut Writer,
@@ -1056,10 +1149,16 @@ impl KvIndex {
             *cur = None;
             *cur = Some((r.shard, write(&self.shards[r.shard as usize].0)));
         }
-        let Some((_, sh)) = cur.as_mut() else { return Removal::NotHeld };
+        let Some((_, sh)) = cur.as_mut() else {
+            return Removal::NotHeld;
+        };
         let ws = wr.workers[w].as_mut().expect("checked");
-        let Some(hs) = sh.map.get_mut(&r.key) else { return Removal::NotHeld };
-        let Some(i) = hs.find(wid) else { return Removal::NotHeld };
+        let Some(hs) = sh.map.get_mut(&r.key) else {
+            return Removal::NotHeld;
+        };
+        let Some(i) = hs.find(wid) else {
+            return Removal::NotHeld;
+        };
         let h = hs.as_slice()[i];
         let t = holders::tiers(h);
         let rest = t & !tier.bit();
@@ -1096,7 +1195,10 @@ impl KvIndex {
                     && let Some(j) = ph.find(wid)
                 {
                     let x = ph.as_slice()[j];
-                    ph.set(j, holders::with_children(x, holders::children(x).saturating_sub(1)));
+                    ph.set(
+                        j,
+                        holders::with_children(x, holders::children(x).saturating_sub(1)),
+                    );
                     true
                 } else {
                     false
@@ -1108,7 +1210,9 @@ impl KvIndex {
             if !held {
                 let ws = wr.workers[w].as_mut().expect("checked");
                 ws.stats.holes = ws.stats.holes.saturating_sub(1);
-                if let hashbrown::hash_map::Entry::Occupied(mut o) = ws.orphan_parents.entry(r.parent_key) {
+                if let hashbrown::hash_map::Entry::Occupied(mut o) =
+                    ws.orphan_parents.entry(r.parent_key)
+                {
                     *o.get_mut() -= 1;
                     if *o.get() == 0 {
                         o.remove();
@@ -1129,7 +1233,12 @@ impl KvIndex {
         if let Some((held, w)) = victim
             && held > 0
         {
-            tracing::warn!(worker = w, held, budget = self.config.max_entries, "kv index over budget: clearing the largest worker");
+            tracing::warn!(
+                worker = w,
+                held,
+                budget = self.config.max_entries,
+                "kv index over budget: clearing the largest worker"
+            );
             self.clear_locked(wr, w);
             wr.evictions += 1;
         }
@@ -1146,6 +1255,7 @@ impl KvIndex {
     }
 
     /// Like [`find_matches`](Self::find_matches), reusing `out`'s buffers.
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     pub fn find_matches_into(&self, keys: &[BlockKey], out: &mut Matches) {
         out.items.clear();
         out.cand.clear();
@@ -1185,7 +1295,11 @@ impl KvIndex {
             for &p in &points {
                 self.ensure(keys, p, &mut guards, &mut seg_slot);
             }
-            let h0 = if first { self.probe(keys, 0, &guards, &seg_slot) } else { None };
+            let h0 = if first {
+                self.probe(keys, 0, &guards, &seg_slot)
+            } else {
+                None
+            };
             let mut found: SmallVec<[Option<&Holders>; 16]> = SmallVec::new();
             for &p in &points {
                 found.push(self.probe(keys, p, &guards, &seg_slot));
@@ -1227,19 +1341,27 @@ impl KvIndex {
                 }
             }
             // Next: the first unfinished bracket.
-            let Some(c) = out.cand.iter().find(|c| c.hi - c.lo > 1) else { break };
+            let Some(c) = out.cand.iter().find(|c| c.hi - c.lo > 1) else {
+                break;
+            };
             (lo, hi) = (c.lo, c.hi);
         }
         out.points = points;
         // Exact answers for workers with holes or non-GPU entries.
         for c in &out.cand {
-            let flags = self.flags.get(c.worker as usize).map_or(0, |f| f.load(Ordering::Acquire));
+            let flags = self
+                .flags
+                .get(c.worker as usize)
+                .map_or(0, |f| f.load(Ordering::Acquire));
             let mut blocks = c.lo + 1;
             if flags & FLAG_HOLES != 0 {
                 blocks = n;
                 for p in 1..n {
                     self.ensure(keys, p, &mut guards, &mut seg_slot);
-                    if self.probe(keys, p, &guards, &seg_slot).is_none_or(|hs| hs.find(c.worker).is_none()) {
+                    if self
+                        .probe(keys, p, &guards, &seg_slot)
+                        .is_none_or(|hs| hs.find(c.worker).is_none())
+                    {
                         blocks = p;
                         break;
                     }
@@ -1250,7 +1372,8 @@ impl KvIndex {
                 gpu_blocks = blocks;
                 for p in 0..blocks {
                     self.ensure(keys, p, &mut guards, &mut seg_slot);
-                    let gpu = self.probe(keys, p, &guards, &seg_slot)
+                    let gpu = self
+                        .probe(keys, p, &guards, &seg_slot)
                         .and_then(|hs| hs.get(c.worker))
                         .is_some_and(|h| holders::tiers(h) & Tier::Gpu.bit() != 0);
                     if !gpu {
@@ -1267,7 +1390,13 @@ impl KvIndex {
         }
     }
 
-    fn ensure<'a>(&'a self, keys: &[BlockKey], pos: u32, guards: &mut Guards<'a>, seg_slot: &mut [u16]) {
+    fn ensure<'a>(
+        &'a self,
+        keys: &[BlockKey],
+        pos: u32,
+        guards: &mut Guards<'a>,
+        seg_slot: &mut [u16],
+    ) {
         let seg = self.seg_of(pos);
         if seg_slot[seg] == u16::MAX {
             let anchor = keys[self.seg_start(seg) as usize].0;
@@ -1283,9 +1412,19 @@ impl KvIndex {
     }
 
     #[inline]
-    fn probe<'g>(&self, keys: &[BlockKey], pos: u32, guards: &'g Guards<'_>, seg_slot: &[u16]) -> Option<&'g Holders> {
+    fn probe<'g>(
+        &self,
+        keys: &[BlockKey],
+        pos: u32,
+        guards: &'g Guards<'_>,
+        seg_slot: &[u16],
+    ) -> Option<&'g Holders> {
         let slot = seg_slot[self.seg_of(pos)];
-        guards.get(usize::from(slot))?.1.map.get(&keys[pos as usize].0)
+        guards
+            .get(usize::from(slot))?
+            .1
+            .map
+            .get(&keys[pos as usize].0)
     }
 }
 
