@@ -261,6 +261,22 @@ fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
+/// CPU seconds this thread has run (from /proc; 10 ms resolution), to
+/// tell a slow index from a busy machine.
+fn thread_cpu() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/thread-self/stat") else {
+        return 0.0;
+    };
+    let after = stat.rsplit(')').next().unwrap_or("");
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // Fields after the command: state is not numeric, so utime/stime are
+    // at 11 and 12 of the numeric ones.
+    (f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0)) as f64 / 100.0
+}
+
 fn pct(sorted: &[u64], p: f64) -> u64 {
     if sorted.is_empty() {
         return 0;
@@ -343,6 +359,8 @@ fn main() {
     let seed = seed_for_lora(None);
 
     // 1. Populate.
+    let cpu0 = thread_cpu();
+    let wall0 = Instant::now();
     let mut timed = 0f64;
     let mut events = 0u64;
     for b in 0..DOCS / BATCH_DOCS {
@@ -363,6 +381,7 @@ fn main() {
         events += evs.len() as u64;
     }
     let ingest = ENTRIES as f64 / timed;
+    let populate_cpu_share = (thread_cpu() - cpu0) / wall0.elapsed().as_secs_f64();
     let entries = ix.entries();
     assert_eq!(entries, ENTRIES, "entries after populate");
 
@@ -486,6 +505,8 @@ fn main() {
     drop((removes, stores, churn_ops));
 
     // 5. Remove all.
+    let cpu0 = thread_cpu();
+    let wall0 = Instant::now();
     let mut timed_rm = 0f64;
     for b in 0..DOCS / BATCH_DOCS {
         let mut evs = Vec::with_capacity(BATCH_DOCS * REPLICAS * CHUNKS);
@@ -503,6 +524,7 @@ fn main() {
         timed_rm += t.elapsed().as_secs_f64();
     }
     let remove_rate = ENTRIES as f64 / timed_rm;
+    let remove_cpu_share = (thread_cpu() - cpu0) / wall0.elapsed().as_secs_f64();
     let entries_after = ix.entries();
     let held_after = (ALLOC.allocated() as u64).saturating_sub(h0);
     let rss_after = rss_bytes();
@@ -549,9 +571,10 @@ fn main() {
         writer_rate / 1e6
     );
     println!(
-        "remove                             {:.2} M blocks/s ({:.0} k events/s)",
+        "remove                             {:.2} M blocks/s ({:.0} k events/s; this thread got {:.0}% of a core)",
         remove_rate / 1e6,
-        320_000f64 / timed_rm / 1e3
+        320_000f64 / timed_rm / 1e3,
+        remove_cpu_share * 100.0
     );
     println!("entries after removing all         {entries_after}");
     println!(
@@ -586,7 +609,7 @@ fn main() {
     println!("load after: {}", load.trim());
     if json {
         println!(
-            "{{\"ingest\":{ingest},\"heap_per_entry\":{heap_per_entry},\"rss_per_entry\":{rss_per_entry},\"rss1\":{rss1},\"a_med\":{},\"a_p99\":{},\"b_med\":{},\"b_p99\":{},\"c_med\":{},\"c_p99\":{},\"wrong\":{},\"conc_med\":{},\"conc_p99\":{},\"conc_n\":{},\"conc_wrong\":{conc_wrong},\"writer\":{writer_rate},\"remove\":{remove_rate},\"held_after\":{held_after},\"floor\":{floor},\"decode_apply\":{decode_rate},\"br_ingest\":{},\"br_bpe\":{},\"br_med\":{},\"br_p99\":{},\"br_conc_med\":{},\"br_conc_p99\":{},\"br_writer\":{},\"br_wrong\":{}}}",
+            "{{\"ingest\":{ingest},\"heap_per_entry\":{heap_per_entry},\"rss_per_entry\":{rss_per_entry},\"rss1\":{rss1},\"a_med\":{},\"a_p99\":{},\"b_med\":{},\"b_p99\":{},\"c_med\":{},\"c_p99\":{},\"wrong\":{},\"conc_med\":{},\"conc_p99\":{},\"conc_n\":{},\"conc_wrong\":{conc_wrong},\"writer\":{writer_rate},\"remove\":{remove_rate},\"held_after\":{held_after},\"floor\":{floor},\"populate_cpu\":{populate_cpu_share},\"remove_cpu\":{remove_cpu_share},\"decode_apply\":{decode_rate},\"br_ingest\":{},\"br_bpe\":{},\"br_med\":{},\"br_p99\":{},\"br_conc_med\":{},\"br_conc_p99\":{},\"br_writer\":{},\"br_wrong\":{}}}",
             la.median,
             la.p99,
             lb.median,

@@ -61,6 +61,14 @@ pub fn seed_for_event(ev: &BlockStored) -> u64 {
 
 /// The content hash of one block's tokens with its extra-key digest.
 pub fn local_hash(tokens: &[u32], extra_digest: u64) -> u64 {
+    if tokens.len() <= 16 {
+        let mut buf = [0u8; 64];
+        let n = tokens.len() * 4;
+        for (chunk, t) in buf[..n].chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&t.to_le_bytes());
+        }
+        return xxh3_64_with_seed(&buf[..n], extra_digest);
+    }
     let mut buf = [0u8; 256];
     if tokens.len() <= 64 {
         let n = tokens.len() * 4;

@@ -134,9 +134,7 @@ fn read_tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, MsgError> {
     }
     let n = r.read_array_len()?;
     let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        v.push(r.read_u32()?);
-    }
+    r.read_u32s(n, &mut v)?;
     Ok(v)
 }
 

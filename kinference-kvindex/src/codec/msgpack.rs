@@ -187,6 +187,35 @@ impl<'a> Reader<'a> {
         })
     }
 
+    /// `n` unsigned integers that fit u32 (token ids), appended to `out`.
+    /// The common encodings (fixint, uint8/16/32) take a fast path.
+    pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
+        out.reserve(n);
+        for _ in 0..n {
+            let rest = &self.buf[self.pos.min(self.buf.len())..];
+            match rest {
+                [m @ 0x00..=0x7f, ..] => {
+                    out.push(u32::from(*m));
+                    self.pos += 1;
+                }
+                [0xcc, a, ..] => {
+                    out.push(u32::from(*a));
+                    self.pos += 2;
+                }
+                [0xcd, a, b, ..] => {
+                    out.push(u32::from(u16::from_be_bytes([*a, *b])));
+                    self.pos += 3;
+                }
+                [0xce, a, b, c, d, ..] => {
+                    out.push(u32::from_be_bytes([*a, *b, *c, *d]));
+                    self.pos += 5;
+                }
+                _ => out.push(self.read_u32()?),
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn read_u32(&mut self) -> Result<u32, MsgError> {
         let at = self.pos;
         let v = self.read_int()?.as_u64().ok_or(MsgError::Range(at))?;

@@ -1076,6 +1076,27 @@ impl KvIndex {
         // overlap (the shard locks below would serialize them).
         let found: SmallVec<[(u64, Option<Rec>); 32]> =
             hashes.map(|h| (h, lookup_rec(wr, w, h))).collect();
+        // Then touch every block's slot and holders under one read lock per
+        // shard run, so those misses overlap too (the removal loop below
+        // works on dependent data and would take them one by one).
+        let mut i = 0;
+        while i < found.len() {
+            let Some(shard) = found[i].1.map(|r| r.shard) else {
+                i += 1;
+                continue;
+            };
+            let sh = read(&self.shards[shard as usize].0);
+            let mut acc = 0u64;
+            while i < found.len() && found[i].1.is_some_and(|r| r.shard == shard) {
+                if let Some(r) = found[i].1
+                    && let Some(hs) = sh.map.get(&r.key)
+                {
+                    acc ^= hs.as_slice().first().copied().unwrap_or(0);
+                }
+                i += 1;
+            }
+            std::hint::black_box(acc);
+        }
         for (h, rec) in found {
             let Some(last) = rec else {
                 wr.workers[w]
