@@ -311,7 +311,7 @@ impl<S: EventSink> Run<S> {
             };
             match next {
                 Some(Live::Batch(seq, payload)) => {
-                    self.on_batch(&mut sub, &mut monitor, seq, &payload).await
+                    self.on_batch(&mut sub, &mut monitor, seq, &payload).await;
                 }
                 Some(Live::Event(ev)) => self.on_socket_event(&ev),
                 None => {}

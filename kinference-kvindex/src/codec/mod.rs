@@ -400,7 +400,7 @@ fn decode_map(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEven
             (1, "group_idx") => stored.group_idx = opt_u32(r, skipped)?,
             (1, "kv_cache_spec_kind") => stored.kv_cache_spec_kind = opt_str(r, skipped)?,
             (1, "kv_cache_spec_sliding_window") => {
-                stored.kv_cache_spec_sliding_window = opt_u32(r, skipped)?
+                stored.kv_cache_spec_sliding_window = opt_u32(r, skipped)?;
             }
             (1, "locality") => stored.locality = opt_str(r, skipped)?,
             (1, "ownership") => stored.ownership = opt_str(r, skipped)?,

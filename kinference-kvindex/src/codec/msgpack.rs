@@ -189,6 +189,7 @@ impl<'a> Reader<'a> {
 
     /// `n` unsigned integers that fit u32 (token ids), appended to `out`.
     /// The common encodings (fixint, uint8/16/32) take a fast path.
+    #[allow(clippy::many_single_char_names)] // a, b, c, d: bytes of one integer
     pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
         out.reserve(n);
         for _ in 0..n {
