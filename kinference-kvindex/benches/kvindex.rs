@@ -54,7 +54,7 @@ fn keys(c: &mut Criterion) {
     let mut g = c.benchmark_group("keys");
     g.throughput(Throughput::Elements(512));
     g.bench_function("block_keys_8192_tokens", |b| {
-        b.iter(|| keyer.keys(black_box(&tokens), &ExtraKeys::none()))
+        b.iter(|| keyer.keys(black_box(&tokens), &ExtraKeys::none()));
     });
     g.finish();
 }
@@ -65,10 +65,10 @@ fn codec(c: &mut Criterion) {
     let mut g = c.benchmark_group("codec");
     g.throughput(Throughput::Elements(32));
     g.bench_function("decode_vllm_map_32_blocks", |b| {
-        b.iter(|| decode_batch(black_box(&bytes)).expect("decodes"))
+        b.iter(|| decode_batch(black_box(&bytes)).expect("decodes"));
     });
     g.bench_function("encode_vllm_map_32_blocks", |b| {
-        b.iter(|| encode_batch(black_box(&batch), EncodeForm::VllmMap))
+        b.iter(|| encode_batch(black_box(&batch), EncodeForm::VllmMap));
     });
     g.finish();
 }

@@ -116,7 +116,7 @@ async fn watch(endpoint: &str, replay: Option<&str>, topic: &str) -> Result<()> 
             let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
             match frames::parse_replay_reply(&parts)? {
                 ReplayReply::Batch { seq, payload, .. } => {
-                    print_payload(payload, Some("replay"), Some(seq))
+                    print_payload(payload, Some("replay"), Some(seq));
                 }
                 ReplayReply::End => break,
             }

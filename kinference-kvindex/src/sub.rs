@@ -519,7 +519,7 @@ async fn fetch_replay(
         match frames::parse_replay_reply(&parts).map_err(|e| format!("replay reply: {e}"))? {
             ReplayReply::End => return Ok(out),
             ReplayReply::Batch { seq, payload, .. } => {
-                out.push((seq, Bytes::copy_from_slice(payload)))
+                out.push((seq, Bytes::copy_from_slice(payload)));
             }
         }
     }
