@@ -268,13 +268,11 @@ fn thread_cpu() -> f64 {
         return 0.0;
     };
     let after = stat.rsplit(')').next().unwrap_or("");
-    let f: Vec<u64> = after
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // Fields after the command: state is not numeric, so utime/stime are
-    // at 11 and 12 of the numeric ones.
-    (f.get(10).copied().unwrap_or(0) + f.get(11).copied().unwrap_or(0)) as f64 / 100.0
+    // After the command: state, ppid, pgrp, session, tty_nr, tpgid, flags,
+    // minflt, cminflt, majflt, cmajflt, utime, stime (clock ticks).
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let tick = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    (tick(11) + tick(12)) as f64 / 100.0
 }
 
 fn pct(sorted: &[u64], p: f64) -> u64 {

@@ -257,6 +257,7 @@ struct Cand {
     lo: u32,
     hi: u32,
     open: bool,
+    bracket: u8,
 }
 
 impl Matches {
@@ -289,6 +290,8 @@ const FLAG_HOLES: u8 = 1;
 const FLAG_NO_GPU: u8 = 2;
 /// Probe points per bracket per round of the lookup search.
 const FANOUT: u32 = 8;
+/// Brackets probed in one round.
+const MAX_BRACKETS: usize = 4;
 
 /// The shared KV-block index. `Send + Sync`: share it in an `Arc`; any
 /// number of threads may look up while others apply events.
@@ -1289,26 +1292,51 @@ impl KvIndex {
         let nseg = self.seg_of(n - 1) + 1;
         seg_slot.resize(nseg, u16::MAX);
 
-        // Multi-way search for each worker's last held position, bracket by
-        // bracket; probes of one round are independent, so their cache
-        // misses overlap.
+        // Multi-way search for each worker's last held position. Workers
+        // with the same bracket (known held at lo, not held at hi) share
+        // probes; all open brackets (up to MAX_BRACKETS) are probed in the
+        // same round, and probes of one round are independent, so their
+        // cache misses overlap.
         let mut points = std::mem::take(&mut out.points);
-        let (mut lo, mut hi) = (0u32, n);
+        // (lo, hi, first point, end point) per bracket of this round.
+        let mut brackets: SmallVec<[(u32, u32, usize, usize); MAX_BRACKETS]> = SmallVec::new();
         let mut first = true;
         loop {
             points.clear();
-            let span = hi - lo - 1;
-            if first && n > 1 {
+            brackets.clear();
+            if first {
                 // Round 1: the first and the last block only. A full match
                 // (or none) is then settled with two parallel probes.
-                points.push(n - 1);
-            } else if span <= FANOUT {
-                points.extend(lo + 1..hi);
-            } else {
-                for j in 1..=FANOUT {
-                    points.push(lo + (span * j).div_ceil(FANOUT));
+                if n > 1 {
+                    points.push(n - 1);
                 }
-                points.dedup();
+                brackets.push((0, n, 0, points.len()));
+            } else {
+                for c in &mut out.cand {
+                    c.bracket = u8::MAX;
+                    if c.hi - c.lo <= 1 {
+                        continue;
+                    }
+                    if let Some(b) = brackets.iter().position(|b| b.0 == c.lo && b.1 == c.hi) {
+                        c.bracket = b as u8;
+                    } else if brackets.len() < MAX_BRACKETS {
+                        let (lo, hi) = (c.lo, c.hi);
+                        let start = points.len();
+                        let span = hi - lo - 1;
+                        if span <= FANOUT {
+                            points.extend(lo + 1..hi);
+                        } else {
+                            for j in 1..=FANOUT {
+                                points.push(lo + (span * j).div_ceil(FANOUT));
+                            }
+                        }
+                        c.bracket = brackets.len() as u8;
+                        brackets.push((lo, hi, start, points.len()));
+                    }
+                }
+                if brackets.is_empty() {
+                    break;
+                }
             }
             if first {
                 self.ensure(keys, 0, &mut guards, &mut seg_slot);
@@ -1321,7 +1349,7 @@ impl KvIndex {
             } else {
                 None
             };
-            let mut found: SmallVec<[Option<&Holders>; 16]> = SmallVec::new();
+            let mut found: SmallVec<[Option<&Holders>; 32]> = SmallVec::new();
             for &p in &points {
                 found.push(self.probe(keys, p, &guards, &seg_slot));
             }
@@ -1336,36 +1364,35 @@ impl KvIndex {
                         lo: 0,
                         hi: n,
                         open: false,
+                        bracket: 0,
                     });
                 }
                 first = false;
             }
-            // Highest point first: a candidate stops at its first hit.
-            // Candidates and holders are both sorted by worker id, so each
-            // point costs one merge walk, O(candidates + holders).
-            for c in &mut out.cand {
-                c.open = c.lo == lo && c.hi == hi;
-            }
-            for (idx, &p) in points.iter().enumerate().rev() {
-                let hs = found[idx].map_or(&[][..], Holders::as_slice);
-                let mut k = 0;
-                for c in out.cand.iter_mut().filter(|c| c.open) {
-                    while k < hs.len() && holders::worker(hs[k]) < c.worker {
-                        k += 1;
-                    }
-                    if k < hs.len() && holders::worker(hs[k]) == c.worker {
-                        c.lo = p;
-                        c.open = false;
-                    } else {
-                        c.hi = p;
+            // Per bracket, highest point first: a candidate stops at its
+            // first hit. Candidates and holders are both sorted by worker
+            // id, so each point costs one merge walk.
+            for (b, &(_, _, start, end)) in brackets.iter().enumerate() {
+                for c in &mut out.cand {
+                    c.open = usize::from(c.bracket) == b;
+                }
+                for idx in (start..end).rev() {
+                    let p = points[idx];
+                    let hs = found[idx].map_or(&[][..], Holders::as_slice);
+                    let mut k = 0;
+                    for c in out.cand.iter_mut().filter(|c| c.open) {
+                        while k < hs.len() && holders::worker(hs[k]) < c.worker {
+                            k += 1;
+                        }
+                        if k < hs.len() && holders::worker(hs[k]) == c.worker {
+                            c.lo = p;
+                            c.open = false;
+                        } else {
+                            c.hi = p;
+                        }
                     }
                 }
             }
-            // Next: the first unfinished bracket.
-            let Some(c) = out.cand.iter().find(|c| c.hi - c.lo > 1) else {
-                break;
-            };
-            (lo, hi) = (c.lo, c.hi);
         }
         out.points = points;
         // Exact answers for workers with holes or non-GPU entries.
