@@ -193,10 +193,10 @@ impl ExtraKeys {
     /// The items of block `i` for a given block width, in vLLM's order.
     pub fn items_for_block(&self, i: usize, block_size: usize) -> Vec<ExtraItem> {
         let mut items = Vec::new();
-        let start = i * block_size;
-        let end = start + block_size;
+        let start = i.saturating_mul(block_size);
+        let end = start.saturating_add(block_size);
         for (id, s, len) in &self.multimodal {
-            if *s < end && s + len > start {
+            if *s < end && s.saturating_add(*len) > start {
                 items.push(ExtraItem::Multimodal {
                     id: id.clone(),
                     offset: *s as i64 - start as i64,
