@@ -191,6 +191,10 @@ fn read_extra_keys(
             let n = r.read_array_len()?;
             let mut out = Vec::with_capacity(n);
             for _ in 0..n {
+                if r.try_nil()? {
+                    out.push(None);
+                    continue;
+                }
                 match r.read_value()? {
                     Value::Nil => out.push(None),
                     Value::Array(items) => out.push(Some(items)),

@@ -189,31 +189,40 @@ impl<'a> Reader<'a> {
 
     /// `n` unsigned integers that fit u32 (token ids), appended to `out`.
     /// The common encodings (fixint, uint8/16/32) take a fast path.
-    #[allow(clippy::many_single_char_names)] // a, b, c, d: bytes of one integer
     pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
         out.reserve(n);
+        let buf = self.buf;
+        let mut pos = self.pos;
         for _ in 0..n {
-            let rest = &self.buf[self.pos.min(self.buf.len())..];
-            match rest {
-                [m @ 0x00..=0x7f, ..] => {
-                    out.push(u32::from(*m));
-                    self.pos += 1;
-                }
-                [0xcc, a, ..] => {
-                    out.push(u32::from(*a));
-                    self.pos += 2;
-                }
-                [0xcd, a, b, ..] => {
-                    out.push(u32::from(u16::from_be_bytes([*a, *b])));
-                    self.pos += 3;
-                }
-                [0xce, a, b, c, d, ..] => {
-                    out.push(u32::from_be_bytes([*a, *b, *c, *d]));
-                    self.pos += 5;
-                }
-                _ => out.push(self.read_u32()?),
+            let Some(&m) = buf.get(pos) else {
+                return Err(MsgError::Truncated(pos));
+            };
+            if m < 0x80 {
+                out.push(u32::from(m));
+                pos += 1;
+                continue;
+            }
+            let v = match m {
+                0xcd => buf
+                    .get(pos + 1..pos + 3)
+                    .map(|b| (u32::from(u16::from_be_bytes([b[0], b[1]])), 3)),
+                0xce => buf
+                    .get(pos + 1..pos + 5)
+                    .map(|b| (u32::from_be_bytes([b[0], b[1], b[2], b[3]]), 5)),
+                0xcc => buf.get(pos + 1).map(|b| (u32::from(*b), 2)),
+                _ => None,
+            };
+            if let Some((v, len)) = v {
+                out.push(v);
+                pos += len;
+            } else {
+                // Other encodings (or truncation): the general path.
+                self.pos = pos;
+                out.push(self.read_u32()?);
+                pos = self.pos;
             }
         }
+        self.pos = pos;
         Ok(())
     }
 
