@@ -15,7 +15,7 @@
 //!
 //! The same function keys a request's token ids ([`BlockKeyer::keys`]) and
 //! the token ids carried by `BlockStored` events (the index calls
-//! [`BlockKeyer::chain`] with [`local_hash`]), so they meet in the index.
+//! [`chain`] with [`local_hash`]), so they meet in the index.
 //! The hash is XXH3 from `xxhash-rust`: stable across versions, platforms
 //! and processes (unlike foldhash/ahash), so keys may be shared or logged.
 

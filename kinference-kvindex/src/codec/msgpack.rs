@@ -28,7 +28,7 @@ pub enum MsgError {
         /// The marker byte found.
         marker: u8,
     },
-    /// The marker 0xc1 (never used) or nesting deeper than [`MAX_DEPTH`].
+    /// The marker 0xc1 (never used) or nesting deeper than 32 levels.
     #[error("invalid msgpack at byte {0}")]
     Invalid(usize),
     /// A string was not UTF-8.
