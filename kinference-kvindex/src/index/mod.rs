@@ -1415,12 +1415,23 @@ impl KvIndex {
             // first hit. Candidates and holders are both sorted by worker
             // id, so each point costs one merge walk.
             for (b, &(_, _, start, end)) in brackets.iter().enumerate() {
+                let mut open = 0usize;
                 for c in &mut out.cand {
                     c.open = usize::from(c.bracket) == b;
+                    open += usize::from(c.open);
                 }
                 for idx in (start..end).rev() {
+                    if open == 0 {
+                        break;
+                    }
                     let p = points[idx];
-                    let hs = found[idx].map_or(&[][..], Holders::as_slice);
+                    let Some(hs) = found[idx].map(Holders::as_slice) else {
+                        // Nobody holds this block: every open candidate ends below.
+                        for c in out.cand.iter_mut().filter(|c| c.open) {
+                            c.hi = p;
+                        }
+                        continue;
+                    };
                     let mut k = 0;
                     for c in out.cand.iter_mut().filter(|c| c.open) {
                         while k < hs.len() && holders::worker(hs[k]) < c.worker {
@@ -1429,6 +1440,7 @@ impl KvIndex {
                         if k < hs.len() && holders::worker(hs[k]) == c.worker {
                             c.lo = p;
                             c.open = false;
+                            open -= 1;
                         } else {
                             c.hi = p;
                         }
