@@ -69,8 +69,8 @@
 //! first key, the number of leading query blocks it holds in any tier and
 //! on the GPU. Cost for a query of n blocks with holders H at position 0:
 //! round 1 probes the first and the last block (a full match, or none, ends
-//! there); further rounds probe 8 points of a worker group's bracket
-//! (⌈log₉ n⌉ rounds), and membership is a merge walk of sorted worker ids:
+//! there); further rounds probe `fanout` points (default 4) of each open
+//! bracket of worker groups (⌈log₅ n⌉ rounds), and membership is a merge walk of sorted worker ids:
 //! O(log n) probes and O((|H| + holders) · log n) work. Workers with holes
 //! or with blocks outside the GPU add an O(depth) scan for themselves only.
 //! Lookups run concurrently with writes; a lookup sees each shard either

@@ -70,6 +70,10 @@ pub struct IndexConfig {
     pub max_entries: u64,
     /// Most workers registered at once (at most 2²⁰).
     pub max_workers: u32,
+    /// Probe points per bracket per round of a lookup's search (2..=32):
+    /// more points mean fewer rounds (dependent memory latencies) but more
+    /// probes and membership walks.
+    pub fanout: u32,
     /// The KV-cache group indexed (events of other groups are counted, not
     /// indexed); `group_idx` nil counts as 0.
     pub group: u32,
@@ -82,6 +86,7 @@ impl Default for IndexConfig {
             segment: 64,
             max_entries: 200_000_000,
             max_workers: 65_536,
+            fanout: 4,
             group: 0,
         }
     }
@@ -290,8 +295,6 @@ impl Matches {
 
 const FLAG_HOLES: u8 = 1;
 const FLAG_NO_GPU: u8 = 2;
-/// Probe points per bracket per round of the lookup search.
-const FANOUT: u32 = 8;
 /// Brackets probed in one round.
 const MAX_BRACKETS: usize = 4;
 
@@ -368,11 +371,13 @@ impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         let shards = config.shards.clamp(1, 65_536).next_power_of_two();
         let max_workers = config.max_workers.clamp(1, holders::MAX_WORKERS);
+        let fanout = config.fanout.clamp(2, 32);
         let segment = config.segment.clamp(1, 1 << 20).next_power_of_two();
         let config = IndexConfig {
             shards,
             segment,
             max_workers,
+            fanout,
             ..config
         };
         KvIndex {
@@ -1365,11 +1370,12 @@ impl KvIndex {
                         let (lo, hi) = (c.lo, c.hi);
                         let start = points.len();
                         let span = hi - lo - 1;
-                        if span <= FANOUT {
+                        let fanout = self.config.fanout;
+                        if span <= fanout {
                             points.extend(lo + 1..hi);
                         } else {
-                            for j in 1..=FANOUT {
-                                points.push(lo + (span * j).div_ceil(FANOUT));
+                            for j in 1..=fanout {
+                                points.push(lo + (span * j).div_ceil(fanout));
                             }
                         }
                         c.bracket = brackets.len() as u8;
