@@ -420,6 +420,20 @@ fn main() {
                         Some((d, 256)),
                     )
                 }
+                'h' => {
+                    // Not in v1: a partial match whose depth (250) is not a
+                    // power of two, so no probe lands on it by construction.
+                    let d = rng.below(2000) as usize;
+                    let u = rng.below(2000) as usize;
+                    (
+                        keys_of(
+                            (0..250)
+                                .map(|i| wl.l(d, i))
+                                .chain((0..262).map(|j| wl.unknown[u * LEN + j])),
+                        ),
+                        Some((d, 250)),
+                    )
+                }
                 _ => {
                     let u = rng.below(2000) as usize;
                     (keys_of((0..LEN).map(|j| wl.unknown[u * LEN + j])), None)
@@ -444,6 +458,7 @@ fn main() {
     let (la, wa) = run_kind(4, 'a');
     let (lb, wb) = run_kind(5, 'b');
     let (lc, wc) = run_kind(6, 'c');
+    let (lh, wh) = run_kind(55, 'h');
 
     // 4. Concurrent: a writer churns while this thread looks up.
     let mut churn = SplitMix(7);
@@ -565,6 +580,10 @@ fn main() {
         "(c) no match     median/p99        {} / {} ns",
         lc.median, lc.p99
     );
+    println!(
+        "(b') depth-250 match median/p99     {} / {} ns ({} wrong; not in v1)",
+        lh.median, lh.p99, wh
+    );
     println!("wrong answers                      {}", wa + wb + wc);
     println!(
         "during churn     median/p99        {} / {} ns over {} lookups ({} wrong)",
@@ -613,14 +632,16 @@ fn main() {
     println!("load after: {}", load.trim());
     if json {
         println!(
-            "{{\"ingest\":{ingest},\"heap_per_entry\":{heap_per_entry},\"rss_per_entry\":{rss_per_entry},\"rss1\":{rss1},\"a_med\":{},\"a_p99\":{},\"b_med\":{},\"b_p99\":{},\"c_med\":{},\"c_p99\":{},\"wrong\":{},\"conc_med\":{},\"conc_p99\":{},\"conc_n\":{},\"conc_wrong\":{conc_wrong},\"writer\":{writer_rate},\"remove\":{remove_rate},\"held_after\":{held_after},\"floor\":{floor},\"populate_cpu\":{populate_cpu_share},\"remove_cpu\":{remove_cpu_share},\"decode_apply\":{decode_rate},\"br_ingest\":{},\"br_bpe\":{},\"br_med\":{},\"br_p99\":{},\"br_conc_med\":{},\"br_conc_p99\":{},\"br_writer\":{},\"br_wrong\":{}}}",
+            "{{\"ingest\":{ingest},\"heap_per_entry\":{heap_per_entry},\"rss_per_entry\":{rss_per_entry},\"rss1\":{rss1},\"a_med\":{},\"a_p99\":{},\"b_med\":{},\"b_p99\":{},\"c_med\":{},\"c_p99\":{},\"h_med\":{},\"h_p99\":{},\"wrong\":{},\"conc_med\":{},\"conc_p99\":{},\"conc_n\":{},\"conc_wrong\":{conc_wrong},\"writer\":{writer_rate},\"remove\":{remove_rate},\"held_after\":{held_after},\"floor\":{floor},\"populate_cpu\":{populate_cpu_share},\"remove_cpu\":{remove_cpu_share},\"decode_apply\":{decode_rate},\"br_ingest\":{},\"br_bpe\":{},\"br_med\":{},\"br_p99\":{},\"br_conc_med\":{},\"br_conc_p99\":{},\"br_writer\":{},\"br_wrong\":{}}}",
             la.median,
             la.p99,
             lb.median,
             lb.p99,
             lc.median,
             lc.p99,
-            wa + wb + wc,
+            lh.median,
+            lh.p99,
+            wa + wb + wc + wh,
             lconc.median,
             lconc.p99,
             lconc.n,

@@ -415,7 +415,8 @@ impl KvIndex {
         if seg == 0 {
             0
         } else {
-            1 << (self.seg_shift + seg as u32 - 1)
+            1u32.checked_shl(self.seg_shift + seg as u32 - 1)
+                .unwrap_or(u32::MAX)
         }
     }
 
@@ -1377,6 +1378,23 @@ impl KvIndex {
                             for j in 1..=fanout {
                                 points.push(lo + (span * j).div_ceil(fanout));
                             }
+                            // Segment starts inside the bracket too: they
+                            // make the search exponential from the front
+                            // (segments double) at no extra lock.
+                            let mut seg = self.seg_of(lo) + 1;
+                            while self.seg_start(seg) < hi {
+                                points.push(self.seg_start(seg));
+                                seg += 1;
+                            }
+                            points[start..].sort_unstable();
+                            let mut w = start;
+                            for r in start..points.len() {
+                                if w == start || points[r] != points[w - 1] {
+                                    points[w] = points[r];
+                                    w += 1;
+                                }
+                            }
+                            points.truncate(w);
                         }
                         c.bracket = brackets.len() as u8;
                         brackets.push((lo, hi, start, points.len()));
