@@ -54,11 +54,19 @@ pub(crate) enum Holders {
 }
 
 impl Holders {
+    #[cfg(test)]
     pub(crate) fn new() -> Self {
         Holders::Inline {
             len: 0,
             items: [0; INLINE],
         }
+    }
+
+    /// A set of one holder.
+    pub(crate) fn one(h: u32) -> Self {
+        let mut items = [0; INLINE];
+        items[0] = h;
+        Holders::Inline { len: 1, items }
     }
 
     #[inline]

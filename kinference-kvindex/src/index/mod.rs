@@ -1031,35 +1031,46 @@ impl KvIndex {
     ) -> bool {
         let bit = tier.bit();
         let gpu = Tier::Gpu.bit();
-        let hs = map.entry(r.key).or_insert_with(|| {
-            d.keys += 1;
-            Holders::new()
-        });
-        if let Some(i) = hs.find(w) {
-            let mut h = hs.as_slice()[i];
-            let t = holders::tiers(h);
-            if t & bit == 0 {
-                h = holders::with_tiers(h, t | bit);
-                if t & gpu == 0 && bit == gpu {
-                    ws.no_gpu -= 1;
+        let new_holder = |ws: &mut WorkerState| {
+            let children = new_children
+                + if ws.orphan_parents.is_empty() {
+                    0
+                } else {
+                    ws.orphan_parents.remove(&r.key).unwrap_or(0)
+                };
+            ws.stats.holes -= u64::from(children - new_children);
+            with_children_count(ws, r.key, holders::pack(w, bit, 0), children)
+        };
+        match map.entry(r.key) {
+            hashbrown::hash_map::Entry::Vacant(v) => {
+                // A new key: write its bucket once, never read it back (the
+                // bucket is usually not in cache yet).
+                d.keys += 1;
+                let packed = new_holder(ws);
+                v.insert(Holders::one(packed));
+            }
+            hashbrown::hash_map::Entry::Occupied(mut o) => {
+                let hs = o.get_mut();
+                if let Some(i) = hs.find(w) {
+                    let mut h = hs.as_slice()[i];
+                    let t = holders::tiers(h);
+                    if t & bit == 0 {
+                        h = holders::with_tiers(h, t | bit);
+                        if t & gpu == 0 && bit == gpu {
+                            ws.no_gpu -= 1;
+                        }
+                    }
+                    if new_children > 0 {
+                        let c = children_of(ws, r.key, h) + new_children;
+                        h = with_children_count(ws, r.key, h, c);
+                    }
+                    hs.set(i, h);
+                    return false;
                 }
+                let packed = new_holder(ws);
+                d.heap += hs.insert(packed);
             }
-            if new_children > 0 {
-                let c = children_of(ws, r.key, h) + new_children;
-                h = with_children_count(ws, r.key, h, c);
-            }
-            hs.set(i, h);
-            return false;
         }
-        let children = new_children
-            + if ws.orphan_parents.is_empty() {
-                0
-            } else {
-                ws.orphan_parents.remove(&r.key).unwrap_or(0)
-            };
-        ws.stats.holes -= u64::from(children - new_children);
-        let packed = with_children_count(ws, r.key, holders::pack(w, bit, 0), children);
-        d.heap += hs.insert(packed);
         d.entries += 1;
         ws.stats.blocks_held += 1;
         if bit != gpu {
