@@ -99,6 +99,10 @@ fn decode_event(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEv
 }
 
 fn read_hash(r: &mut Reader<'_>) -> Result<BlockHash, MsgError> {
+    // vLLM's default int mode writes uint64 (0xcf): take it directly.
+    if let Some(v) = r.try_u64_marker() {
+        return Ok(BlockHash::Uint(v));
+    }
     if r.peek_kind()? == Kind::Bin {
         return Ok(BlockHash::Bytes(r.read_bin()?.to_vec()));
     }

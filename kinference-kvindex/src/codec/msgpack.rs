@@ -166,6 +166,19 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// A uint64 written with the 0xcf marker, if that is next.
+    #[inline]
+    pub(crate) fn try_u64_marker(&mut self) -> Option<u64> {
+        let b = self.buf.get(self.pos..self.pos.checked_add(9)?)?;
+        if b[0] != 0xcf {
+            return None;
+        }
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&b[1..]);
+        self.pos += 9;
+        Some(u64::from_be_bytes(a))
+    }
+
     pub(crate) fn read_int(&mut self) -> Result<Int, MsgError> {
         let at = self.pos;
         let m = self.byte()?;

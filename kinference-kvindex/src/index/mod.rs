@@ -782,12 +782,24 @@ impl KvIndex {
         if k > 1 {
             ws.stats.rechunked_blocks += n;
         }
-        let extras = key::event_extra_digests(s);
+        // Most events carry no extra keys (vLLM sends a list of nils).
+        let plain = s.cache_salt.is_none()
+            && s.extra_keys
+                .as_ref()
+                .is_none_or(|l| l.iter().all(Option::is_none));
+        let extras = if plain {
+            Vec::new()
+        } else {
+            key::event_extra_digests(s)
+        };
         let seed = key::seed_for_event(s);
         let mut locals = std::mem::take(&mut wr.locals);
         locals.clear();
         for (i, chunk) in s.token_ids.chunks_exact(width as usize).enumerate() {
-            locals.push(key::local_hash(chunk, extras[i / k]));
+            locals.push(key::local_hash(
+                chunk,
+                extras.get(i / k).copied().unwrap_or(0),
+            ));
         }
         let hashes: SmallVec<[u64; 64]> = s
             .block_hashes
