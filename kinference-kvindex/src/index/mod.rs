@@ -1486,6 +1486,21 @@ impl KvIndex {
                         }
                         continue;
                     };
+                    // Fast path: the same workers as at position 0 (the
+                    // usual case inside a shared prefix) hold it all.
+                    if hs.len() == out.cand.len()
+                        && hs
+                            .iter()
+                            .zip(&out.cand)
+                            .all(|(h, c)| holders::worker(*h) == c.worker)
+                    {
+                        for c in out.cand.iter_mut().filter(|c| c.open) {
+                            c.lo = p;
+                            c.open = false;
+                        }
+                        open = 0;
+                        continue;
+                    }
                     let mut k = 0;
                     for c in out.cand.iter_mut().filter(|c| c.open) {
                         while k < hs.len() && holders::worker(hs[k]) < c.worker {
