@@ -1,10 +1,77 @@
-//! The kinference controller (crate docs are written below, once the
-//! modules exist).
+//! The kinference controller: status people can act on, with diagnoses.
+//!
+//! It watches InferenceWorkerSets, InferencePools, RoutingProfiles and the
+//! EndpointSlices of the worker sets' Services, and writes the status that
+//! `kubectl get iws` and `kubectl describe` show:
+//!
+//! ```text
+//! NAME               READY   STATE                            AGE
+//! qwen-3-6-35b-a3b   3       Accepted                         7d
+//! gemma-4-12b        0       Accepted,NotReady                7d
+//! orphan             0       Accepted,NotReady,Unreferenced   19s
+//! no-such-profile    0       UnknownProfile                   2m
+//! ```
+//!
+//! # Data model
+//!
+//! | module | what | I/O |
+//! |---|---|---|
+//! | [`endpoints`] | a Service's ready endpoints and ports, from its EndpointSlices | none |
+//! | [`status`] | worker-set and pool status from a namespace's objects, probe results and the previous status | none |
+//! | [`diagnose`] | diagnoses from the spec, endpoints and a [`probe::ProbeResult`] | none |
+//! | [`events`] | which status changes become Kubernetes Events; the [`events::EventSink`] seam | Events |
+//! | [`probe`] | the [`probe::Prober`] seam; `GET /v1/models` over HTTP | engines |
+//! | [`triggers`] | which objects to reconcile when a related one changes | none |
+//! | [`reconcile`] | the two kube-runtime controllers, caches, status writes | API server |
+//! | [`leader`] | leader election on a Lease, behind a seam | API server |
+//! | [`metrics`], [`admin`] | Prometheus metrics; `/metrics`, `/healthz`, `/readyz` | HTTP |
+//! | [`args`] | flags and environment, wiring, graceful shutdown | all |
+//!
+//! # Invariants
+//!
+//! - Status is a pure function of (spec, slices, pools, profiles, probe
+//!   result, previous status, now); an unchanged world recomputes to the
+//!   status already written, and the reconciler writes only a status that
+//!   differs. There are no write loops: a write's own watch event leads to
+//!   one reconcile that writes nothing.
+//! - Status is written with server-side apply under one field manager,
+//!   [`FIELD_MANAGER`], on the status subresource only. The controller never
+//!   creates, changes or deletes CRDs, specs or other objects (Events and
+//!   its Lease aside).
+//! - Condition `lastTransitionTime`s move only when a condition flips; each
+//!   diagnosis keeps its `since` while its reason persists.
+//! - Only the leader reconciles; every instance keeps its caches warm.
+//! - What a probe could not learn is said so ([`probe::KvProbe::NotProbed`])
+//!   and makes no diagnosis; in this release the KV-event stream is not
+//!   probed yet.
+//!
+//! # Complexity
+//!
+//! A reconcile reads its namespace from the caches: O(worker sets + pools +
+//! slices of the namespace) plus the conflict check (see [`status`]). A
+//! probe round asks each ready endpoint once (16 at a time) and happens at
+//! most once per probe interval per worker set, sooner when its endpoints
+//! change.
 
+pub mod admin;
+pub mod args;
 pub mod diagnose;
 pub mod endpoints;
+pub mod events;
+pub mod leader;
+pub mod metrics;
 pub mod probe;
+pub mod rbac;
+pub mod reconcile;
 pub mod status;
+pub mod triggers;
+
+pub use args::{Args, RunError};
+pub use reconcile::{Context, ObjectStats, Runtime, Seams, Settings};
+
+/// The field manager of every status write (and the reporting controller of
+/// Events).
+pub const FIELD_MANAGER: &str = "kinference-controller";
 
 #[cfg(test)]
 pub(crate) mod tests {
