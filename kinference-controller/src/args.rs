@@ -169,7 +169,9 @@ impl Args {
     pub fn init_tracing(&self) -> Result<(), RunError> {
         let filter = tracing_subscriber::EnvFilter::try_new(&self.log)
             .map_err(|_| RunError::LogFilter(self.log.clone()))?;
-        let builder = tracing_subscriber::fmt().with_env_filter(filter);
+        let builder = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(filter);
         // A second initialisation (tests) keeps the first subscriber.
         let _ = match self.log_format {
             LogFormat::Plain => builder.try_init(),

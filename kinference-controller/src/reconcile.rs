@@ -480,6 +480,32 @@ fn leadership_gained(
     )
 }
 
+/// Which of the four caches have been filled once.
+struct Filled {
+    caches: [std::sync::atomic::AtomicBool; 4],
+    ready: watch::Sender<bool>,
+}
+
+impl Filled {
+    fn new(ready: watch::Sender<bool>) -> Self {
+        Filled {
+            caches: Default::default(),
+            ready,
+        }
+    }
+
+    fn mark<K>(&self, event: &watcher::Event<K>, cache: usize) {
+        use std::sync::atomic::Ordering;
+        if matches!(event, watcher::Event::InitDone) {
+            self.caches[cache].store(true, Ordering::Release);
+            if self.caches.iter().all(|c| c.load(Ordering::Acquire)) && !*self.ready.borrow() {
+                tracing::info!("caches filled");
+                self.ready.send_replace(true);
+            }
+        }
+    }
+}
+
 /// The controllers, ready to run.
 pub struct Runtime {
     ctx: Arc<Context>,
@@ -584,48 +610,66 @@ impl Runtime {
         let (pool_tx, pool_rx) = mpsc::unbounded();
         let triggers = Triggers::new(ctx.stores.clone(), ws_tx, pool_tx);
 
+        // Ready once every cache has been filled: marked from the streams
+        // themselves (two tasks awaiting one store's `wait_until_ready` can
+        // leave one of them unwoken, as kube-runtime 5.0 keeps one waker).
+        let filled = Arc::new(Filled::new(ctx.ready.clone()));
         let t = triggers.clone();
+        let f = filled.clone();
         let ws_events = reflected(
             api::<InferenceWorkerSet>(&client, ns),
             watcher::Config::default(),
             writers.worker_sets,
         )
-        .inspect(move |e| {
-            if let Ok(e) = e {
+        .inspect(move |e| match e {
+            Ok(e) => {
+                f.mark(e, 0);
                 t.worker_set(e);
             }
+            Err(error) => tracing::warn!(%error, "watching InferenceWorkerSets"),
         })
         .applied_objects();
         let t = triggers.clone();
+        let f = filled.clone();
         let pool_events = reflected(
             api::<InferencePool>(&client, ns),
             watcher::Config::default(),
             writers.pools,
         )
-        .inspect(move |e| {
-            if let Ok(e) = e {
+        .inspect(move |e| match e {
+            Ok(e) => {
+                f.mark(e, 1);
                 t.pool(e);
             }
+            Err(error) => tracing::warn!(%error, "watching InferencePools"),
         })
         .applied_objects();
         let t = triggers.clone();
+        let f = filled.clone();
         let slice_events = reflected(
             api::<EndpointSlice>(&client, ns),
             watcher::Config::default().labels(SERVICE_NAME_LABEL),
             writers.slices,
         )
         .inspect(move |e| match e {
-            Ok(e) => t.slice(e),
+            Ok(e) => {
+                f.mark(e, 2);
+                t.slice(e);
+            }
             Err(error) => tracing::warn!(%error, "watching EndpointSlices"),
         });
-        let t = triggers.clone();
+        let t = triggers;
+        let f = filled;
         let profile_events = reflected(
             Api::<RoutingProfile>::all(client.clone()),
             watcher::Config::default(),
             writers.profiles,
         )
         .inspect(move |e| match e {
-            Ok(e) => t.profile(e),
+            Ok(e) => {
+                f.mark(e, 3);
+                t.profile(e);
+            }
             Err(error) => tracing::warn!(%error, "watching RoutingProfiles"),
         });
 
@@ -643,25 +687,6 @@ impl Runtime {
                 }
             })
         };
-        // Ready once every cache has been filled.
-        let readiness = {
-            let ctx = ctx.clone();
-            tokio::spawn(async move {
-                let s = &ctx.stores;
-                let filled = futures::future::join4(
-                    s.worker_sets.wait_until_ready(),
-                    s.pools.wait_until_ready(),
-                    s.slices.wait_until_ready(),
-                    s.profiles.wait_until_ready(),
-                )
-                .await;
-                if let (Ok(()), Ok(()), Ok(()), Ok(())) = filled {
-                    tracing::info!("caches filled");
-                    ctx.ready.send_replace(true);
-                }
-            })
-        };
-
         let config = controller::Config::default().concurrency(ctx.settings.concurrency);
         let worker_sets = Controller::for_stream(ws_events, ctx.stores.worker_sets.clone())
             .with_config(config.clone())
@@ -701,7 +726,6 @@ impl Runtime {
             });
         futures::future::join(worker_sets, pools).await;
         side.abort();
-        readiness.abort();
         ctx.ready.send_replace(false);
         tracing::info!("controllers stopped");
     }
