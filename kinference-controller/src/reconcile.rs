@@ -198,6 +198,28 @@ impl Context {
         &self.metrics
     }
 
+    /// Drops what is kept in memory about a deleted worker set.
+    fn forget(&self, ws: &InferenceWorkerSet) {
+        let (Some(ns), Some(name)) = (ws.metadata.namespace.clone(), ws.metadata.name.clone())
+        else {
+            return;
+        };
+        lock(&self.probes).remove(&(ns.clone(), name.clone()));
+        let key = (Kind::WorkerSet, ns, name);
+        lock(&self.failures).remove(&key);
+        lock(&self.stats).remove(&key);
+    }
+
+    fn forget_pool(&self, pool: &InferencePool) {
+        let (Some(ns), Some(name)) = (pool.metadata.namespace.clone(), pool.metadata.name.clone())
+        else {
+            return;
+        };
+        let key = (Kind::Pool, ns, name);
+        lock(&self.failures).remove(&key);
+        lock(&self.stats).remove(&key);
+    }
+
     fn leads(&self) -> bool {
         *self.seams.leader.borrow()
     }
@@ -248,7 +270,6 @@ impl Context {
         let pool_refs: Vec<&InferencePool> = pools.iter().map(AsRef::as_ref).collect();
         let slice_refs: Vec<&EndpointSlice> = slices.iter().map(AsRef::as_ref).collect();
         Facts::compute(&Namespace {
-            name: ns,
             worker_sets: &set_refs,
             pools: &pool_refs,
             slices: &slice_refs,
@@ -616,6 +637,7 @@ impl Runtime {
         let filled = Arc::new(Filled::new(ctx.ready.clone()));
         let t = triggers.clone();
         let f = filled.clone();
+        let c = ctx.clone();
         let ws_events = reflected(
             api::<InferenceWorkerSet>(&client, ns),
             watcher::Config::default(),
@@ -625,12 +647,16 @@ impl Runtime {
             Ok(e) => {
                 f.mark(e, 0);
                 t.worker_set(e);
+                if let watcher::Event::Delete(w) = e {
+                    c.forget(w);
+                }
             }
             Err(error) => tracing::warn!(%error, "watching InferenceWorkerSets"),
         })
         .applied_objects();
         let t = triggers.clone();
         let f = filled.clone();
+        let c = ctx.clone();
         let pool_events = reflected(
             api::<InferencePool>(&client, ns),
             watcher::Config::default(),
@@ -640,6 +666,9 @@ impl Runtime {
             Ok(e) => {
                 f.mark(e, 1);
                 t.pool(e);
+                if let watcher::Event::Delete(p) = e {
+                    c.forget_pool(p);
+                }
             }
             Err(error) => tracing::warn!(%error, "watching InferencePools"),
         })

@@ -56,8 +56,6 @@ use crate::probe::ProbeResult;
 /// Everything of one namespace that statuses are computed from.
 #[derive(Clone, Copy, Debug)]
 pub struct Namespace<'a> {
-    /// The namespace's name.
-    pub name: &'a str,
     /// Its worker sets.
     pub worker_sets: &'a [&'a InferenceWorkerSet],
     /// Its pools.

@@ -816,6 +816,27 @@ async fn rejections_follow_the_objects() {
     })
     .await;
 
+    // A worker set the pool names is deleted.
+    iws.delete("port", &DeleteParams::default())
+        .await
+        .expect("deleting port");
+    eventually("the pool misses it", || async {
+        let p = pools
+            .get("p")
+            .await
+            .map_err(|e| e.to_string())?
+            .status
+            .ok_or("no status")?;
+        let rr =
+            conditions::find(&p.conditions, conditions::RESOLVED_REFS).ok_or("no ResolvedRefs")?;
+        if rr.reason == "WorkerSetNotFound" && rr.message.contains("no worker set named port") {
+            Ok(())
+        } else {
+            Err(format!("{rr:?}"))
+        }
+    })
+    .await;
+
     // The profile goes away again.
     profiles
         .delete(&profile, &DeleteParams::default())

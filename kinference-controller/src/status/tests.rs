@@ -52,7 +52,6 @@ impl World {
         let pools: Vec<&InferencePool> = self.pools.iter().collect();
         let slices: Vec<&EndpointSlice> = self.slices.iter().collect();
         Facts::compute(&Namespace {
-            name: "ns",
             worker_sets: &sets,
             pools: &pools,
             slices: &slices,
