@@ -412,6 +412,38 @@ async fn the_seed_table_and_status_following_the_objects() {
             .contains("Qwen/Qwen3.6-35B-A3B,google/gemma-4-12b-it")
     );
 
+    // Everything has seen every object (the table alone cannot tell: a
+    // condition's message may still change under an unchanged STATE).
+    eventually("every status is complete", || async {
+        let get = |n: &'static str| {
+            let iws = iws.clone();
+            async move {
+                iws.get(n)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .status
+                    .ok_or_else(|| format!("{n}: no status"))
+            }
+        };
+        let gemma = get("gemma-4-12b").await?;
+        let nsp = get("no-such-profile").await?;
+        let ready_msg = conditions::find(&gemma.conditions, conditions::READY)
+            .map(|c| c.message.clone())
+            .unwrap_or_default();
+        if ready_msg.contains("none of the 2 endpoints")
+            && conditions::is_true(&gemma.conditions, conditions::REFERENCED)
+            && conditions::is_true(&nsp.conditions, conditions::REFERENCED)
+        {
+            Ok(())
+        } else {
+            Err(format!(
+                "gemma {:?}, no-such-profile {:?}",
+                gemma.conditions, nsp.conditions
+            ))
+        }
+    })
+    .await;
+
     // No write loops: with nothing changing, reconciles go on (qwen is
     // re-probed every second; the others are poked by an annotation) and
     // nothing is written.
