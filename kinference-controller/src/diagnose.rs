@@ -25,7 +25,7 @@ use std::fmt::Write as _;
 
 use kinference_api::{DiagnosisReason, InferenceWorkerSetSpec};
 
-use crate::endpoints::{PortLookup, PortRef, Resolution};
+use crate::endpoints::{PortLookup, Resolution, describe_port};
 use crate::probe::{KvObservation, KvProbe, ProbeResult};
 
 /// One diagnosis before it gets its `since` time.
@@ -89,13 +89,13 @@ fn kv_port_missing(spec: &InferenceWorkerSetSpec, endpoints: &Resolution, out: &
     if missing.is_empty() {
         return;
     }
-    let port = PortRef::from_int_or_string(&kv.port);
+    let port = describe_port(&kv.port);
     out.push(Finding {
         reason: DiagnosisReason::KvPortMissing,
         message: format!(
             "{} of {} ready endpoints ({}) expose no port {port} in their EndpointSlices, so the router gets no KV events from them and routes to them on load alone: give their pods the port {port} (kvEvents.port)",
             missing.len(),
-            endpoints.ready.len(),
+            endpoints.ready().len(),
             list(&missing),
         ),
     });
@@ -177,7 +177,7 @@ fn model_findings(spec: &InferenceWorkerSetSpec, probe: &ProbeResult, out: &mut 
             message: format!(
                 "{how_many} answered GET /v1/models ({}): check that serviceRef.port {} is the engines' OpenAI API port and that they are up",
                 list(&failed),
-                PortRef::from_int_or_string(&spec.service_ref.port)
+                describe_port(&spec.service_ref.port)
             ),
         });
     }
@@ -289,15 +289,7 @@ mod tests {
         spec: &InferenceWorkerSetSpec,
         slices: &[k8s_openapi::api::discovery::v1::EndpointSlice],
     ) -> Resolution {
-        endpoints::resolve(
-            &spec.service_ref.name,
-            &PortRef::from_int_or_string(&spec.service_ref.port),
-            spec.kv_events
-                .as_ref()
-                .map(|k| PortRef::from_int_or_string(&k.port))
-                .as_ref(),
-            slices,
-        )
+        endpoints::resolve(spec, slices)
     }
 
     fn subscribed(block_sizes: &[u32], events: u64, requests: Option<u64>) -> KvProbe {

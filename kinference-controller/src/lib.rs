@@ -16,7 +16,7 @@
 //!
 //! | module | what | I/O |
 //! |---|---|---|
-//! | [`endpoints`] | a Service's ready endpoints and ports, from its EndpointSlices | none |
+//! | [`endpoints`] | what the controller judges from kinference-api's reading of EndpointSlices (ports that do not resolve, KV port missing on some endpoints) | none |
 //! | [`status`] | worker-set and pool status from a namespace's objects, probe results and the previous status | none |
 //! | [`diagnose`] | diagnoses from the spec, endpoints and a [`probe::ProbeResult`] | none |
 //! | [`events`] | which status changes become Kubernetes Events; the [`events::EventSink`] seam | Events |

@@ -24,7 +24,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
 
-use crate::endpoints::Endpoint;
+use crate::endpoints::{ReadyEndpoint, http_authority};
 
 /// What to probe for one worker set.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -32,7 +32,7 @@ pub struct ProbeTarget {
     /// `namespace/name` of the worker set, for logs.
     pub worker_set: String,
     /// Its ready, routable endpoints.
-    pub endpoints: Vec<Endpoint>,
+    pub endpoints: Vec<ReadyEndpoint>,
     /// Whether `kvEvents` is set.
     pub kv_events: bool,
     /// `kvBlockSize`, for probes that compare it.
@@ -240,11 +240,7 @@ fn connect_failure(e: &hyper_util::client::legacy::Error) -> ProbeFailure {
 impl Prober for HttpProber {
     fn probe<'a>(&'a self, target: &'a ProbeTarget) -> BoxFuture<'a, ProbeResult> {
         Box::pin(async move {
-            let authorities: Vec<String> = target
-                .endpoints
-                .iter()
-                .map(Endpoint::http_authority)
-                .collect();
+            let authorities: Vec<String> = target.endpoints.iter().map(http_authority).collect();
             let mut models: Vec<EndpointModels> = stream::iter(authorities)
                 .map(|a| self.endpoint_models(a))
                 .buffer_unordered(CONCURRENCY)

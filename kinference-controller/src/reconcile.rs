@@ -768,7 +768,7 @@ pub fn probe_target(ws: &InferenceWorkerSet, endpoints: &endpoints::Resolution) 
             ws.metadata.namespace.as_deref().unwrap_or_default(),
             ws.metadata.name.as_deref().unwrap_or_default()
         ),
-        endpoints: endpoints.ready.clone(),
+        endpoints: endpoints.ready().to_vec(),
         kv_events: ws.spec.kv_events.is_some(),
         kv_block_size: ws.spec.kv_block_size,
     }

@@ -50,7 +50,7 @@ use kinference_api::{
 };
 
 use crate::diagnose::{self, Finding};
-use crate::endpoints::{self, PortLookup, PortRef, Resolution};
+use crate::endpoints::{self, PortLookup, Resolution};
 use crate::probe::ProbeResult;
 
 /// Everything of one namespace that statuses are computed from.
@@ -108,7 +108,7 @@ impl SetFacts {
     pub fn state(&self) -> WorkerSetState {
         WorkerSetState {
             rejections: self.rejections.iter().map(|r| r.rejection).collect(),
-            ready_endpoints: u32::try_from(self.endpoints.ready.len()).unwrap_or(u32::MAX),
+            ready_endpoints: u32::try_from(self.endpoints.ready().len()).unwrap_or(u32::MAX),
             referenced: !self.pools.is_empty(),
         }
     }
@@ -134,17 +134,7 @@ impl Facts {
         for ws in ns.worker_sets {
             let name = name_of(&ws.metadata);
             let spec = &ws.spec;
-            let http = PortRef::from_int_or_string(&spec.service_ref.port);
-            let kv = spec
-                .kv_events
-                .as_ref()
-                .map(|k| PortRef::from_int_or_string(&k.port));
-            let endpoints = endpoints::resolve(
-                &spec.service_ref.name,
-                &http,
-                kv.as_ref(),
-                ns.slices.iter().copied(),
-            );
+            let endpoints = endpoints::resolve(spec, ns.slices.iter().copied());
             let mut rejections = Vec::new();
             if !is_builtin_profile(&spec.profile) && !ns.profiles.contains(&spec.profile) {
                 rejections.push(Rejected {
@@ -156,25 +146,27 @@ impl Facts {
                     ),
                 });
             }
-            let ports = if endpoints.ports.is_empty() {
-                "none".to_owned()
-            } else {
-                endpoints.ports.join(", ")
-            };
+            let service = &spec.service_ref.name;
             let mut port_problems = Vec::new();
-            if endpoints.http_port == PortLookup::Missing {
-                port_problems.push(format!("serviceRef.port {http}"));
+            if let PortLookup::Missing(e) = &endpoints.http_port {
+                port_problems.push(format!(
+                    "serviceRef.port {} is not a port of Service {service:?}: {e}",
+                    endpoints::describe_port(&spec.service_ref.port)
+                ));
             }
-            if let (Some(k), Some(PortLookup::Missing)) = (&kv, endpoints.kv_port) {
-                port_problems.push(format!("kvEvents.port {k}"));
+            if let (Some(PortLookup::Missing(e)), Some(kv)) = (&endpoints.kv_port, &spec.kv_events)
+            {
+                port_problems.push(format!(
+                    "kvEvents.port {} is not a port of Service {service:?}: {e}",
+                    endpoints::describe_port(&kv.port)
+                ));
             }
             if !port_problems.is_empty() {
                 rejections.push(Rejected {
                     rejection: Rejection::InvalidPort,
                     message: format!(
-                        "{} is not a port of Service {:?} (its EndpointSlices list: {ports}): use one of its port names or numbers",
-                        port_problems.join(" and "),
-                        spec.service_ref.name
+                        "{}; use one of its port names or numbers (as its EndpointSlices list them)",
+                        port_problems.join("; ")
                     ),
                 });
             } else if let Some(p) = endpoints.same_port {
@@ -351,7 +343,7 @@ pub fn worker_set_status(
     let prev = ws.status.clone().unwrap_or_default();
     let gen_ = generation(&ws.metadata);
     let state = facts.state();
-    let ready = facts.endpoints.ready.len();
+    let ready = facts.endpoints.ready().len();
     let ns = ws.metadata.namespace.as_deref().unwrap_or_default();
     let service = &ws.spec.service_ref.name;
 
@@ -399,17 +391,17 @@ pub fn worker_set_status(
         }
     } else {
         let e = &facts.endpoints;
-        let why = if e.slices == 0 {
+        let why = if e.endpoints.slices == 0 {
             format!(
                 "no EndpointSlice is labelled {}={service} in namespace {ns}: check that the Service exists and selects the engines' pods",
                 endpoints::SERVICE_NAME_LABEL
             )
-        } else if e.http_port == PortLookup::Missing {
+        } else if e.http_port.is_missing() {
             format!("no endpoint of Service {service:?} has the port serviceRef.port names")
-        } else if e.not_ready > 0 {
+        } else if e.endpoints.not_ready > 0 {
             format!(
                 "none of the {} endpoints of Service {service:?} is ready",
-                e.not_ready
+                e.endpoints.not_ready
             )
         } else {
             format!("the EndpointSlices of Service {service:?} list no endpoints")
@@ -564,7 +556,7 @@ pub fn pool_status(pool: &InferencePool, facts: &Facts, now: &Time) -> Inference
                 rejected.push(format!("{} ({})", r.name, why.join(",")));
             }
             Some(set) => {
-                ready += set.endpoints.ready.len();
+                ready += set.endpoints.ready().len();
                 for o in &set.offers {
                     let (aliases, sets) = models.entry(o.name.clone()).or_default();
                     aliases.extend(o.aliases.iter().cloned());

@@ -795,7 +795,7 @@ async fn rejections_follow_the_objects() {
     assert_eq!(p.conflicts[0].worker_sets, ["first", "second"]);
     let port = iws.get("port").await.expect("port").status.expect("status");
     let accepted = conditions::find(&port.conditions, conditions::ACCEPTED).expect("Accepted");
-    assert!(accepted.message.contains("serviceRef.port \"grpc\" is not a port of Service \"svc-c\" (its EndpointSlices list: http:8000)"), "{}", accepted.message);
+    assert!(accepted.message.contains("serviceRef.port \"grpc\" is not a port of Service \"svc-c\": the Service has no port named \"grpc\" (its ports: http=8000)"), "{}", accepted.message);
 
     // Fixes: the Service gets the port, the profile is created, "first"
     // leaves the pool.

@@ -4,18 +4,18 @@ mod support;
 
 use std::time::Duration;
 
-use kinference_controller::endpoints::Endpoint;
+use kinference_controller::endpoints::ReadyEndpoint;
 use kinference_controller::probe::{HttpProber, KvProbe, ProbeFailure, ProbeTarget, Prober};
 use support::Engine;
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpListener;
 
-fn endpoint(addr: std::net::SocketAddr) -> Endpoint {
-    Endpoint {
-        key: addr.ip().to_string(),
+fn endpoint(addr: std::net::SocketAddr) -> ReadyEndpoint {
+    ReadyEndpoint {
         address: addr.ip().to_string(),
         http_port: addr.port(),
         kv_port: None,
+        target: None,
     }
 }
 

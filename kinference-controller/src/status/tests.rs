@@ -252,9 +252,15 @@ fn table_of_states() {
         .reason,
         "UnknownProfile"
     );
-    assert!(msg("bad-http-port", conditions::ACCEPTED).contains("serviceRef.port \"grpc\" is not a port of Service \"qwen-vllm\" (its EndpointSlices list: http:8000, kv-pub:5557)"));
-    assert!(msg("bad-kv-port", conditions::ACCEPTED).contains("kvEvents.port \"zmq\""));
-    assert!(msg("bad-number", conditions::ACCEPTED).contains("serviceRef.port 9000"));
+    assert_eq!(
+        msg("bad-http-port", conditions::ACCEPTED),
+        "serviceRef.port \"grpc\" is not a port of Service \"qwen-vllm\": the Service has no port named \"grpc\" (its ports: http=8000, kv-pub=5557); use one of its port names or numbers (as its EndpointSlices list them)"
+    );
+    assert!(
+        msg("bad-kv-port", conditions::ACCEPTED)
+            .contains("kvEvents.port \"zmq\" is not a port of Service \"qwen-vllm\"")
+    );
+    assert!(msg("bad-number", conditions::ACCEPTED).contains("serviceRef.port 9000 is not a port of Service \"qwen-vllm\": the Service's endpoints have no port 9000"));
     assert!(msg("same-port", conditions::ACCEPTED).contains("both port 8000"));
     assert!(msg("orphan", conditions::READY).contains(
         "no EndpointSlice is labelled kubernetes.io/service-name=orphan-vllm in namespace ns"
