@@ -94,6 +94,7 @@
 mod cache;
 mod chat;
 mod error;
+mod fast;
 mod jinja;
 mod load;
 mod request;

@@ -13,7 +13,8 @@ use crate::error::{Error, LoadError};
 use crate::jinja::{self, ContentFormat};
 use crate::load::{ModelFiles, TOKENIZER_JSON, TokenizerConfig};
 use crate::request::{ChatRequest, CompletionRequest, Endpoint, Prompt, Request};
-use crate::segment::Segmenter;
+use crate::fast::FastPath;
+use crate::segment::{Segment, Segmenter};
 
 /// How a [`ModelTokenizer`] is built.
 #[derive(Clone, Debug)]
@@ -91,6 +92,7 @@ pub struct ModelTokenizer {
     special_tokens_map: Map<String, Json>,
     wrap: Option<SpecialWrap>,
     segmenter: Segmenter,
+    fast: Option<FastPath>,
     cache: SegmentCache,
     options: Options,
     clean_up_tokenization_spaces: bool,
@@ -184,10 +186,18 @@ impl ModelTokenizer {
         let eos_token_id = token_id("eos_token");
         let wrap = special_wrap(&inner);
         let segmenter = Segmenter::new(&inner);
+        // The fast route relies on the pipeline being the one in the file:
+        // not with split_special_tokens (special tokens then stay text).
+        let fast = if config.split_special_tokens {
+            None
+        } else {
+            FastPath::from_tokenizer_bytes(json)
+        };
         tracing::debug!(
             templates = templates.len(),
             vocab = inner.get_vocab_size(true),
             segmentable = segmenter.can_cut(),
+            fast_path = fast.is_some(),
             "tokenizer loaded"
         );
         Ok(ModelTokenizer {
@@ -198,6 +208,7 @@ impl ModelTokenizer {
             special_tokens_map,
             wrap,
             segmenter,
+            fast,
             options,
             clean_up_tokenization_spaces: config.clean_up_tokenization_spaces,
             model_max_length: config.model_max_length,
@@ -388,43 +399,59 @@ impl ModelTokenizer {
             // let the pipeline do it.
             (None, true) => return Ok((self.encode_uncached(text, true)?, 0)),
         };
-        if !self.cache.is_enabled() {
-            return Ok((self.encode_uncached(text, add_special_tokens)?, 0));
-        }
-        let mut cuts = Vec::new();
-        self.segmenter.cut_points(text, &mut cuts);
-        cuts.push(text.len());
+        let mut segments = Vec::new();
+        self.segmenter.segments(text, &mut segments);
 
         let mut ids = Vec::with_capacity(text.len() / 3 + 8);
         if let Some(wrap) = wrap {
             ids.extend_from_slice(&wrap.prefix);
         }
         let mut cached = 0;
-        let mut start = 0;
-        for end in cuts {
-            let segment = &text[start..end];
-            start = end;
-            if segment.is_empty() {
-                continue;
-            }
-            let hash = SegmentCache::hash(segment);
+        let caching = self.cache.is_enabled();
+        for segment in &segments {
+            let piece = &text[segment.start..segment.end];
             let before = ids.len();
-            if self.cache.get_into(hash, segment, &mut ids) {
-                cached += ids.len() - before;
+            if caching {
+                let hash = SegmentCache::hash(piece);
+                if self.cache.get_into(hash, piece, &mut ids) {
+                    cached += ids.len() - before;
+                } else {
+                    self.encode_segment(piece, segment, &mut ids)?;
+                    self.cache.insert(hash, piece, &ids[before..]);
+                }
             } else {
-                let encoding = self
-                    .inner
-                    .encode_fast(segment, false)
-                    .map_err(|e| Error::Tokenizer(e.to_string()))?;
-                let segment_ids = encoding.get_ids();
-                ids.extend_from_slice(segment_ids);
-                self.cache.insert(hash, segment, segment_ids);
+                self.encode_segment(piece, segment, &mut ids)?;
             }
         }
         if let Some(wrap) = wrap {
             ids.extend_from_slice(&wrap.suffix);
         }
         Ok((ids, cached))
+    }
+
+    /// Encodes one segment (without special tokens) onto `out`: through the
+    /// fast route when it applies, else the `tokenizers` pipeline.
+    fn encode_segment(&self, piece: &str, segment: &Segment, out: &mut Vec<u32>) -> Result<(), Error> {
+        if let Some(fast) = &self.fast
+            && segment.plain
+        {
+            let before = out.len();
+            let lead = segment.lead.map_or(0, |(_, len)| len);
+            if let Some((id, _)) = segment.lead {
+                out.push(id);
+            }
+            match fast.encode_plain(self.inner.get_model(), &piece[lead..], out) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => return Err(Error::Tokenizer(e.to_string())),
+                None => out.truncate(before),
+            }
+        }
+        let encoding = self
+            .inner
+            .encode_fast(piece, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        out.extend_from_slice(encoding.get_ids());
+        Ok(())
     }
 
     /// Decodes ids as vLLM's `/detokenize` does (`decode` keeping special
@@ -480,6 +507,12 @@ impl ModelTokenizer {
     /// `model_max_length` from the config, when it is a real limit.
     pub fn model_max_length(&self) -> Option<u64> {
         self.model_max_length
+    }
+
+    /// Whether plain text takes the fast route past the `tokenizers`
+    /// pipeline (same ids; see the crate docs). Informational.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Whether chat requests can be rendered.
