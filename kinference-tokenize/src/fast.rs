@@ -6,12 +6,13 @@
 //! `fancy-regex`, whose backtracking VM is needed only for one alternative,
 //! `\s+(?!\S)`. On an 8K-token prompt that is most of the time spent. For
 //! text that contains no added token, this module does the same work
-//! directly: the normalizer (only when it is absent, or NFC on ASCII text,
-//! where NFC is the identity), the split with the `regex` crate, the GPT-2
+//! directly: the normalizer (only when it is absent, or NFC on text that is
+//! already in NFC, checked with the same Unicode tables `tokenizers` uses,
+//! so NFC is the identity), the split with the `regex` crate, the GPT-2
 //! byte-to-character mapping, and the tokenizer's own BPE model on each
-//! piece. Anything else (another normalizer or pre-tokenizer, non-ASCII
-//! text under NFC, a BPE with dropout) is not handled here and goes
-//! through the pipeline.
+//! piece. Anything else (another normalizer or pre-tokenizer, text not in
+//! NFC under an NFC normalizer, a BPE with dropout) is not handled here and
+//! goes through the pipeline.
 //!
 //! # The lookahead
 //!
@@ -65,8 +66,8 @@ struct ModelShape {
 /// The fast route for one tokenizer, if its pipeline is one it knows.
 #[derive(Debug)]
 pub(crate) struct FastPath {
-    /// NFC normalizer: only ASCII text is handled.
-    ascii_only: bool,
+    /// NFC normalizer: only text already in NFC is handled.
+    nfc: bool,
     /// `P|\s+`.
     split: Regex,
     /// `\A(?:P)`.
@@ -92,7 +93,7 @@ impl FastPath {
     /// regex)]` or `ByteLevel(no prefix space, regex)`; a BPE model without
     /// dropout; no normalized added tokens. `None` otherwise.
     pub(crate) fn from_tokenizer_json(json: &Json) -> Option<Self> {
-        let ascii_only = match &json["normalizer"] {
+        let nfc = match &json["normalizer"] {
             Json::Null => false,
             n if n["type"] == "NFC" => true,
             _ => return None,
@@ -138,7 +139,7 @@ impl FastPath {
             return None;
         }
         Some(FastPath {
-            ascii_only,
+            nfc,
             split: Regex::new(&format!(r"{prefix}|\s+")).ok()?,
             prefix: Regex::new(&format!(r"\A(?:{prefix})")).ok()?,
             bytes_char: bytes_char(),
@@ -154,7 +155,7 @@ impl FastPath {
         text: &str,
         out: &mut Vec<u32>,
     ) -> Option<tokenizers::Result<()>> {
-        if self.ascii_only && !text.is_ascii() {
+        if self.nfc && !text.is_ascii() && !unicode_normalization_alignments::is_nfc(text) {
             return None;
         }
         let before = out.len();
