@@ -110,7 +110,9 @@ impl FastPath {
             return None;
         }
         let plain_byte_level = |p: &Json, use_regex: bool| {
-            p["type"] == "ByteLevel" && p["add_prefix_space"] == false && p["use_regex"] == use_regex
+            p["type"] == "ByteLevel"
+                && p["add_prefix_space"] == false
+                && p["use_regex"] == use_regex
         };
         let pre = &json["pre_tokenizer"];
         let pattern = if plain_byte_level(pre, true) {
@@ -133,7 +135,9 @@ impl FastPath {
         let prefix = pattern.strip_suffix(LOOKAHEAD_TAIL)?;
         // Anchors and word boundaries would see different context in the
         // anchored re-check; the patterns in use have none.
-        if [r"\b", r"\B", r"\A", r"\z", "$", "(?"].iter().any(|t| prefix.replace("(?i:", "").contains(t))
+        if [r"\b", r"\B", r"\A", r"\z", "$", "(?"]
+            .iter()
+            .any(|t| prefix.replace("(?i:", "").contains(t))
             || prefix.matches('^').count() != prefix.matches("[^").count()
         {
             return None;

@@ -134,7 +134,9 @@ impl Segmenter {
             // found[i] is the longest occurrence at `start`: the one
             // leftmost-longest matching picks (if nothing straddles).
             let anchored = reach <= start && self.anchor[pattern];
-            let current = out.last_mut().unwrap_or_else(|| unreachable!("a segment was pushed"));
+            let current = out
+                .last_mut()
+                .unwrap_or_else(|| unreachable!("a segment was pushed"));
             if anchored && start == 0 && current.start == 0 && self.cuts {
                 current.lead = Some((self.id[pattern], end - start));
             } else if anchored && start > 0 && self.cuts {
@@ -177,7 +179,9 @@ fn is_anchor(token: &tokenizers::AddedToken) -> bool {
         && !token.lstrip
         && !token.rstrip
         && !token.single_word
-        && first.is_some_and(|c| c.is_ascii() && !c.is_ascii_whitespace() && !c.is_ascii_alphanumeric() && c != '_')
+        && first.is_some_and(|c| {
+            c.is_ascii() && !c.is_ascii_whitespace() && !c.is_ascii_alphanumeric() && c != '_'
+        })
         && last.is_some_and(|c| !c.is_whitespace())
 }
 
@@ -230,7 +234,10 @@ mod tests {
 
     #[test]
     fn segments_know_their_lead_and_whether_they_are_plain() {
-        let tok = tokenizer(vec![AddedToken::from("<a>", true), AddedToken::from("<l>", true).lstrip(true)]);
+        let tok = tokenizer(vec![
+            AddedToken::from("<a>", true),
+            AddedToken::from("<l>", true).lstrip(true),
+        ]);
         let seg = Segmenter::new(&tok);
         let a = tok.token_to_id("<a>").unwrap();
         let mut out = Vec::new();
@@ -238,14 +245,37 @@ mod tests {
         assert_eq!(
             out,
             vec![
-                Segment { start: 0, end: 4, lead: Some((a, 3)), plain: true },
-                Segment { start: 4, end: 13, lead: Some((a, 3)), plain: false },
-                Segment { start: 13, end: 16, lead: Some((a, 3)), plain: true },
+                Segment {
+                    start: 0,
+                    end: 4,
+                    lead: Some((a, 3)),
+                    plain: true
+                },
+                Segment {
+                    start: 4,
+                    end: 13,
+                    lead: Some((a, 3)),
+                    plain: false
+                },
+                Segment {
+                    start: 13,
+                    end: 16,
+                    lead: Some((a, 3)),
+                    plain: true
+                },
             ]
         );
         out.clear();
         seg.segments("x<", &mut out);
-        assert_eq!(out, vec![Segment { start: 0, end: 2, lead: None, plain: true }]);
+        assert_eq!(
+            out,
+            vec![Segment {
+                start: 0,
+                end: 2,
+                lead: None,
+                plain: true
+            }]
+        );
         out.clear();
         seg.segments("", &mut out);
         assert!(out.is_empty());

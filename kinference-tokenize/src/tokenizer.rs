@@ -10,10 +10,10 @@ use tokenizers::{Encoding, Token};
 use crate::cache::{CacheStats, SegmentCache};
 use crate::chat::{ChatTemplate, RenderInputs};
 use crate::error::{Error, LoadError};
+use crate::fast::FastPath;
 use crate::jinja::{self, ContentFormat};
 use crate::load::{ModelFiles, TOKENIZER_JSON, TokenizerConfig};
 use crate::request::{ChatRequest, CompletionRequest, Endpoint, Prompt, Request};
-use crate::fast::FastPath;
 use crate::segment::{Segment, Segmenter};
 
 /// How a [`ModelTokenizer`] is built.
@@ -162,13 +162,14 @@ impl ModelTokenizer {
 
         let mut templates = Vec::with_capacity(config.chat_templates.len());
         for (name, source) in &config.chat_templates {
-            let template = ChatTemplate::compile(source, options.content_format).map_err(|source| {
-                LoadError::Template {
-                    file: config.template_file,
-                    name: name.clone(),
-                    source,
-                }
-            })?;
+            let template =
+                ChatTemplate::compile(source, options.content_format).map_err(|source| {
+                    LoadError::Template {
+                        file: config.template_file,
+                        name: name.clone(),
+                        source,
+                    }
+                })?;
             templates.push((name.clone(), template));
         }
 
@@ -245,7 +246,11 @@ impl ModelTokenizer {
     ///
     /// [`Error::InvalidRequest`] if the bytes are not JSON; otherwise as
     /// [`ModelTokenizer::tokenize`].
-    pub fn tokenize_bytes(&self, endpoint: Option<Endpoint>, body: &[u8]) -> Result<Tokenized, Error> {
+    pub fn tokenize_bytes(
+        &self,
+        endpoint: Option<Endpoint>,
+        body: &[u8],
+    ) -> Result<Tokenized, Error> {
         let body: Json = serde_json::from_slice(body)
             .map_err(|e| Error::invalid(format!("the body is not JSON: {e}")))?;
         match endpoint {
@@ -339,14 +344,15 @@ impl ModelTokenizer {
             Some(_) if !self.options.trust_request_chat_template => {
                 return Err(Error::UntrustedChatTemplate);
             }
-            Some(source) => match self.templates.iter().find(|(name, _)| name == source) {
-                Some((_, t)) => t,
-                None => {
+            Some(source) => {
+                if let Some((_, t)) = self.templates.iter().find(|(name, _)| name == source) {
+                    t
+                } else {
                     owned = ChatTemplate::compile(source, self.options.content_format)
                         .map_err(|e| Error::Template(format!("{e:#}")))?;
                     &owned
                 }
-            },
+            }
             None => self.pick_template(request.tools.is_some())?,
         };
         let inputs = RenderInputs::from_request(request, template.content_format())?;
@@ -374,7 +380,8 @@ impl ModelTokenizer {
     ///
     /// [`Error::Tokenizer`] if the `tokenizers` pipeline fails.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, Error> {
-        self.encode_counting(text, add_special_tokens).map(|(ids, _)| ids)
+        self.encode_counting(text, add_special_tokens)
+            .map(|(ids, _)| ids)
     }
 
     /// Encodes text with the `tokenizers` pipeline directly, bypassing the
@@ -391,7 +398,11 @@ impl ModelTokenizer {
     }
 
     /// Cached encoding; also returns how many ids came from the cache.
-    fn encode_counting(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, usize), Error> {
+    fn encode_counting(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, usize), Error> {
         let wrap = match (&self.wrap, add_special_tokens) {
             (_, false) => None,
             (Some(wrap), true) => Some(wrap),
@@ -431,7 +442,12 @@ impl ModelTokenizer {
 
     /// Encodes one segment (without special tokens) onto `out`: through the
     /// fast route when it applies, else the `tokenizers` pipeline.
-    fn encode_segment(&self, piece: &str, segment: &Segment, out: &mut Vec<u32>) -> Result<(), Error> {
+    fn encode_segment(
+        &self,
+        piece: &str,
+        segment: &Segment,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Error> {
         if let Some(fast) = &self.fast
             && segment.plain
         {
@@ -582,7 +598,7 @@ fn bos_eos_processor(
         if !flag {
             return Ok(None);
         }
-        let flag_name = format!("add_{}", attr);
+        let flag_name = format!("add_{attr}");
         let token = config
             .special_token(attr)
             .ok_or_else(|| bad(&flag_name, format!("is true but `{attr}` is not set")))?;
@@ -595,7 +611,9 @@ fn bos_eos_processor(
     let bos = wrap(add_bos, "bos_token")?;
     let eos = wrap(add_eos, "eos_token")?;
     let piece = |t: &Option<String>, type_id: u8| {
-        t.as_ref().map(|t| format!("{t}:{type_id} ")).unwrap_or_default()
+        t.as_ref()
+            .map(|t| format!("{t}:{type_id} "))
+            .unwrap_or_default()
     };
     let single = format!("{}$A:0 {}", piece(&bos, 0), piece(&eos, 0));
     let pair = format!(
@@ -605,13 +623,18 @@ fn bos_eos_processor(
         piece(&bos, 1),
         piece(&eos, 1)
     );
-    let pp_error =
-        |e: &dyn std::fmt::Display| LoadError::Tokenizer(format!("post-processor from add_bos_token/add_eos_token: {e}"));
+    let pp_error = |e: &dyn std::fmt::Display| {
+        LoadError::Tokenizer(format!(
+            "post-processor from add_bos_token/add_eos_token: {e}"
+        ))
+    };
     let mut builder = TemplateProcessing::builder();
     builder
         .try_single(single.trim_end())
         .map_err(|e| pp_error(&e))?;
-    builder.try_pair(pair.trim_end()).map_err(|e| pp_error(&e))?;
+    builder
+        .try_pair(pair.trim_end())
+        .map_err(|e| pp_error(&e))?;
     builder.special_tokens(special);
     builder.build().map_err(|e| pp_error(&e))
 }

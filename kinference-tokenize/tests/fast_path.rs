@@ -10,7 +10,9 @@ use kinference_tokenize::{ModelFiles, ModelTokenizer, Options};
 use proptest::prelude::*;
 
 fn load(model: &str) -> ModelTokenizer {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/tokenizers").join(model);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/tokenizers")
+        .join(model);
     let options = Options {
         cache_bytes: 0,
         ..Options::default()

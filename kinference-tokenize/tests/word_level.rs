@@ -3,7 +3,10 @@
 
 use std::path::PathBuf;
 
-use kinference_tokenize::{Endpoint, ModelFiles, ModelTokenizer, Options, TOKENIZER_CONFIG_JSON, TOKENIZER_JSON, word_level};
+use kinference_tokenize::{
+    Endpoint, ModelFiles, ModelTokenizer, Options, TOKENIZER_CONFIG_JSON, TOKENIZER_JSON,
+    word_level,
+};
 use serde_json::json;
 
 fn committed_dir() -> PathBuf {
@@ -17,7 +20,8 @@ fn committed_files_match_the_generator() {
         (TOKENIZER_CONFIG_JSON, word_level::tokenizer_config_json()),
     ] {
         let path = committed_dir().join(name);
-        let committed = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let committed =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         assert!(
             committed == generated,
             "{} is out of date: run `cargo run -p kinference-tokenize --example word_level -- examples/word-level`",
@@ -38,13 +42,26 @@ fn one_word_is_one_token() {
     assert_eq!(ids.len(), 12);
     assert_eq!(ids[0], word_level::NUMBERED_WORD_BASE + 65_530);
     assert_eq!(ids[6], word_level::NUMBERED_WORD_BASE);
-    assert_eq!(tok.token_to_id("w65535"), Some(word_level::NUMBERED_WORD_BASE + 65_535));
+    assert_eq!(
+        tok.token_to_id("w65535"),
+        Some(word_level::NUMBERED_WORD_BASE + 65_535)
+    );
 
-    let ids = tok.encode("The quick brown fox, 42 ... zzz!", false).unwrap();
+    let ids = tok
+        .encode("The quick brown fox, 42 ... zzz!", false)
+        .unwrap();
     let unk = 0;
     assert_eq!(ids.len(), 9);
-    assert_eq!(ids.iter().filter(|&&id| id == unk).count(), 3, "brown, fox and zzz are not words here");
-    assert_eq!(tok.decode(&tok.encode("hello world .", false).unwrap()).unwrap(), "hello world .");
+    assert_eq!(
+        ids.iter().filter(|&&id| id == unk).count(),
+        3,
+        "brown, fox and zzz are not words here"
+    );
+    assert_eq!(
+        tok.decode(&tok.encode("hello world .", false).unwrap())
+            .unwrap(),
+        "hello world ."
+    );
 }
 
 #[test]
@@ -58,14 +75,32 @@ fn chat_renders_chatml() {
         .unwrap();
     assert_eq!(
         out.prompt.as_deref(),
-        Some("<|im_start|>system\nw1 w2<|im_end|>\n<|im_start|>user\nhello w3<|im_end|>\n<|im_start|>assistant\n")
+        Some(
+            "<|im_start|>system\nw1 w2<|im_end|>\n<|im_start|>user\nhello w3<|im_end|>\n<|im_start|>assistant\n"
+        )
     );
     let w = |n: u32| word_level::NUMBERED_WORD_BASE + n;
     let system = tok.token_to_id("system").unwrap();
     let user = tok.token_to_id("user").unwrap();
     let assistant = tok.token_to_id("assistant").unwrap();
     let hello = tok.token_to_id("hello").unwrap();
-    assert_eq!(out.token_ids, vec![vec![3, system, w(1), w(2), 4, 3, user, hello, w(3), 4, 3, assistant]]);
+    assert_eq!(
+        out.token_ids,
+        vec![vec![
+            3,
+            system,
+            w(1),
+            w(2),
+            4,
+            3,
+            user,
+            hello,
+            w(3),
+            4,
+            3,
+            assistant
+        ]]
+    );
     assert_eq!(tok.eos_token_id(), Some(4));
     assert_eq!(tok.bos_token_id(), Some(1));
 }
@@ -86,14 +121,30 @@ fn llama_family_classes_add_bos_and_eos() {
     let w1 = word_level::NUMBERED_WORD_BASE + 1;
     let plain = load(json!({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "add_bos_token": true})).unwrap();
     assert_eq!(plain.encode("w1", true).unwrap(), vec![w1]);
-    let llama = load(json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"})).unwrap();
+    let llama = load(
+        json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}),
+    )
+    .unwrap();
     assert_eq!(llama.encode("w1", true).unwrap(), vec![1, w1]);
     assert_eq!(llama.encode("w1", false).unwrap(), vec![w1]);
     assert_eq!(llama.encode_uncached("w1", true).unwrap(), vec![1, w1]);
     let both = load(json!({"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "add_eos_token": true})).unwrap();
-    assert_eq!(both.encode("w1 <|im_end|> w1", true).unwrap(), vec![1, w1, 4, w1, 2]);
-    let none = load(json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": null, "add_bos_token": true})).unwrap_err();
-    assert_eq!(none.to_string(), "tokenizer_config.json: `add_bos_token` is true but `bos_token` is not set");
-    let missing = load(json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<nope>"})).unwrap_err();
-    assert_eq!(missing.to_string(), "tokenizer_config.json: `bos_token` `<nope>` is not in the vocabulary");
+    assert_eq!(
+        both.encode("w1 <|im_end|> w1", true).unwrap(),
+        vec![1, w1, 4, w1, 2]
+    );
+    let none = load(
+        json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": null, "add_bos_token": true}),
+    )
+    .unwrap_err();
+    assert_eq!(
+        none.to_string(),
+        "tokenizer_config.json: `add_bos_token` is true but `bos_token` is not set"
+    );
+    let missing =
+        load(json!({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<nope>"})).unwrap_err();
+    assert_eq!(
+        missing.to_string(),
+        "tokenizer_config.json: `bos_token` `<nope>` is not in the vocabulary"
+    );
 }
