@@ -15,7 +15,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use kinference_kvindex::codec::frames::{self, ReplayReply};
-use kinference_kvindex::{decode_batch, dump};
+use kinference_kvindex::dump;
 use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 #[derive(Parser, Debug)]
@@ -45,43 +45,10 @@ enum Cmd {
     },
 }
 
-fn print_payload(payload: &[u8], worker: Option<&str>, seq: Option<u64>) {
-    match decode_batch(payload) {
-        Ok(b) => print!("{}", dump::batch_lines(&b, worker, seq)),
-        Err(e) => println!(
-            "{}",
-            serde_json::json!({"worker": worker, "seq": seq, "error": e.to_string()})
-        ),
-    }
-}
-
 fn decode(file: &std::path::Path) -> Result<()> {
     let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
-    if file.extension().is_some_and(|e| e == "frames") {
-        let f = frames::read_frames_container(&bytes)?;
-        if let Ok(m) = frames::parse_live(&f) {
-            let topic = String::from_utf8_lossy(m.topic);
-            print_payload(
-                m.payload,
-                (!topic.is_empty()).then_some(&*topic),
-                Some(m.seq),
-            );
-            return Ok(());
-        }
-        match frames::parse_replay_reply(&f)? {
-            ReplayReply::Batch {
-                topic,
-                seq,
-                payload,
-            } => {
-                let topic = topic.map(String::from_utf8_lossy).filter(|t| !t.is_empty());
-                print_payload(payload, topic.as_deref(), Some(seq));
-            }
-            ReplayReply::End => println!("{}", serde_json::json!({"type": "end_of_replay"})),
-        }
-        return Ok(());
-    }
-    print_payload(&bytes, None, None);
+    let name = file.file_name().unwrap_or_default().to_string_lossy();
+    print!("{}", dump::decode_file(&name, &bytes)?);
     Ok(())
 }
 
@@ -116,7 +83,7 @@ async fn watch(endpoint: &str, replay: Option<&str>, topic: &str) -> Result<()> 
             let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
             match frames::parse_replay_reply(&parts)? {
                 ReplayReply::Batch { seq, payload, .. } => {
-                    print_payload(payload, Some("replay"), Some(seq));
+                    print!("{}", dump::payload_lines(payload, Some("replay"), Some(seq)));
                 }
                 ReplayReply::End => break,
             }
@@ -128,7 +95,7 @@ async fn watch(endpoint: &str, replay: Option<&str>, topic: &str) -> Result<()> 
         match frames::parse_live(&parts) {
             Ok(l) => {
                 let topic = String::from_utf8_lossy(l.topic);
-                print_payload(l.payload, Some(&topic), Some(l.seq));
+                print!("{}", dump::payload_lines(l.payload, Some(&topic), Some(l.seq)));
             }
             Err(e) => eprintln!("kvdump: malformed message: {e}"),
         }

@@ -121,3 +121,39 @@ mod tests {
         );
     }
 }
+
+/// Lines for one payload; an undecodable payload gives one `error` line.
+pub fn payload_lines(payload: &[u8], worker: Option<&str>, seq: Option<u64>) -> String {
+    match crate::codec::decode_batch(payload) {
+        Ok(b) => batch_lines(&b, worker, seq),
+        Err(e) => format!("{}\n", json!({"worker": worker, "seq": seq, "error": e.to_string()})),
+    }
+}
+
+/// Lines for a file: a `.frames` capture (a live message, or a replay reply
+/// with its end marker) when `name` ends in `.frames`, else one `.msgpack`
+/// batch payload.
+///
+/// # Errors
+/// A `.frames` file that is not a valid capture.
+pub fn decode_file(name: &str, bytes: &[u8]) -> Result<String, crate::codec::frames::FrameError> {
+    use crate::codec::frames::{self, ReplayReply};
+    if !std::path::Path::new(name)
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("frames"))
+    {
+        return Ok(payload_lines(bytes, None, None));
+    }
+    let f = frames::read_frames_container(bytes)?;
+    if let Ok(m) = frames::parse_live(&f) {
+        let topic = String::from_utf8_lossy(m.topic);
+        return Ok(payload_lines(m.payload, (!topic.is_empty()).then_some(&*topic), Some(m.seq)));
+    }
+    Ok(match frames::parse_replay_reply(&f)? {
+        ReplayReply::Batch { topic, seq, payload } => {
+            let topic = topic.map(String::from_utf8_lossy).filter(|t| !t.is_empty());
+            payload_lines(payload, topic.as_deref(), Some(seq))
+        }
+        ReplayReply::End => format!("{}\n", json!({"type": "end_of_replay"})),
+    })
+}
