@@ -36,6 +36,7 @@
 pub mod conditions;
 pub mod crds;
 mod diagnosis;
+pub mod endpoints;
 pub mod manifests;
 pub mod state;
 pub mod v1alpha1;

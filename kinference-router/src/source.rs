@@ -1,0 +1,326 @@
+//! Sources of truth that feed the [`Catalog`]: Kubernetes watches, or a
+//! directory of the same YAML objects.
+//!
+//! Both end in the catalog's `apply` / `delete` / `reset` calls, so the data
+//! plane cannot tell them apart.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use futures::StreamExt;
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kinference_api::manifests::{self, Object};
+use kinference_api::{InferencePool, InferenceWorkerSet, RoutingProfile};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Api, Client, Resource, ResourceExt};
+use serde::de::DeserializeOwned;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+
+use crate::catalog::{Catalog, Kind};
+
+/// The catalog, shared by the tasks that feed it.
+pub type SharedCatalog = Arc<Mutex<Catalog>>;
+
+/// Why a manifests directory could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestsError {
+    /// The directory or a file could not be read.
+    #[error("reading {path}")]
+    Read {
+        /// What was being read.
+        path: PathBuf,
+        /// Why it failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file holds an invalid object.
+    #[error("{path}: {source}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong in it.
+        #[source]
+        source: manifests::ManifestError,
+    },
+}
+
+/// The objects of a manifests directory, by kind.
+#[derive(Debug, Default)]
+pub struct Manifests {
+    /// Pools.
+    pub pools: Vec<InferencePool>,
+    /// Worker sets.
+    pub worker_sets: Vec<InferenceWorkerSet>,
+    /// Profiles.
+    pub profiles: Vec<RoutingProfile>,
+    /// EndpointSlices.
+    pub slices: Vec<EndpointSlice>,
+    /// Objects of other kinds, as `Kind/name`, ignored.
+    pub ignored: Vec<String>,
+}
+
+fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), ManifestsError> {
+    let read_err = |source| ManifestsError::Read {
+        path: dir.to_path_buf(),
+        source,
+    };
+    for entry in std::fs::read_dir(dir).map_err(read_err)? {
+        let path = entry.map_err(read_err)?.path();
+        if path.is_dir() {
+            yaml_files(&path, out)?;
+        } else if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("yaml") || e.eq_ignore_ascii_case("yml"))
+        {
+            out.push(path);
+        }
+    }
+    Ok(())
+}
+
+/// The files a load reads and what they looked like, to notice changes.
+fn fingerprint(dir: &Path) -> Result<Vec<(PathBuf, Option<SystemTime>, u64)>, ManifestsError> {
+    let mut files = Vec::new();
+    yaml_files(dir, &mut files)?;
+    files.sort();
+    Ok(files
+        .into_iter()
+        .map(|p| {
+            let meta = std::fs::metadata(&p).ok();
+            let mtime = meta.as_ref().and_then(|m| m.modified().ok());
+            let len = meta.map_or(0, |m| m.len());
+            (p, mtime, len)
+        })
+        .collect())
+}
+
+/// Reads every `*.yaml`/`*.yml` file under `dir` (recursively).
+///
+/// # Errors
+/// The first unreadable file or invalid object; nothing is returned then, so
+/// a caller keeps its last good state.
+pub fn load_manifests(dir: &Path) -> Result<Manifests, ManifestsError> {
+    let mut files = Vec::new();
+    yaml_files(dir, &mut files)?;
+    files.sort();
+    let mut out = Manifests::default();
+    for path in files {
+        let text = std::fs::read_to_string(&path).map_err(|source| ManifestsError::Read {
+            path: path.clone(),
+            source,
+        })?;
+        let objects = manifests::parse(&text).map_err(|source| ManifestsError::Invalid {
+            path: path.clone(),
+            source,
+        })?;
+        for o in objects {
+            match o {
+                Object::Pool(o) => out.pools.push(*o),
+                Object::WorkerSet(o) => out.worker_sets.push(*o),
+                Object::Profile(o) => out.profiles.push(*o),
+                Object::EndpointSlice(o) => out.slices.push(*o),
+                other @ Object::Other { .. } => out.ignored.push(other.describe()),
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Replaces the whole catalog with a directory's objects.
+pub fn reset_from(catalog: &mut Catalog, m: Manifests) {
+    catalog.reset_pools(m.pools);
+    catalog.reset_worker_sets(m.worker_sets);
+    catalog.reset_profiles(m.profiles);
+    catalog.reset_slices(m.slices);
+}
+
+/// Loads `dir` into the catalog now, then reloads it whenever its files
+/// change (checked every `interval`) until `stop`. A reload that fails keeps
+/// the last good objects and logs why.
+///
+/// # Errors
+/// When the first load fails: a router must not start on a directory it
+/// cannot read.
+pub async fn watch_manifests(
+    dir: PathBuf,
+    catalog: SharedCatalog,
+    interval: Duration,
+    stop: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>, ManifestsError> {
+    let d = dir.clone();
+    let (first, print) = tokio::task::spawn_blocking(move || {
+        Ok::<_, ManifestsError>((load_manifests(&d)?, fingerprint(&d)?))
+    })
+    .await
+    .expect("manifest loading does not panic")?;
+    if !first.ignored.is_empty() {
+        tracing::info!(dir = %dir.display(), ignored = ?first.ignored, "objects of other kinds are ignored");
+    }
+    reset_from(&mut *catalog.lock().await, first);
+    tracing::info!(dir = %dir.display(), "manifests loaded");
+    Ok(tokio::spawn(async move {
+        let mut last = print;
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(interval) => {}
+            }
+            let d = dir.clone();
+            let seen = last.clone();
+            let reload =
+                tokio::task::spawn_blocking(move || -> Result<Option<_>, ManifestsError> {
+                    let now = fingerprint(&d)?;
+                    if now == seen {
+                        return Ok(None);
+                    }
+                    Ok(Some((load_manifests(&d)?, now)))
+                });
+            match reload.await.expect("manifest loading does not panic") {
+                Ok(None) => {}
+                Ok(Some((m, now))) => {
+                    // Remember the new state only once it loaded, so a broken
+                    // file is retried until it is fixed.
+                    last = now;
+                    reset_from(&mut *catalog.lock().await, m);
+                    tracing::info!(dir = %dir.display(), "manifests reloaded");
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "manifests not reloaded; keeping the last good objects");
+                    // Avoid logging the same error every interval.
+                    if let Ok(now) = fingerprint(&dir) {
+                        last = now;
+                    }
+                }
+            }
+        }
+    }))
+}
+
+/// Watches the pool's objects on a Kubernetes API server until `stop`: the
+/// pool's namespace for pools, worker sets and EndpointSlices (those with a
+/// `kubernetes.io/service-name` label), and every RoutingProfile.
+pub fn watch_kubernetes(
+    client: &Client,
+    catalog: &SharedCatalog,
+    stop: &CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let ns = {
+        // The pool never changes; reading it without awaiting the lock keeps
+        // this function synchronous.
+        let c = catalog
+            .try_lock()
+            .expect("the catalog is not in use at start-up");
+        c.pool().namespace.clone()
+    };
+    let slice_cfg =
+        watcher::Config::default().labels(kinference_api::endpoints::SERVICE_NAME_LABEL);
+    vec![
+        spawn_watch(
+            Api::<InferencePool>::namespaced(client.clone(), &ns),
+            watcher::Config::default(),
+            Kind::Pool,
+            catalog.clone(),
+            stop.clone(),
+        ),
+        spawn_watch(
+            Api::<InferenceWorkerSet>::namespaced(client.clone(), &ns),
+            watcher::Config::default(),
+            Kind::WorkerSet,
+            catalog.clone(),
+            stop.clone(),
+        ),
+        spawn_watch(
+            Api::<RoutingProfile>::all(client.clone()),
+            watcher::Config::default(),
+            Kind::Profile,
+            catalog.clone(),
+            stop.clone(),
+        ),
+        spawn_watch(
+            Api::<EndpointSlice>::namespaced(client.clone(), &ns),
+            slice_cfg,
+            Kind::EndpointSlice,
+            catalog.clone(),
+            stop.clone(),
+        ),
+    ]
+}
+
+/// Objects the catalog can take, by kind.
+trait Catalogued:
+    Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static
+{
+    fn apply(self, c: &mut Catalog);
+    fn delete(name: &str, c: &mut Catalog);
+    fn reset(all: Vec<Self>, c: &mut Catalog);
+}
+
+macro_rules! catalogued {
+    ($t:ty, $apply:ident, $delete:ident, $reset:ident) => {
+        impl Catalogued for $t {
+            fn apply(self, c: &mut Catalog) {
+                c.$apply(self);
+            }
+            fn delete(name: &str, c: &mut Catalog) {
+                c.$delete(name);
+            }
+            fn reset(all: Vec<Self>, c: &mut Catalog) {
+                c.$reset(all);
+            }
+        }
+    };
+}
+catalogued!(InferencePool, apply_pool, delete_pool, reset_pools);
+catalogued!(
+    InferenceWorkerSet,
+    apply_worker_set,
+    delete_worker_set,
+    reset_worker_sets
+);
+catalogued!(
+    RoutingProfile,
+    apply_profile,
+    delete_profile,
+    reset_profiles
+);
+catalogued!(EndpointSlice, apply_slice, delete_slice, reset_slices);
+
+fn spawn_watch<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    kind: Kind,
+    catalog: SharedCatalog,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()>
+where
+    K: Catalogued,
+    K::DynamicType: Default,
+{
+    tokio::spawn(async move {
+        let stream = watcher::watcher(api, config).default_backoff();
+        futures::pin_mut!(stream);
+        let mut relist: Vec<K> = Vec::new();
+        loop {
+            let next = tokio::select! {
+                () = stop.cancelled() => return,
+                n = stream.next() => n,
+            };
+            let Some(event) = next else { return };
+            match event {
+                Ok(Event::Init) => relist.clear(),
+                Ok(Event::InitApply(o)) => relist.push(o),
+                Ok(Event::InitDone) => {
+                    let all = std::mem::take(&mut relist);
+                    tracing::debug!(?kind, objects = all.len(), "listed");
+                    K::reset(all, &mut *catalog.lock().await);
+                }
+                Ok(Event::Apply(o)) => o.apply(&mut *catalog.lock().await),
+                Ok(Event::Delete(o)) => K::delete(&o.name_any(), &mut *catalog.lock().await),
+                Err(e) => tracing::warn!(?kind, error = %e, "watch failed; retrying with backoff"),
+            }
+        }
+    })
+}
