@@ -1,0 +1,585 @@
+//! A small, allocation-free MessagePack reader and a writer that produces
+//! the same bytes as Python `msgspec` (minimal-width integers and headers,
+//! float64 for floats).
+//!
+//! The reader never panics: every read is bounds-checked and returns
+//! [`MsgError`] on truncated or malformed input. Nesting is limited to
+//! [`MAX_DEPTH`] so hostile input cannot exhaust the stack.
+
+use crate::event::Value;
+
+/// Deepest nesting of arrays/maps the reader follows when skipping or
+/// reading a generic [`Value`].
+pub const MAX_DEPTH: usize = 32;
+
+/// What went wrong while reading MessagePack.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MsgError {
+    /// The input ended inside a value.
+    #[error("truncated msgpack at byte {0}")]
+    Truncated(usize),
+    /// A value had another type than the schema allows.
+    #[error("expected {expected} at byte {at}, found marker 0x{marker:02x}")]
+    Type {
+        /// What the decoder wanted.
+        expected: &'static str,
+        /// Offset of the marker.
+        at: usize,
+        /// The marker byte found.
+        marker: u8,
+    },
+    /// The marker 0xc1 (never used) or nesting deeper than [`MAX_DEPTH`].
+    #[error("invalid msgpack at byte {0}")]
+    Invalid(usize),
+    /// A string was not UTF-8.
+    #[error("string at byte {0} is not utf-8")]
+    Utf8(usize),
+    /// An integer did not fit the target type.
+    #[error("integer at byte {0} is out of range")]
+    Range(usize),
+}
+
+/// The kind of the next value, as far as the decoder cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Nil,
+    Bool,
+    Int,
+    Float,
+    Str,
+    Bin,
+    Array,
+    Map,
+    Ext,
+}
+
+/// A cursor over a MessagePack byte slice.
+#[derive(Debug, Clone)]
+pub(crate) struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+/// An integer as read: msgpack distinguishes unsigned and signed encodings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Int {
+    U(u64),
+    I(i64),
+}
+
+impl Int {
+    pub(crate) fn as_u64(self) -> Option<u64> {
+        match self {
+            Int::U(v) => Some(v),
+            Int::I(v) => u64::try_from(v).ok(),
+        }
+    }
+    pub(crate) fn as_i64(self) -> Option<i64> {
+        match self {
+            Int::U(v) => i64::try_from(v).ok(),
+            Int::I(v) => Some(v),
+        }
+    }
+}
+
+impl<'a> Reader<'a> {
+    pub(crate) fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.pos >= self.buf.len()
+    }
+
+    fn byte(&mut self) -> Result<u8, MsgError> {
+        let b = *self.buf.get(self.pos).ok_or(MsgError::Truncated(self.pos))?;
+        self.pos += 1;
+        Ok(b)
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], MsgError> {
+        let end = self.pos.checked_add(n).ok_or(MsgError::Truncated(self.pos))?;
+        let s = self.buf.get(self.pos..end).ok_or(MsgError::Truncated(self.pos))?;
+        self.pos = end;
+        Ok(s)
+    }
+
+    fn be<const N: usize>(&mut self) -> Result<[u8; N], MsgError> {
+        let s = self.take(N)?;
+        let mut a = [0u8; N];
+        a.copy_from_slice(s);
+        Ok(a)
+    }
+
+    fn peek(&self) -> Result<u8, MsgError> {
+        self.buf.get(self.pos).copied().ok_or(MsgError::Truncated(self.pos))
+    }
+
+    /// The kind of the next value without consuming it.
+    pub(crate) fn peek_kind(&self) -> Result<Kind, MsgError> {
+        let m = self.peek()?;
+        Ok(match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => Kind::Int,
+            0x80..=0x8f | 0xde | 0xdf => Kind::Map,
+            0x90..=0x9f | 0xdc | 0xdd => Kind::Array,
+            0xa0..=0xbf | 0xd9..=0xdb => Kind::Str,
+            0xc0 => Kind::Nil,
+            0xc2 | 0xc3 => Kind::Bool,
+            0xc4..=0xc6 => Kind::Bin,
+            0xca | 0xcb => Kind::Float,
+            0xc7..=0xc9 | 0xd4..=0xd8 => Kind::Ext,
+            _ => return Err(MsgError::Invalid(self.pos)),
+        })
+    }
+
+    fn type_err(&self, expected: &'static str) -> MsgError {
+        match self.peek() {
+            Ok(marker) => MsgError::Type {
+                expected,
+                at: self.pos,
+                marker,
+            },
+            Err(e) => e,
+        }
+    }
+
+    /// Consumes a nil if one is next; returns whether it did.
+    pub(crate) fn try_nil(&mut self) -> Result<bool, MsgError> {
+        if self.peek()? == 0xc0 {
+            self.pos += 1;
+            Ok(true)
+        } else {
+            Ok(false)
+        }
+    }
+
+    pub(crate) fn read_int(&mut self) -> Result<Int, MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        Ok(match m {
+            0x00..=0x7f => Int::U(u64::from(m)),
+            0xe0..=0xff => Int::I(i64::from(m as i8)),
+            0xcc => Int::U(u64::from(self.byte()?)),
+            0xcd => Int::U(u64::from(u16::from_be_bytes(self.be()?))),
+            0xce => Int::U(u64::from(u32::from_be_bytes(self.be()?))),
+            0xcf => Int::U(u64::from_be_bytes(self.be()?)),
+            0xd0 => Int::I(i64::from(self.byte()? as i8)),
+            0xd1 => Int::I(i64::from(i16::from_be_bytes(self.be()?))),
+            0xd2 => Int::I(i64::from(i32::from_be_bytes(self.be()?))),
+            0xd3 => Int::I(i64::from_be_bytes(self.be()?)),
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("integer"));
+            }
+        })
+    }
+
+    pub(crate) fn read_u32(&mut self) -> Result<u32, MsgError> {
+        let at = self.pos;
+        let v = self.read_int()?.as_u64().ok_or(MsgError::Range(at))?;
+        u32::try_from(v).map_err(|_| MsgError::Range(at))
+    }
+
+    /// A float64/float32, or an integer read as a float (`ts` may be an int).
+    pub(crate) fn read_f64(&mut self) -> Result<f64, MsgError> {
+        match self.peek()? {
+            0xcb => {
+                self.pos += 1;
+                Ok(f64::from_be_bytes(self.be()?))
+            }
+            0xca => {
+                self.pos += 1;
+                Ok(f64::from(f32::from_be_bytes(self.be()?)))
+            }
+            _ => match self.read_int()? {
+                Int::U(v) => Ok(v as f64),
+                Int::I(v) => Ok(v as f64),
+            },
+        }
+    }
+
+    pub(crate) fn read_bool(&mut self) -> Result<bool, MsgError> {
+        match self.peek()? {
+            0xc2 => {
+                self.pos += 1;
+                Ok(false)
+            }
+            0xc3 => {
+                self.pos += 1;
+                Ok(true)
+            }
+            _ => Err(self.type_err("bool")),
+        }
+    }
+
+    pub(crate) fn read_str(&mut self) -> Result<&'a str, MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let len = match m {
+            0xa0..=0xbf => usize::from(m & 0x1f),
+            0xd9 => usize::from(self.byte()?),
+            0xda => usize::from(u16::from_be_bytes(self.be()?)),
+            0xdb => u32::from_be_bytes(self.be()?) as usize,
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("string"));
+            }
+        };
+        let bytes = self.take(len)?;
+        std::str::from_utf8(bytes).map_err(|_| MsgError::Utf8(at))
+    }
+
+    pub(crate) fn read_bin(&mut self) -> Result<&'a [u8], MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let len = match m {
+            0xc4 => usize::from(self.byte()?),
+            0xc5 => usize::from(u16::from_be_bytes(self.be()?)),
+            0xc6 => u32::from_be_bytes(self.be()?) as usize,
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("bin"));
+            }
+        };
+        self.take(len)
+    }
+
+    /// An array header; the element count is checked against the bytes left
+    /// (every element takes at least one byte), so a hostile length cannot
+    /// make a caller pre-allocate gigabytes.
+    pub(crate) fn read_array_len(&mut self) -> Result<usize, MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let len = match m {
+            0x90..=0x9f => usize::from(m & 0x0f),
+            0xdc => usize::from(u16::from_be_bytes(self.be()?)),
+            0xdd => u32::from_be_bytes(self.be()?) as usize,
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("array"));
+            }
+        };
+        if len > self.buf.len() - self.pos {
+            return Err(MsgError::Truncated(self.pos));
+        }
+        Ok(len)
+    }
+
+    pub(crate) fn read_map_len(&mut self) -> Result<usize, MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let len = match m {
+            0x80..=0x8f => usize::from(m & 0x0f),
+            0xde => usize::from(u16::from_be_bytes(self.be()?)),
+            0xdf => u32::from_be_bytes(self.be()?) as usize,
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("map"));
+            }
+        };
+        if len.saturating_mul(2) > self.buf.len() - self.pos {
+            return Err(MsgError::Truncated(self.pos));
+        }
+        Ok(len)
+    }
+
+    /// Skips one value of any type.
+    pub(crate) fn skip(&mut self) -> Result<(), MsgError> {
+        self.skip_depth(0)
+    }
+
+    fn skip_depth(&mut self, depth: usize) -> Result<(), MsgError> {
+        if depth > MAX_DEPTH {
+            return Err(MsgError::Invalid(self.pos));
+        }
+        match self.peek_kind()? {
+            Kind::Nil | Kind::Bool => {
+                self.pos += 1;
+            }
+            Kind::Int => {
+                self.read_int()?;
+            }
+            Kind::Float => {
+                self.read_f64()?;
+            }
+            Kind::Str => {
+                let at = self.pos;
+                // Skip without UTF-8 validation.
+                let m = self.byte()?;
+                let len = match m {
+                    0xa0..=0xbf => usize::from(m & 0x1f),
+                    0xd9 => usize::from(self.byte()?),
+                    0xda => usize::from(u16::from_be_bytes(self.be()?)),
+                    0xdb => u32::from_be_bytes(self.be()?) as usize,
+                    _ => return Err(MsgError::Invalid(at)),
+                };
+                self.take(len)?;
+            }
+            Kind::Bin => {
+                self.read_bin()?;
+            }
+            Kind::Array => {
+                let n = self.read_array_len()?;
+                for _ in 0..n {
+                    self.skip_depth(depth + 1)?;
+                }
+            }
+            Kind::Map => {
+                let n = self.read_map_len()?;
+                for _ in 0..n * 2 {
+                    self.skip_depth(depth + 1)?;
+                }
+            }
+            Kind::Ext => {
+                let m = self.byte()?;
+                let len = match m {
+                    0xd4 => 2,
+                    0xd5 => 3,
+                    0xd6 => 5,
+                    0xd7 => 9,
+                    0xd8 => 17,
+                    0xc7 => usize::from(self.byte()?) + 1,
+                    0xc8 => usize::from(u16::from_be_bytes(self.be()?)) + 1,
+                    _ => u32::from_be_bytes(self.be()?) as usize + 1,
+                };
+                self.take(len)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads any value into a generic [`Value`] tree.
+    pub(crate) fn read_value(&mut self) -> Result<Value, MsgError> {
+        self.read_value_depth(0)
+    }
+
+    fn read_value_depth(&mut self, depth: usize) -> Result<Value, MsgError> {
+        if depth > MAX_DEPTH {
+            return Err(MsgError::Invalid(self.pos));
+        }
+        Ok(match self.peek_kind()? {
+            Kind::Nil => {
+                self.pos += 1;
+                Value::Nil
+            }
+            Kind::Bool => Value::Bool(self.read_bool()?),
+            Kind::Int => match self.read_int()? {
+                Int::U(v) => Value::Uint(v),
+                Int::I(v) => Value::Int(v),
+            },
+            Kind::Float => Value::Float(self.read_f64()?),
+            Kind::Str => Value::Str(self.read_str()?.to_owned()),
+            Kind::Bin => Value::Bin(self.read_bin()?.to_vec()),
+            Kind::Array => {
+                let n = self.read_array_len()?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(self.read_value_depth(depth + 1)?);
+                }
+                Value::Array(v)
+            }
+            Kind::Map => {
+                let n = self.read_map_len()?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let k = self.read_value_depth(depth + 1)?;
+                    let val = self.read_value_depth(depth + 1)?;
+                    v.push((k, val));
+                }
+                Value::Map(v)
+            }
+            Kind::Ext => {
+                self.skip()?;
+                Value::Nil
+            }
+        })
+    }
+}
+
+/// Appends MessagePack to a `Vec<u8>` the way msgspec encodes.
+#[derive(Debug, Default)]
+pub(crate) struct Writer {
+    pub(crate) buf: Vec<u8>,
+}
+
+impl Writer {
+    pub(crate) fn with_capacity(n: usize) -> Self {
+        Writer {
+            buf: Vec::with_capacity(n),
+        }
+    }
+
+    pub(crate) fn nil(&mut self) {
+        self.buf.push(0xc0);
+    }
+
+    pub(crate) fn bool(&mut self, v: bool) {
+        self.buf.push(if v { 0xc3 } else { 0xc2 });
+    }
+
+    pub(crate) fn uint(&mut self, v: u64) {
+        if v < 0x80 {
+            self.buf.push(v as u8);
+        } else if v <= u64::from(u8::MAX) {
+            self.buf.extend_from_slice(&[0xcc, v as u8]);
+        } else if v <= u64::from(u16::MAX) {
+            self.buf.push(0xcd);
+            self.buf.extend_from_slice(&(v as u16).to_be_bytes());
+        } else if v <= u64::from(u32::MAX) {
+            self.buf.push(0xce);
+            self.buf.extend_from_slice(&(v as u32).to_be_bytes());
+        } else {
+            self.buf.push(0xcf);
+            self.buf.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    pub(crate) fn int(&mut self, v: i64) {
+        if v >= 0 {
+            self.uint(v as u64);
+        } else if v >= -32 {
+            self.buf.push(v as i8 as u8);
+        } else if v >= i64::from(i8::MIN) {
+            self.buf.extend_from_slice(&[0xd0, v as i8 as u8]);
+        } else if v >= i64::from(i16::MIN) {
+            self.buf.push(0xd1);
+            self.buf.extend_from_slice(&(v as i16).to_be_bytes());
+        } else if v >= i64::from(i32::MIN) {
+            self.buf.push(0xd2);
+            self.buf.extend_from_slice(&(v as i32).to_be_bytes());
+        } else {
+            self.buf.push(0xd3);
+            self.buf.extend_from_slice(&v.to_be_bytes());
+        }
+    }
+
+    pub(crate) fn f64(&mut self, v: f64) {
+        self.buf.push(0xcb);
+        self.buf.extend_from_slice(&v.to_be_bytes());
+    }
+
+    pub(crate) fn str(&mut self, s: &str) {
+        let n = s.len();
+        if n < 32 {
+            self.buf.push(0xa0 | n as u8);
+        } else if n <= usize::from(u8::MAX) {
+            self.buf.extend_from_slice(&[0xd9, n as u8]);
+        } else if n <= usize::from(u16::MAX) {
+            self.buf.push(0xda);
+            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            self.buf.push(0xdb);
+            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+        self.buf.extend_from_slice(s.as_bytes());
+    }
+
+    pub(crate) fn bin(&mut self, b: &[u8]) {
+        let n = b.len();
+        if n <= usize::from(u8::MAX) {
+            self.buf.extend_from_slice(&[0xc4, n as u8]);
+        } else if n <= usize::from(u16::MAX) {
+            self.buf.push(0xc5);
+            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            self.buf.push(0xc6);
+            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+        self.buf.extend_from_slice(b);
+    }
+
+    pub(crate) fn array(&mut self, n: usize) {
+        if n < 16 {
+            self.buf.push(0x90 | n as u8);
+        } else if n <= usize::from(u16::MAX) {
+            self.buf.push(0xdc);
+            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            self.buf.push(0xdd);
+            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+    }
+
+    pub(crate) fn map(&mut self, n: usize) {
+        if n < 16 {
+            self.buf.push(0x80 | n as u8);
+        } else if n <= usize::from(u16::MAX) {
+            self.buf.push(0xde);
+            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
+        } else {
+            self.buf.push(0xdf);
+            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
+        }
+    }
+
+    /// A map header always in the 3-byte form, as msgspec writes structs
+    /// with more than 15 fields even when fewer are present.
+    pub(crate) fn map16(&mut self, n: usize) {
+        self.buf.push(0xde);
+        self.buf.extend_from_slice(&(n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
+    }
+
+    pub(crate) fn value(&mut self, v: &Value) {
+        match v {
+            Value::Nil => self.nil(),
+            Value::Bool(b) => self.bool(*b),
+            Value::Uint(u) => self.uint(*u),
+            Value::Int(i) => self.int(*i),
+            Value::Float(f) => self.f64(*f),
+            Value::Str(s) => self.str(s),
+            Value::Bin(b) => self.bin(b),
+            Value::Array(a) => {
+                self.array(a.len());
+                for x in a {
+                    self.value(x);
+                }
+            }
+            Value::Map(m) => {
+                self.map(m.len());
+                for (k, x) in m {
+                    self.value(k);
+                    self.value(x);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(v: &Value) -> Value {
+        let mut w = Writer::default();
+        w.value(v);
+        let mut r = Reader::new(&w.buf);
+        let out = r.read_value().expect("reads back");
+        assert!(r.is_empty());
+        out
+    }
+
+    #[test]
+    fn integers_use_minimal_width_and_read_back() {
+        for v in [0u64, 127, 128, 255, 256, 65535, 65536, u64::from(u32::MAX), 1 << 32, u64::MAX] {
+            assert_eq!(roundtrip(&Value::Uint(v)), Value::Uint(v));
+        }
+        for v in [-1i64, -32, -33, -128, -129, -32768, -32769, i64::from(i32::MIN) - 1, i64::MIN] {
+            assert_eq!(roundtrip(&Value::Int(v)), Value::Int(v));
+        }
+        let mut w = Writer::default();
+        w.uint(1 << 32);
+        assert_eq!(w.buf[0], 0xcf, "msgspec writes >= 2^32 as uint64");
+    }
+
+    #[test]
+    fn truncated_and_invalid_input_is_an_error() {
+        assert_eq!(Reader::new(&[0xcf, 0, 0]).read_int(), Err(MsgError::Truncated(1)));
+        assert_eq!(Reader::new(&[0xc1]).skip(), Err(MsgError::Invalid(0)));
+        // An array claiming 2^32-1 elements with nothing behind it.
+        assert!(Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff]).read_array_len().is_err());
+        // Deep nesting is refused, not a stack overflow.
+        let deep = vec![0x91u8; 10_000];
+        assert_eq!(Reader::new(&deep).skip(), Err(MsgError::Invalid(33)));
+    }
+}
