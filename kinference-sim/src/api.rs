@@ -214,8 +214,19 @@ pub(crate) struct ChatChunkChoice<'a> {
     pub(crate) delta: Delta<'a>,
     pub(crate) logprobs: Option<()>,
     pub(crate) finish_reason: Option<&'static str>,
+    /// `stop_reason: null`, written only on the final chunk (as vLLM does).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub(crate) stop_reason: Option<Option<()>>,
+    pub(crate) stop_reason: Option<NullField>,
+}
+
+/// A field written as JSON `null`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NullField;
+
+impl Serialize for NullField {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_none()
+    }
 }
 
 /// A chat delta.

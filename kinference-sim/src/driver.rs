@@ -47,7 +47,7 @@ pub(crate) struct RankState {
 /// One engine core (DP rank) and its publisher.
 #[derive(Debug)]
 pub(crate) struct Rank {
-    pub(crate) rank: u32,
+    pub(crate) index: u32,
     state: Mutex<RankState>,
     notify: Notify,
     pub(crate) publisher: Option<Publisher>,
@@ -65,7 +65,7 @@ impl Rank {
         slowdown: f64,
     ) -> Self {
         Rank {
-            rank,
+            index: rank,
             state: Mutex::new(RankState {
                 core,
                 sinks: HashMap::new(),

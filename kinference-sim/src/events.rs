@@ -295,7 +295,7 @@ impl Task {
             ring.push_back((seq, payload.clone()));
         }
         let every = info.drop_every.load(Ordering::Relaxed);
-        if take_one(&info.drop_pending) || (every > 0 && (seq + 1) % every == 0) {
+        if take_one(&info.drop_pending) || (every > 0 && (seq + 1).is_multiple_of(every)) {
             info.dropped.fetch_add(1, Ordering::Relaxed);
             return;
         }
@@ -349,7 +349,7 @@ impl Task {
         match bind_pub(pub_addr).await {
             Ok((s, _)) => self.pub_sock = Some(s),
             Err(e) => {
-                tracing::error!(rank = self.info.rank, error = %e, "publisher did not come back")
+                tracing::error!(rank = self.info.rank, error = %e, "publisher did not come back");
             }
         }
         if let Some(addr) = replay_addr {
@@ -365,7 +365,7 @@ impl Task {
             {
                 Ok(r) => self.replay = Some(r),
                 Err(e) => {
-                    tracing::error!(rank = self.info.rank, error = %e, "replay socket did not come back")
+                    tracing::error!(rank = self.info.rank, error = %e, "replay socket did not come back");
                 }
             }
         }

@@ -116,17 +116,17 @@ fn cbor_head(buf: &mut Vec<u8>, major: u8, value: u64) {
     let m = major << 5;
     if value < 24 {
         buf.push(m | value as u8);
-    } else if value <= u64::from(u8::MAX) {
-        buf.push(m | 24);
-        buf.push(value as u8);
-    } else if value <= u64::from(u16::MAX) {
-        buf.push(m | 25);
-        buf.extend_from_slice(&(value as u16).to_be_bytes());
-    } else if value <= u64::from(u32::MAX) {
-        buf.push(m | 26);
-        buf.extend_from_slice(&(value as u32).to_be_bytes());
+    } else if let Ok(v) = u8::try_from(value) {
+        buf.push(m | 0x18);
+        buf.push(v);
+    } else if let Ok(v) = u16::try_from(value) {
+        buf.push(m | 0x19);
+        buf.extend_from_slice(&v.to_be_bytes());
+    } else if let Ok(v) = u32::try_from(value) {
+        buf.push(m | 0x1a);
+        buf.extend_from_slice(&v.to_be_bytes());
     } else {
-        buf.push(m | 27);
+        buf.push(m | 0x1b);
         buf.extend_from_slice(&value.to_be_bytes());
     }
 }

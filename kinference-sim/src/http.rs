@@ -546,7 +546,7 @@ impl SseStream {
                         },
                         logprobs: None,
                         finish_reason,
-                        stop_reason: finished.map(|_| None),
+                        stop_reason: finished.map(|_| crate::api::NullField),
                     }],
                     usage,
                 };
@@ -645,7 +645,7 @@ async fn debug_requests(
             let st = r.lock();
             let all: Vec<_> = st.core.recent().collect();
             let from = all.len().saturating_sub(limit);
-            json!({"rank": r.rank, "requests": all[from..]})
+            json!({"rank": r.index, "requests": all[from..]})
         })
         .collect();
     axum::Json(json!({"engines": ranks}))

@@ -402,7 +402,7 @@ impl Shared {
             ("num_gpu_blocks", e.num_gpu_blocks.to_string()),
             ("prefix_caching_hash_algo", "sha256_cbor".to_owned()),
         ];
-        let guards: Vec<_> = self.ranks.iter().map(|r| (r.rank, r.lock())).collect();
+        let guards: Vec<_> = self.ranks.iter().map(|r| (r.index, r.lock())).collect();
         let ranks: Vec<metrics::RankMetrics<'_>> = guards
             .iter()
             .map(|(rank, st)| metrics::RankMetrics {
@@ -424,7 +424,7 @@ impl Shared {
         for r in &self.ranks {
             let Some(p) = &r.publisher else { continue };
             out.insert(
-                r.rank.to_string(),
+                r.index.to_string(),
                 json!({
                     "enable_kv_cache_events": true,
                     "publisher": "zmq",
@@ -442,9 +442,8 @@ impl Shared {
 
     fn reset_prefix_cache(&self) -> bool {
         // Every rank is tried; the answer is whether all succeeded.
-        self.ranks
-            .iter()
-            .fold(true, |ok, r| r.reset_prefix_cache() && ok)
+        let results: Vec<bool> = self.ranks.iter().map(|r| r.reset_prefix_cache()).collect();
+        results.into_iter().all(|ok| ok)
     }
 
     fn cached_prefix_tokens(&self, tokens: &[u32]) -> Vec<usize> {
@@ -464,7 +463,7 @@ impl Shared {
         let engines = self
             .ranks
             .iter()
-            .filter(|r| only.is_none_or(|o| o == r.rank))
+            .filter(|r| only.is_none_or(|o| o == r.index))
             .map(|r| {
                 let (running, waiting, counters, free, usage, (hashes, cached), list) = {
                     let st = r.lock();
@@ -494,7 +493,7 @@ impl Shared {
                     )
                 };
                 RankTruth {
-                    rank: r.rank,
+                    rank: r.index,
                     block_size: self.cfg.engine.block_size,
                     num_gpu_blocks: self.cfg.engine.num_gpu_blocks,
                     free_blocks: free,
@@ -526,7 +525,7 @@ impl Shared {
             .iter()
             .map(|r| {
                 json!({
-                    "rank": r.rank,
+                    "rank": r.index,
                     "slowdown": r.slowdown(),
                     "stalled_ms": r.stalled_until().map_or(0, |u| {
                         u.saturating_duration_since(tokio::time::Instant::now()).as_millis() as u64
@@ -555,7 +554,7 @@ impl Shared {
         let targets: Vec<&Arc<Rank>> = self
             .ranks
             .iter()
-            .filter(|r| f.rank.is_none_or(|o| o == r.rank))
+            .filter(|r| f.rank.is_none_or(|o| o == r.index))
             .collect();
         let mut report = FaultReport {
             killed: 0,
@@ -771,7 +770,7 @@ impl SimHandle {
             .iter()
             .filter_map(|r| {
                 r.publisher.as_ref().map(|p| KvEndpoint {
-                    rank: r.rank,
+                    rank: r.index,
                     pub_addr: p.info.pub_addr,
                     replay_addr: p.info.replay_addr,
                 })

@@ -70,9 +70,9 @@ impl BlockPool {
         ];
         // Block 0 is the null block: referenced forever, never free.
         blocks[0].ref_cnt = 1;
-        for i in 1..n {
-            blocks[i].prev = if i == 1 { NIL } else { (i - 1) as u32 };
-            blocks[i].next = if i + 1 == n { NIL } else { (i + 1) as u32 };
+        for (i, b) in blocks.iter_mut().enumerate().skip(1) {
+            b.prev = if i == 1 { NIL } else { (i - 1) as u32 };
+            b.next = if i + 1 == n { NIL } else { (i + 1) as u32 };
         }
         BlockPool {
             blocks,
@@ -296,6 +296,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::many_single_char_names)]
     fn eviction_is_lru_over_freed_blocks() {
         let mut p = BlockPool::new(4, 1);
         let (a, _) = p.allocate().expect("free");
@@ -342,8 +343,9 @@ mod tests {
             for (op, arg) in ops {
                 match op {
                     0 => if let Some((id, _)) = p.allocate() { held.push(id) },
-                    1 => if let Some(&id) = held.get(arg as usize % held.len().max(1)) {
-                        if p.blocks[id as usize].digest.is_none() { p.cache(id, d(arg), None, &[u32::from(arg)]) }
+                    1 => if let Some(&id) = held.get(arg as usize % held.len().max(1))
+                        && p.blocks[id as usize].digest.is_none() {
+                        p.cache(id, d(arg), None, &[u32::from(arg)]);
                     },
                     2 => if !held.is_empty() { let id = held.swap_remove(arg as usize % held.len()); p.free([id]) },
                     _ => if let Some(id) = p.lookup(&d(arg)) { p.touch(id); held.push(id) },

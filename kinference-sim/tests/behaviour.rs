@@ -2,6 +2,8 @@
 //! hits and load, measured by a client over HTTP and by the engine itself;
 //! many engines in one process.
 
+#![allow(clippy::many_single_char_names)]
+
 mod common;
 
 use std::time::Duration;

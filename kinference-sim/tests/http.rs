@@ -1,5 +1,7 @@
 //! vLLM's HTTP surface, over real loopback connections.
 
+#![allow(clippy::many_single_char_names)]
+
 mod common;
 
 use std::time::Duration;
@@ -329,33 +331,35 @@ async fn metrics_use_vllm_names_and_match_the_counters() {
     let (status, body) = call(&c, "GET", &format!("{}/metrics", e.base_url()), None).await;
     assert_eq!(status, 200);
     let text = String::from_utf8(body.to_vec()).expect("utf-8");
-    let value = |series: &str| -> f64 {
+    let value = |series: &str| -> &str {
         text.lines()
-            .find_map(|l| {
-                l.strip_prefix(series)
-                    .and_then(|rest| rest.trim().parse().ok())
-            })
+            .find_map(|l| l.strip_prefix(series).map(str::trim))
             .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
     };
     let l = r#"{engine="0",model_name="Qwen/Qwen3-8B"}"#;
     // 100 tokens: the second and third requests hit 6 blocks (96 tokens).
-    assert_eq!(value(&format!("vllm:prefix_cache_queries_total{l}")), 300.0);
-    assert_eq!(value(&format!("vllm:prefix_cache_hits_total{l}")), 192.0);
-    assert_eq!(value(&format!("vllm:prompt_tokens_total{l}")), 300.0);
-    assert_eq!(value(&format!("vllm:generation_tokens_total{l}")), 12.0);
-    assert_eq!(value(&format!("vllm:num_requests_running{l}")), 0.0);
-    assert_eq!(value(&format!("vllm:num_requests_waiting{l}")), 0.0);
+    assert_eq!(
+        value(&format!("vllm:prefix_cache_queries_total{l}")),
+        "300.0"
+    );
+    assert_eq!(value(&format!("vllm:prefix_cache_hits_total{l}")), "192.0");
+    assert_eq!(value(&format!("vllm:prompt_tokens_total{l}")), "300.0");
+    assert_eq!(value(&format!("vllm:generation_tokens_total{l}")), "12.0");
+    assert_eq!(value(&format!("vllm:num_requests_running{l}")), "0.0");
+    assert_eq!(value(&format!("vllm:num_requests_waiting{l}")), "0.0");
     assert_eq!(
         value(&format!("vllm:time_to_first_token_seconds_count{l}")),
-        3.0
+        "3.0"
     );
     assert_eq!(
         value(
             r#"vllm:request_success_total{engine="0",model_name="Qwen/Qwen3-8B",finished_reason="length"}"#
         ),
-        3.0
+        "3.0"
     );
-    let usage = value(&format!("vllm:kv_cache_usage_perc{l}"));
+    let usage: f64 = value(&format!("vllm:kv_cache_usage_perc{l}"))
+        .parse()
+        .expect("a number");
     assert!((0.0..=1.0).contains(&usage));
     assert!(text.contains("# TYPE vllm:time_to_first_token_seconds histogram"));
     let info = text
@@ -442,16 +446,13 @@ async fn admin_faults_over_http() {
     let mut saw_error = false;
     let mut saw_done = false;
     while let Some(f) = body.frame().await {
-        match f {
-            Ok(f) => {
-                saw_done |= f
-                    .data_ref()
-                    .is_some_and(|d| d.windows(6).any(|w| w == b"[DONE]"))
-            }
-            Err(_) => {
-                saw_error = true;
-                break;
-            }
+        if let Ok(f) = f {
+            saw_done |= f
+                .data_ref()
+                .is_some_and(|d| d.windows(6).any(|w| w == b"[DONE]"));
+        } else {
+            saw_error = true;
+            break;
         }
     }
     assert!(

@@ -2,6 +2,8 @@
 //! `testdata/kv-events/`, made by vLLM's own code) and decoded with our
 //! codec. Real engines on loopback, real ZeroMQ sockets.
 
+#![allow(clippy::many_single_char_names)]
+
 mod common;
 
 use std::collections::HashMap;
@@ -41,7 +43,7 @@ fn fixture_prompts() -> (Vec<u32>, Vec<u32>) {
 
 /// An engine configured like the fixtures' vLLM: topic, fixed timestamp,
 /// a 7-block pool (6 usable) so a third request evicts B's blocks.
-fn fixture_config(kv: KvEventsConfig) -> SimConfig {
+fn fixture_config(kv: &KvEventsConfig) -> SimConfig {
     SimConfig {
         model: "meta-llama/Llama-3.1-8B-Instruct".to_owned(),
         max_model_len: 96,
@@ -52,7 +54,7 @@ fn fixture_config(kv: KvEventsConfig) -> SimConfig {
         kv_events: Some(KvEventsConfig {
             topic: TOPIC.to_owned(),
             fixed_ts: Some(FIXTURE_TS),
-            ..kv
+            ..kv.clone()
         }),
         ..SimConfig::default()
     }
@@ -98,7 +100,7 @@ fn removed_ids(batch: &EventBatch) -> Vec<u64> {
 
 #[tokio::test]
 async fn live_stream_matches_vllm_0_33_byte_for_byte() {
-    let engine = SimEngine::spawn(fixture_config(KvEventsConfig::default()))
+    let engine = SimEngine::spawn(fixture_config(&KvEventsConfig::default()))
         .await
         .expect("engine starts");
     let mut sub = subscribe(engine.kv_addr().expect("kv events on")).await;
@@ -223,7 +225,7 @@ async fn bytes_hashes_and_the_old_replay_layout_by_flag() {
         replay_layout: ReplayLayout::SeqPayload,
         ..KvEventsConfig::default()
     };
-    let engine = SimEngine::spawn(fixture_config(kv))
+    let engine = SimEngine::spawn(fixture_config(&kv))
         .await
         .expect("engine starts");
     let mut sub = subscribe(engine.kv_addr().expect("kv events on")).await;
@@ -268,7 +270,7 @@ async fn positional_form_matches_vllm_0_23() {
         form: EventForm::Array,
         ..KvEventsConfig::default()
     };
-    let engine = SimEngine::spawn(fixture_config(kv))
+    let engine = SimEngine::spawn(fixture_config(&kv))
         .await
         .expect("engine starts");
     let mut sub = subscribe(engine.kv_addr().expect("kv events on")).await;
@@ -312,7 +314,7 @@ fn free_port_pair() -> u16 {
 #[tokio::test]
 async fn dp_ranks_publish_on_base_port_plus_rank() {
     let base = free_port_pair();
-    let mut cfg = fixture_config(KvEventsConfig {
+    let mut cfg = fixture_config(&KvEventsConfig {
         port: base,
         replay_port: None,
         ..KvEventsConfig::default()
@@ -398,7 +400,7 @@ async fn events_reproduce_the_true_cache() {
     }
     let msgs = drain(&mut sub, WAIT).await;
     let mut copies: HashMap<u64, i64> = HashMap::new();
-    let mut known: HashMap<u64, ()> = HashMap::new();
+    let mut known: std::collections::HashSet<u64> = std::collections::HashSet::new();
     let (mut stored, mut removed) = (0u64, 0u64);
     for (i, m) in msgs.iter().enumerate() {
         assert_eq!(frames::seq_from_bytes(&m[1]), Ok(i as u64), "no gaps");
@@ -411,12 +413,12 @@ async fn events_reproduce_the_true_cache() {
             match e {
                 KvEvent::BlockStored(s) => {
                     if let Some(p) = &s.parent_block_hash {
-                        assert!(known.contains_key(&p.id()), "the parent was stored before");
+                        assert!(known.contains(&p.id()), "the parent was stored before");
                     }
                     assert_eq!(s.token_ids.len(), 16 * s.block_hashes.len());
                     for h in &s.block_hashes {
                         *copies.entry(h.id()).or_default() += 1;
-                        known.insert(h.id(), ());
+                        known.insert(h.id());
                         stored += 1;
                     }
                 }

@@ -3,6 +3,8 @@
 //! Both fail with advice when the packages are missing
 //! (`pip install openai pyzmq msgpack`).
 
+#![allow(clippy::many_single_char_names)]
+
 mod common;
 
 use std::process::Stdio;
