@@ -45,8 +45,14 @@ pub fn batch_json(batch: &EventBatch, worker: Option<&str>, seq: Option<u64>) ->
             m.insert("type".into(), json!(ev.tag()));
             match ev {
                 KvEvent::BlockStored(s) => {
-                    m.insert("block_hashes".into(), s.block_hashes.iter().map(hash_json).collect());
-                    m.insert("parent_block_hash".into(), s.parent_block_hash.as_ref().map_or(Json::Null, hash_json));
+                    m.insert(
+                        "block_hashes".into(),
+                        s.block_hashes.iter().map(hash_json).collect(),
+                    );
+                    m.insert(
+                        "parent_block_hash".into(),
+                        s.parent_block_hash.as_ref().map_or(Json::Null, hash_json),
+                    );
                     m.insert("token_ids".into(), json!(s.token_ids));
                     m.insert("block_size".into(), json!(s.block_size));
                     m.insert("medium".into(), json!(s.medium));
@@ -56,7 +62,10 @@ pub fn batch_json(batch: &EventBatch, worker: Option<&str>, seq: Option<u64>) ->
                     }
                 }
                 KvEvent::BlockRemoved(r) => {
-                    m.insert("block_hashes".into(), r.block_hashes.iter().map(hash_json).collect());
+                    m.insert(
+                        "block_hashes".into(),
+                        r.block_hashes.iter().map(hash_json).collect(),
+                    );
                     m.insert("medium".into(), json!(r.medium));
                     if let Some(g) = r.group_idx {
                         m.insert("group_idx".into(), json!(g));
@@ -91,14 +100,24 @@ mod tests {
     fn ints_stay_exact_and_bytes_are_hex() {
         let b = EventBatch {
             events: vec![KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![BlockHash::Uint(u64::MAX), BlockHash::Int(-2), BlockHash::Bytes(vec![0xab, 1])],
+                block_hashes: vec![
+                    BlockHash::Uint(u64::MAX),
+                    BlockHash::Int(-2),
+                    BlockHash::Bytes(vec![0xab, 1]),
+                ],
                 block_size: 16,
                 ..BlockStored::default()
             })],
             ..EventBatch::default()
         };
         let line = batch_lines(&b, Some("w0"), Some(3));
-        assert!(line.contains("[18446744073709551615,-2,\"ab01\"]"), "{line}");
-        assert!(line.starts_with("{\"worker\":\"w0\",\"seq\":3,\"type\":\"BlockStored\""), "{line}");
+        assert!(
+            line.contains("[18446744073709551615,-2,\"ab01\"]"),
+            "{line}"
+        );
+        assert!(
+            line.starts_with("{\"worker\":\"w0\",\"seq\":3,\"type\":\"BlockStored\""),
+            "{line}"
+        );
     }
 }

@@ -164,6 +164,7 @@ pub struct BlockRemoved {
 
 /// One event of a batch.
 #[derive(Debug, Clone, PartialEq)]
+#[allow(clippy::large_enum_variant)] // events are transient; boxing would cost an allocation per event
 pub enum KvEvent {
     /// Blocks stored.
     BlockStored(BlockStored),

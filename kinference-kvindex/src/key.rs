@@ -15,7 +15,7 @@
 //!
 //! The same function keys a request's token ids ([`BlockKeyer::keys`]) and
 //! the token ids carried by `BlockStored` events (the index calls
-//! [`BlockKeyer::chain`] with [`local_hash`]), so they meet in the index.
+//! [`chain`] with [`local_hash`]), so they meet in the index.
 //! The hash is XXH3 from `xxhash-rust`: stable across versions, platforms
 //! and processes (unlike foldhash/ahash), so keys may be shared or logged.
 
@@ -61,6 +61,14 @@ pub fn seed_for_event(ev: &BlockStored) -> u64 {
 
 /// The content hash of one block's tokens with its extra-key digest.
 pub fn local_hash(tokens: &[u32], extra_digest: u64) -> u64 {
+    if tokens.len() <= 16 {
+        let mut buf = [0u8; 64];
+        let n = tokens.len() * 4;
+        for (chunk, t) in buf[..n].chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&t.to_le_bytes());
+        }
+        return xxh3_64_with_seed(&buf[..n], extra_digest);
+    }
     let mut buf = [0u8; 256];
     if tokens.len() <= 64 {
         let n = tokens.len() * 4;
@@ -120,7 +128,11 @@ pub fn extra_digest(items: &[ExtraItem]) -> u64 {
                 buf.extend_from_slice(&offset.to_le_bytes());
             }
             ExtraItem::Str(s) | ExtraItem::Other(s) => {
-                buf.push(if matches!(it, ExtraItem::Str(_)) { 2 } else { 4 });
+                buf.push(if matches!(it, ExtraItem::Str(_)) {
+                    2
+                } else {
+                    4
+                });
                 buf.extend_from_slice(&(s.len() as u64).to_le_bytes());
                 buf.extend_from_slice(s.as_bytes());
             }
@@ -181,10 +193,10 @@ impl ExtraKeys {
     /// The items of block `i` for a given block width, in vLLM's order.
     pub fn items_for_block(&self, i: usize, block_size: usize) -> Vec<ExtraItem> {
         let mut items = Vec::new();
-        let start = i * block_size;
-        let end = start + block_size;
+        let start = i.saturating_mul(block_size);
+        let end = start.saturating_add(block_size);
         for (id, s, len) in &self.multimodal {
-            if *s < end && s + len > start {
+            if *s < end && s.saturating_add(*len) > start {
                 items.push(ExtraItem::Multimodal {
                     id: id.clone(),
                     offset: *s as i64 - start as i64,
@@ -196,7 +208,12 @@ impl ExtraKeys {
         {
             items.push(ExtraItem::Str(salt.clone()));
         }
-        items.extend(self.per_block.iter().filter(|(b, _)| *b == i).map(|(_, it)| it.clone()));
+        items.extend(
+            self.per_block
+                .iter()
+                .filter(|(b, _)| *b == i)
+                .map(|(_, it)| it.clone()),
+        );
         items
     }
 
@@ -251,7 +268,9 @@ pub fn event_extra_digests(ev: &BlockStored) -> Vec<u64> {
                 *d = extra_digest(&items_from_published(items, ev.lora_name.as_deref()));
             }
         }
-    } else if let (Some(salt), None, Some(first)) = (&ev.cache_salt, &ev.parent_block_hash, out.first_mut()) {
+    } else if let (Some(salt), None, Some(first)) =
+        (&ev.cache_salt, &ev.parent_block_hash, out.first_mut())
+    {
         *first = extra_digest(&[ExtraItem::Str(salt.clone())]);
     }
     out
@@ -309,7 +328,10 @@ impl BlockKeyer {
     pub fn keys_into(&self, tokens: &[u32], extra: &ExtraKeys, out: &mut Vec<BlockKey>) {
         let mut prev = self.seed;
         for (i, block) in tokens.chunks_exact(self.block_size).enumerate() {
-            let k = chain(prev, local_hash(block, extra.digest_for_block(i, self.block_size)));
+            let k = chain(
+                prev,
+                local_hash(block, extra.digest_for_block(i, self.block_size)),
+            );
             out.push(k);
             prev = k.0;
         }
@@ -318,7 +340,12 @@ impl BlockKeyer {
 
 /// Keys of every full block of `tokens`: the one function for request
 /// token ids (the index applies the same chain to `BlockStored` tokens).
-pub fn block_keys(tokens: &[u32], block_size: u32, lora_name: Option<&str>, extra: &ExtraKeys) -> Vec<BlockKey> {
+pub fn block_keys(
+    tokens: &[u32],
+    block_size: u32,
+    lora_name: Option<&str>,
+    extra: &ExtraKeys,
+) -> Vec<BlockKey> {
     BlockKeyer::new(block_size, lora_name).keys(tokens, extra)
 }
 

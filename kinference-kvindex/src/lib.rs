@@ -26,12 +26,15 @@
 //! * **Key shards** (read by lookups): `shards` hash maps, each behind its
 //!   own `RwLock`, from block key to its *holders*: a sorted array of packed
 //!   `u64` (worker id, tier mask, count of that worker's held children).
-//!   Up to two holders live inline; more go to one boxed array. The shard of
-//!   a block is chosen by the key at the start of its *segment* (`segment`
-//!   consecutive positions of a chain), so a lookup takes one read lock per
-//!   segment it touches, never one per probe, and its probes inside a shard
-//!   run without locked instructions between them (memory-level
-//!   parallelism).
+//!   Up to two holders live inline; more go to one boxed array. A chain is
+//!   cut into *segments* of doubling length, `[0,B) [B,2B) [2B,4B) …`
+//!   (B = `IndexConfig::segment`, 64 by default); all blocks of one
+//!   segment of one chain live in the shard chosen by the key at the
+//!   segment's start. A lookup therefore takes one read lock per segment it
+//!   touches (at most log₂(n/B) + 2), never one per probe, and its probes
+//!   inside a round run without locked instructions between them, so their
+//!   cache misses overlap. A prompt shared by many conversations fans out
+//!   into different shards after at most one segment.
 //! * **Writer state** (one `Mutex`, taken only by event application and
 //!   control calls): engine hash → record `{key, parent key, position,
 //!   shard, parent shard}`, shared by all workers that map the hash to the
@@ -44,8 +47,10 @@
 //!    at least one tier) and has not removed it from every tier, cleared,
 //!    restarted or been removed. Its tier mask is the set of tiers it was
 //!    stored to and not removed from.
-//! 2. A `BlockStored` whose parent hash the index has never seen is not
-//!    indexed (its blocks could not be keyed); it is counted as orphans.
+//! 2. A `BlockStored` whose parent hash has no record (never seen, or that
+//!    block is gone from every worker) is not indexed: its blocks cannot be
+//!    keyed. It is counted in [`WorkerStats::orphan_blocks`]. A parent known
+//!    from another worker's events is enough to key them.
 //! 3. The *hole count* of a worker is exactly the number of its entries
 //!    whose parent block (by chain position) it does not hold. While it is
 //!    0, "holds block i" is monotone along any query, so a lookup may
@@ -61,13 +66,13 @@
 //! [`KvIndex::find_matches`] returns, for every worker holding the query's
 //! first key, the number of leading query blocks it holds in any tier and
 //! on the GPU. Cost for a query of n blocks with holders H at position 0:
-//! one read lock per touched segment, then a multi-way search (8 probes per
-//! round, the last position first), so a full match costs one round and a
-//! partial one ⌈log₉ n⌉ rounds: O(|H| · log n) probes, independent probes
-//! overlapping in memory. Workers with holes or with blocks outside the GPU
-//! add an O(depth) scan for themselves only. Lookups run concurrently with
-//! writes; a lookup sees each shard either before or after any one event's
-//! changes to it.
+//! round 1 probes the first and the last block (a full match, or none, ends
+//! there); further rounds probe 8 points of a worker group's bracket
+//! (⌈log₉ n⌉ rounds), and membership is a merge walk of sorted worker ids:
+//! O(log n) probes and O((|H| + holders) · log n) work. Workers with holes
+//! or with blocks outside the GPU add an O(depth) scan for themselves only.
+//! Lookups run concurrently with writes; a lookup sees each shard either
+//! before or after any one event's changes to it.
 //!
 //! Store and remove: O(blocks) hash operations, one shard write lock per
 //! run of blocks in the same segment. Clearing or removing a worker: one
@@ -121,5 +126,8 @@ pub mod sub;
 
 pub use codec::{DecodeError, EncodeForm, decode_batch, encode_batch};
 pub use event::{BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Tier};
-pub use index::{Applied, IndexConfig, IndexError, IndexStats, KvIndex, Matches, WorkerId, WorkerMatch, WorkerRef, WorkerStats};
+pub use index::{
+    Applied, IndexConfig, IndexError, IndexStats, KvIndex, Matches, WorkerId, WorkerMatch,
+    WorkerRef, WorkerStats,
+};
 pub use key::{BlockKey, BlockKeyer, ExtraKeys, block_keys};

@@ -1,0 +1,526 @@
+//! The ZeroMQ subscriber (feature `zmq`): one task per publisher that
+//! feeds an [`EventSink`] (normally the shared [`KvIndex`]) and keeps the
+//! stream's health.
+//!
+//! Built on the pure-Rust `zeromq` 0.7 crate with the workarounds of
+//! `shared/CRATES.md` §4: one `SubSocket` per publisher endpoint (there is
+//! no `disconnect()`), a short `connect_timeout` with our own retry loop
+//! (the crate's own backoff grows to 30 s), and a fresh `DealerSocket` per
+//! replay request (a DEALER does not reconnect after a ROUTER restart).
+//!
+//! Sequence handling (spec §1.2–1.3), per worker:
+//!
+//! * first batch, or first after a restart, with `seq > 0` and a replay
+//!   endpoint: back-fill by replaying from 0 (the slow-joiner case);
+//! * `seq` = expected: apply;
+//! * `seq` > expected (a gap): replay from the expected seq if a replay
+//!   endpoint is configured, buffering live batches meanwhile; if there is
+//!   none, or the replay fails or starts late, drop that worker's blocks;
+//! * `seq` < expected: the engine restarted: drop its blocks;
+//! * a payload that does not decode is a lost batch: drop its blocks.
+//!
+//! The task stops when its [`SubscriberHandle`] is dropped (or
+//! [`SubscriberHandle::stop`] is called); sockets close with it.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use zeromq::{
+    DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket, ZmqMessage,
+};
+
+use crate::codec::frames::{self, ReplayReply};
+use crate::event::EventBatch;
+use crate::index::{KvIndex, WorkerId};
+
+/// Where the events go. [`KvIndex`] implements it; a router may wrap it to
+/// add metrics.
+pub trait EventSink: Send + Sync + 'static {
+    /// Applies one decoded batch of `worker`.
+    fn apply(&self, worker: WorkerId, batch: &EventBatch);
+    /// Drops everything known about `worker`'s blocks.
+    fn clear(&self, worker: WorkerId);
+    /// Blocks held and block widths seen `(group, width)` for health.
+    fn view(&self, worker: WorkerId) -> (u64, Vec<(u32, u32)>);
+}
+
+impl EventSink for KvIndex {
+    fn apply(&self, worker: WorkerId, batch: &EventBatch) {
+        if let Err(e) = self.apply_batch(worker, batch) {
+            tracing::warn!(worker = worker.0, error = %e, "kv events for an unregistered worker");
+        }
+    }
+    fn clear(&self, worker: WorkerId) {
+        let _ = self.clear_worker(worker);
+    }
+    fn view(&self, worker: WorkerId) -> (u64, Vec<(u32, u32)>) {
+        self.worker_stats(worker)
+            .map_or((0, Vec::new()), |s| (s.blocks_held, s.observed_widths))
+    }
+}
+
+/// Settings of one subscription.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubscriberConfig {
+    /// The publisher, e.g. `tcp://10.0.3.7:5557` (DP rank r: port + r).
+    pub endpoint: String,
+    /// The replay ROUTER, e.g. `tcp://10.0.3.7:5558`; `None`: no replay.
+    pub replay_endpoint: Option<String>,
+    /// Topic prefix to subscribe to (`""`: everything).
+    pub topic: String,
+    /// Timeout of one connect attempt.
+    pub connect_timeout: Duration,
+    /// Pause between connect attempts.
+    pub retry_interval: Duration,
+    /// How long to wait for each replay reply message.
+    pub replay_timeout: Duration,
+    /// Live batches buffered while a replay runs; past it, the replay is
+    /// abandoned and the worker's blocks are dropped.
+    pub max_buffered: usize,
+}
+
+impl SubscriberConfig {
+    /// Defaults for an endpoint: no replay, all topics, 500 ms connect
+    /// timeout, 250 ms retry, 2 s replay timeout, 10 000 buffered batches.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        SubscriberConfig {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: String::new(),
+            connect_timeout: Duration::from_millis(500),
+            retry_interval: Duration::from_millis(250),
+            replay_timeout: Duration::from_secs(2),
+            max_buffered: 10_000,
+        }
+    }
+
+    /// With a replay endpoint.
+    #[must_use]
+    pub fn with_replay(mut self, endpoint: impl Into<String>) -> Self {
+        self.replay_endpoint = Some(endpoint.into());
+        self
+    }
+
+    /// With a topic prefix.
+    #[must_use]
+    pub fn with_topic(mut self, topic: impl Into<String>) -> Self {
+        self.topic = topic.into();
+        self
+    }
+}
+
+/// Health of one worker's event stream.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamHealth {
+    /// Whether the SUB socket is connected to the publisher now.
+    pub connected: bool,
+    /// Failed connect attempts since the last success.
+    pub connect_failures: u64,
+    /// When the last batch arrived (tokio's clock).
+    pub last_event: Option<Instant>,
+    /// The engine's `ts` of the last batch (Unix seconds, engine clock).
+    pub last_batch_ts: Option<f64>,
+    /// Last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Batches applied (live and replayed).
+    pub batches: u64,
+    /// Sequence gaps seen.
+    pub gaps: u64,
+    /// Replays completed.
+    pub replays: u64,
+    /// Replays that failed, timed out, overflowed or started too late.
+    pub replay_failures: u64,
+    /// Sequence decreases (engine restarts).
+    pub restarts: u64,
+    /// Payloads that did not decode (and messages of the wrong shape).
+    pub decode_errors: u64,
+    /// Times this worker's blocks were dropped (restart, unrecovered gap,
+    /// decode error).
+    pub resets: u64,
+    /// Unknown events and fields skipped by the decoder.
+    pub unknown_events: u64,
+    /// Unknown fields skipped by the decoder.
+    pub unknown_fields: u64,
+    /// Blocks the index holds for this worker (filled by
+    /// [`SubscriberHandle::health`]).
+    pub blocks_held: u64,
+    /// Block widths seen in events, `(group, width)` (filled by
+    /// [`SubscriberHandle::health`]).
+    pub observed_widths: Vec<(u32, u32)>,
+}
+
+impl StreamHealth {
+    /// The width seen for group 0, if any (what the controller compares
+    /// with `kvBlockSize`).
+    pub fn observed_block_width(&self) -> Option<u32> {
+        self.observed_widths
+            .iter()
+            .find(|(g, _)| *g == 0)
+            .map(|(_, w)| *w)
+    }
+}
+
+type ViewFn = dyn Fn(WorkerId) -> (u64, Vec<(u32, u32)>) + Send + Sync;
+
+/// A running subscription. Dropping it stops the task.
+pub struct SubscriberHandle {
+    worker: WorkerId,
+    health: Arc<Mutex<StreamHealth>>,
+    view: Arc<ViewFn>,
+    task: JoinHandle<()>,
+}
+
+impl std::fmt::Debug for SubscriberHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SubscriberHandle")
+            .field("worker", &self.worker)
+            .field("finished", &self.task.is_finished())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SubscriberHandle {
+    /// The worker this stream feeds.
+    pub fn worker(&self) -> WorkerId {
+        self.worker
+    }
+    /// A snapshot of the stream's health, with the index's view of the
+    /// worker (blocks held, widths seen).
+    pub fn health(&self) -> StreamHealth {
+        let mut h = self
+            .health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let (blocks, widths) = (self.view)(self.worker);
+        h.blocks_held = blocks;
+        h.observed_widths = widths;
+        h
+    }
+    /// Stops the task (also done on drop).
+    pub fn stop(self) {}
+    /// Whether the task has ended (it only ends when stopped).
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+impl Drop for SubscriberHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Starts a subscription task on the current tokio runtime.
+///
+/// # Panics
+/// Outside a tokio runtime.
+pub fn spawn<S: EventSink>(
+    config: SubscriberConfig,
+    worker: WorkerId,
+    sink: Arc<S>,
+) -> SubscriberHandle {
+    let health = Arc::new(Mutex::new(StreamHealth::default()));
+    let view_sink = Arc::clone(&sink);
+    let view = Arc::new(move |w: WorkerId| view_sink.view(w));
+    let mut run = Run {
+        config,
+        worker,
+        sink,
+        health: Arc::clone(&health),
+        next_seq: None,
+    };
+    let task = tokio::spawn(async move { run.run().await });
+    SubscriberHandle {
+        worker,
+        health,
+        view,
+        task,
+    }
+}
+
+struct Run<S> {
+    config: SubscriberConfig,
+    worker: WorkerId,
+    sink: Arc<S>,
+    health: Arc<Mutex<StreamHealth>>,
+    /// The next sequence number expected; `None` before the first batch.
+    next_seq: Option<u64>,
+}
+
+enum Live {
+    Batch(u64, Bytes),
+    Event(SocketEvent),
+}
+
+impl<S: EventSink> Run<S> {
+    fn h(&self) -> std::sync::MutexGuard<'_, StreamHealth> {
+        self.health.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn options(&self) -> SocketOptions {
+        let mut o = SocketOptions::default();
+        o.connect_timeout(self.config.connect_timeout);
+        o
+    }
+
+    async fn run(&mut self) {
+        let mut sub = SubSocket::with_options(self.options());
+        let mut monitor = sub.monitor();
+        if let Err(e) = sub.subscribe(&self.config.topic).await {
+            tracing::warn!(endpoint = %self.config.endpoint, error = %e, "kv subscribe failed");
+        }
+        // Our own retry loop: a short timeout per attempt, a fixed pause.
+        loop {
+            match sub.connect(&self.config.endpoint).await {
+                Ok(()) => break,
+                Err(e) => {
+                    let n = {
+                        let mut h = self.h();
+                        h.connect_failures += 1;
+                        h.connect_failures
+                    };
+                    if n == 1 || n % 40 == 0 {
+                        tracing::debug!(endpoint = %self.config.endpoint, error = %e, attempts = n, "kv publisher not reachable yet");
+                    }
+                    tokio::time::sleep(self.config.retry_interval).await;
+                }
+            }
+        }
+        {
+            let mut h = self.h();
+            h.connected = true;
+            h.connect_failures = 0;
+        }
+        tracing::info!(endpoint = %self.config.endpoint, worker = self.worker.0, "kv events connected");
+        loop {
+            let next = tokio::select! {
+                m = sub.recv() => match m {
+                    Ok(m) => self.live(&m),
+                    Err(e) => {
+                        tracing::warn!(endpoint = %self.config.endpoint, error = %e, "kv recv failed");
+                        tokio::time::sleep(self.config.retry_interval).await;
+                        None
+                    }
+                },
+                ev = monitor.next() => ev.map(Live::Event),
+            };
+            match next {
+                Some(Live::Batch(seq, payload)) => {
+                    self.on_batch(&mut sub, &mut monitor, seq, &payload).await;
+                }
+                Some(Live::Event(ev)) => self.on_socket_event(&ev),
+                None => {}
+            }
+        }
+    }
+
+    fn on_socket_event(&self, ev: &SocketEvent) {
+        match ev {
+            SocketEvent::Connected(..) => self.h().connected = true,
+            SocketEvent::Disconnected(_) => {
+                self.h().connected = false;
+                tracing::info!(endpoint = %self.config.endpoint, "kv publisher disconnected");
+            }
+            _ => {}
+        }
+    }
+
+    /// A live message → (seq, payload), counting malformed ones.
+    fn live(&self, m: &ZmqMessage) -> Option<Live> {
+        let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
+        match frames::parse_live(&parts) {
+            Ok(l) => Some(Live::Batch(l.seq, m.get(2).cloned().unwrap_or_default())),
+            Err(e) => {
+                self.h().decode_errors += 1;
+                tracing::debug!(endpoint = %self.config.endpoint, error = %e, "malformed kv message");
+                None
+            }
+        }
+    }
+
+    async fn on_batch(
+        &mut self,
+        sub: &mut SubSocket,
+        monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+        seq: u64,
+        payload: &[u8],
+    ) {
+        match self.next_seq {
+            Some(n) if seq == n => self.apply(seq, payload),
+            None if seq == 0 || self.config.replay_endpoint.is_none() => self.apply(seq, payload),
+            Some(n) if seq < n => {
+                self.h().restarts += 1;
+                tracing::info!(endpoint = %self.config.endpoint, seq, expected = n, "kv publisher restarted");
+                self.reset();
+                self.next_seq = None;
+                if seq == 0 || self.config.replay_endpoint.is_none() {
+                    self.apply(seq, payload);
+                } else {
+                    self.replay(sub, monitor, 0, seq, payload).await;
+                }
+            }
+            Some(n) => {
+                self.h().gaps += 1;
+                tracing::info!(endpoint = %self.config.endpoint, seq, expected = n, "kv sequence gap");
+                if self.config.replay_endpoint.is_some() {
+                    self.replay(sub, monitor, n, seq, payload).await;
+                } else {
+                    self.reset();
+                    self.apply(seq, payload);
+                }
+            }
+            None => self.replay(sub, monitor, 0, seq, payload).await,
+        }
+    }
+
+    fn reset(&self) {
+        self.sink.clear(self.worker);
+        self.h().resets += 1;
+    }
+
+    fn apply(&mut self, seq: u64, payload: &[u8]) {
+        match crate::codec::decode_batch(payload) {
+            Ok(b) => {
+                self.sink.apply(self.worker, &b);
+                let mut h = self.h();
+                h.batches += 1;
+                h.last_event = Some(Instant::now());
+                h.last_batch_ts = Some(b.ts);
+                h.last_seq = Some(seq);
+                h.unknown_events += u64::from(b.skipped.unknown_events);
+                h.unknown_fields += u64::from(b.skipped.unknown_fields);
+            }
+            Err(e) => {
+                tracing::warn!(endpoint = %self.config.endpoint, seq, error = %e, "undecodable kv batch: dropping the worker's blocks");
+                self.h().decode_errors += 1;
+                self.reset();
+            }
+        }
+        self.next_seq = Some(seq.wrapping_add(1));
+    }
+
+    /// Replays from `from` while buffering live batches (the first one,
+    /// `(seq, payload)`, already received), then applies everything in
+    /// order. On failure the worker's blocks are dropped and the buffered
+    /// batches applied.
+    async fn replay(
+        &mut self,
+        sub: &mut SubSocket,
+        monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+        from: u64,
+        seq: u64,
+        payload: &[u8],
+    ) {
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            return;
+        };
+        let mut buffered: Vec<(u64, Bytes)> = vec![(seq, Bytes::copy_from_slice(payload))];
+        let mut overflow = false;
+        let fetch = fetch_replay(endpoint, from, self.options(), self.config.replay_timeout);
+        tokio::pin!(fetch);
+        let result = loop {
+            tokio::select! {
+                r = &mut fetch => break r,
+                m = sub.recv() => {
+                    if let Ok(m) = m
+                        && let Some(Live::Batch(s, p)) = self.live(&m)
+                    {
+                        if buffered.len() < self.config.max_buffered {
+                            buffered.push((s, p));
+                        } else {
+                            overflow = true;
+                        }
+                    }
+                }
+                ev = monitor.next() => if let Some(ev) = ev { self.on_socket_event(&ev) },
+            }
+        };
+        let replayed = match result {
+            Ok(r) if !overflow => Ok(r),
+            Ok(_) => Err("live buffer overflowed during replay".to_owned()),
+            Err(e) => Err(e),
+        };
+        match replayed {
+            // Contiguous with what we applied, or a first join (nothing to
+            // be contiguous with: a partial back-fill beats none).
+            Ok(batches)
+                if batches.first().is_some_and(|(s, _)| *s <= from)
+                    || (self.next_seq.is_none() && !batches.is_empty()) =>
+            {
+                self.h().replays += 1;
+                for (s, p) in batches {
+                    if s >= from && self.next_seq.is_none_or(|n| s >= n) {
+                        self.apply(s, &p);
+                    }
+                }
+            }
+            other => {
+                let why = match other {
+                    Ok(b) => format!(
+                        "replay starts at {:?}, asked for {from}",
+                        b.first().map(|x| x.0)
+                    ),
+                    Err(e) => e,
+                };
+                tracing::warn!(endpoint = %self.config.endpoint, from, reason = %why, "kv replay failed: dropping the worker's blocks");
+                self.h().replay_failures += 1;
+                self.reset();
+                self.next_seq = None;
+            }
+        }
+        // Then the live batches buffered meanwhile, skipping replayed ones.
+        for (s, p) in buffered {
+            match self.next_seq {
+                Some(n) if s < n => {}
+                Some(n) if s > n => {
+                    // Another gap inside the buffer: do not recurse; drop.
+                    self.h().gaps += 1;
+                    self.reset();
+                    self.apply(s, &p);
+                }
+                _ => self.apply(s, &p),
+            }
+        }
+    }
+}
+
+/// One replay request on a fresh DEALER: `["", from]`, then replies until
+/// the end marker. Accepts both reply layouts.
+async fn fetch_replay(
+    endpoint: String,
+    from: u64,
+    options: SocketOptions,
+    timeout: Duration,
+) -> Result<Vec<(u64, Bytes)>, String> {
+    let mut dealer = DealerSocket::with_options(options);
+    tokio::time::timeout(timeout, dealer.connect(&endpoint))
+        .await
+        .map_err(|_| "replay connect timed out".to_owned())?
+        .map_err(|e| format!("replay connect: {e}"))?;
+    let req = frames::replay_request(from);
+    let msg = ZmqMessage::try_from(req.into_iter().map(Bytes::from).collect::<Vec<_>>())
+        .map_err(|e| format!("{e:?}"))?;
+    dealer
+        .send(msg)
+        .await
+        .map_err(|e| format!("replay send: {e}"))?;
+    let mut out = Vec::new();
+    loop {
+        let m = tokio::time::timeout(timeout, dealer.recv())
+            .await
+            .map_err(|_| "replay reply timed out".to_owned())?
+            .map_err(|e| format!("replay recv: {e}"))?;
+        let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
+        match frames::parse_replay_reply(&parts).map_err(|e| format!("replay reply: {e}"))? {
+            ReplayReply::End => return Ok(out),
+            ReplayReply::Batch { seq, payload, .. } => {
+                out.push((seq, Bytes::copy_from_slice(payload)));
+            }
+        }
+    }
+}

@@ -9,7 +9,9 @@ use std::path::PathBuf;
 use kinference_kvindex::codec::frames::{self, ReplayReply};
 use kinference_kvindex::event::Value;
 use kinference_kvindex::key::{BlockKeyer, ExtraKeys};
-use kinference_kvindex::{BlockHash, EncodeForm, EventBatch, KvEvent, KvIndex, WorkerRef, decode_batch, encode_batch};
+use kinference_kvindex::{
+    BlockHash, EncodeForm, EventBatch, KvEvent, KvIndex, WorkerRef, decode_batch, encode_batch,
+};
 use serde_json::{Value as Json, json};
 
 fn dir() -> PathBuf {
@@ -17,7 +19,8 @@ fn dir() -> PathBuf {
 }
 
 fn manifest() -> Json {
-    let text = std::fs::read_to_string(dir().join("manifest.json")).expect("testdata/kv-events/manifest.json");
+    let text = std::fs::read_to_string(dir().join("manifest.json"))
+        .expect("testdata/kv-events/manifest.json");
     serde_json::from_str(&text).expect("manifest parses")
 }
 
@@ -69,8 +72,14 @@ fn event_json(ev: &KvEvent, want: &serde_json::Map<String, Json>) -> Json {
     o.insert("type".into(), json!(ev.tag()));
     match ev {
         KvEvent::BlockStored(s) => {
-            o.insert("block_hashes".into(), s.block_hashes.iter().map(hash_json).collect());
-            o.insert("parent_block_hash".into(), s.parent_block_hash.as_ref().map_or(Json::Null, hash_json));
+            o.insert(
+                "block_hashes".into(),
+                s.block_hashes.iter().map(hash_json).collect(),
+            );
+            o.insert(
+                "parent_block_hash".into(),
+                s.parent_block_hash.as_ref().map_or(Json::Null, hash_json),
+            );
             o.insert("token_ids".into(), json!(s.token_ids));
             o.insert("block_size".into(), json!(s.block_size));
             o.insert("lora_id".into(), json!(s.lora_id));
@@ -80,13 +89,19 @@ fn event_json(ev: &KvEvent, want: &serde_json::Map<String, Json>) -> Json {
                 "extra_keys".into(),
                 s.extra_keys.as_ref().map_or(Json::Null, |l| {
                     l.iter()
-                        .map(|e| e.as_ref().map_or(Json::Null, |items| items.iter().map(value_json).collect()))
+                        .map(|e| {
+                            e.as_ref()
+                                .map_or(Json::Null, |items| items.iter().map(value_json).collect())
+                        })
                         .collect()
                 }),
             );
             o.insert("group_idx".into(), json!(s.group_idx));
             o.insert("kv_cache_spec_kind".into(), json!(s.kv_cache_spec_kind));
-            o.insert("kv_cache_spec_sliding_window".into(), json!(s.kv_cache_spec_sliding_window));
+            o.insert(
+                "kv_cache_spec_sliding_window".into(),
+                json!(s.kv_cache_spec_sliding_window),
+            );
             o.insert("locality".into(), json!(s.locality));
             o.insert("ownership".into(), json!(s.ownership));
             o.insert("session_id".into(), json!(s.session_id));
@@ -98,7 +113,10 @@ fn event_json(ev: &KvEvent, want: &serde_json::Map<String, Json>) -> Json {
             }
         }
         KvEvent::BlockRemoved(r) => {
-            o.insert("block_hashes".into(), r.block_hashes.iter().map(hash_json).collect());
+            o.insert(
+                "block_hashes".into(),
+                r.block_hashes.iter().map(hash_json).collect(),
+            );
             o.insert("medium".into(), json!(r.medium));
             o.insert("group_idx".into(), json!(r.group_idx));
             o.insert("locality".into(), json!(r.locality));
@@ -112,7 +130,10 @@ fn event_json(ev: &KvEvent, want: &serde_json::Map<String, Json>) -> Json {
         .filter(|(k, v)| !want.contains_key(*k) && !v.is_null())
         .map(|(k, _)| k.clone())
         .collect();
-    assert!(extra.is_empty(), "decoded values for fields the release lacks: {extra:?}");
+    assert!(
+        extra.is_empty(),
+        "decoded values for fields the release lacks: {extra:?}"
+    );
     o.retain(|k, _| want.contains_key(k));
     Json::Object(o)
 }
@@ -149,7 +170,11 @@ fn every_payload_decodes_to_the_manifest() {
     for f in fx {
         let file = f["file"].as_str().expect("file");
         let bytes = read(file);
-        assert_eq!(bytes.len() as u64, f["len"].as_u64().expect("len"), "{file}");
+        assert_eq!(
+            bytes.len() as u64,
+            f["len"].as_u64().expect("len"),
+            "{file}"
+        );
         let b = decode_batch(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
         check_batch(file, &b, &f["normalized"]);
     }
@@ -175,7 +200,11 @@ fn vllm_033_map_and_023_positional_payloads_reencode_byte_for_byte() {
             continue;
         };
         assert_eq!(encode_batch(&b, form), bytes, "{file}");
-        assert_eq!(decode_batch(&encode_batch(&b, EncodeForm::VllmMap)).expect("decodes"), b, "{file}");
+        assert_eq!(
+            decode_batch(&encode_batch(&b, EncodeForm::VllmMap)).expect("decodes"),
+            b,
+            "{file}"
+        );
         n += 1;
     }
     assert_eq!(n, 42);
@@ -201,17 +230,42 @@ fn every_frame_capture_matches_the_manifest() {
         match f["capture"].as_str() {
             Some(c) if c.starts_with("live") => {
                 let m = frames::parse_live(&got).unwrap_or_else(|e| panic!("{file}: {e}"));
-                assert_eq!(m.seq as i64, want[1]["value_be_signed"].as_i64().expect("seq"), "{file}");
+                assert_eq!(
+                    m.seq as i64,
+                    want[1]["value_be_signed"].as_i64().expect("seq"),
+                    "{file}"
+                );
                 let b = decode_batch(m.payload).unwrap_or_else(|e| panic!("{file}: {e}"));
-                assert_eq!(json!(b.dp_rank), want[2]["decoded"].get(2).cloned().unwrap_or(Json::Null), "{file}");
-                assert_eq!(b.events.len(), want[2]["decoded"][1].as_array().expect("events").len(), "{file}");
+                assert_eq!(
+                    json!(b.dp_rank),
+                    want[2]["decoded"].get(2).cloned().unwrap_or(Json::Null),
+                    "{file}"
+                );
+                assert_eq!(
+                    b.events.len(),
+                    want[2]["decoded"][1].as_array().expect("events").len(),
+                    "{file}"
+                );
                 live += 1;
             }
-            Some("replay") => match frames::parse_replay_reply(&got).unwrap_or_else(|e| panic!("{file}: {e}")) {
-                ReplayReply::Batch { topic, seq, payload } => {
+            Some("replay") => match frames::parse_replay_reply(&got)
+                .unwrap_or_else(|e| panic!("{file}: {e}"))
+            {
+                ReplayReply::Batch {
+                    topic,
+                    seq,
+                    payload,
+                } => {
                     let seq_frame = want.iter().find(|w| w["role"] == "seq").expect("seq frame");
-                    assert_eq!(seq as i64, seq_frame["value_be_signed"].as_i64().expect("seq"));
-                    assert_eq!(topic.is_some(), want.len() == 4, "{file}: layout by frame count");
+                    assert_eq!(
+                        seq as i64,
+                        seq_frame["value_be_signed"].as_i64().expect("seq")
+                    );
+                    assert_eq!(
+                        topic.is_some(),
+                        want.len() == 4,
+                        "{file}: layout by frame count"
+                    );
                     decode_batch(payload).unwrap_or_else(|e| panic!("{file}: {e}"));
                     replay_batches += 1;
                 }
@@ -232,17 +286,26 @@ fn stored_event(file: &str) -> kinference_kvindex::BlockStored {
 }
 
 /// Index one event for a fresh worker and look the request keys up.
-fn indexed_depth(ev: kinference_kvindex::BlockStored, request_keys: &[kinference_kvindex::BlockKey]) -> u32 {
+fn indexed_depth(
+    ev: kinference_kvindex::BlockStored,
+    request_keys: &[kinference_kvindex::BlockKey],
+) -> u32 {
     let ix = KvIndex::default();
-    let w = ix.register_worker(WorkerRef::new("pod", 0), 16).expect("registers");
-    ix.apply_event(w, &KvEvent::BlockStored(ev)).expect("applies");
+    let w = ix
+        .register_worker(WorkerRef::new("pod", 0), 16)
+        .expect("registers");
+    ix.apply_event(w, &KvEvent::BlockStored(ev))
+        .expect("applies");
     ix.find_matches(request_keys).get(w).map_or(0, |m| m.blocks)
 }
 
 #[test]
 fn event_tokens_and_request_tokens_give_the_same_keys() {
     // Plain text, vLLM 0.33 and SGLang 0.5.23.
-    for file in ["vllm-0.33.0/sha256-int/stored_chain.msgpack", "sglang-0.5.23/stored_chain.msgpack"] {
+    for file in [
+        "vllm-0.33.0/sha256-int/stored_chain.msgpack",
+        "sglang-0.5.23/stored_chain.msgpack",
+    ] {
         let ev = stored_event(file);
         let keys = BlockKeyer::new(16, None).keys(&ev.token_ids, &ExtraKeys::none());
         assert_eq!(indexed_depth(ev, &keys), 3, "{file}");
@@ -256,16 +319,22 @@ fn event_tokens_and_request_tokens_give_the_same_keys() {
     // Multimodal item at token 4 (20 tokens) and cache salt, as the router
     // would describe the request.
     let ev = stored_event("vllm-0.33.0/sha256-int/stored_mm_salt.msgpack");
-    let extra = ExtraKeys::none().multimodal("f3a9c0de5b7e41d2", 4, 20).cache_salt("tenant-a");
+    let extra = ExtraKeys::none()
+        .multimodal("f3a9c0de5b7e41d2", 4, 20)
+        .cache_salt("tenant-a");
     let keys = BlockKeyer::new(16, None).keys(&ev.token_ids, &extra);
     assert_eq!(indexed_depth(ev.clone(), &keys), 3);
     let plain = BlockKeyer::new(16, None).keys(&ev.token_ids, &ExtraKeys::none());
     assert_eq!(indexed_depth(ev, &plain), 0);
     // SGLang's cache salt, as a 0.5.18 trailing map and a 0.5.23 field.
-    for file in ["sglang-0.5.18/stored_cache_salt.msgpack", "sglang-0.5.23/stored_cache_salt.msgpack"] {
+    for file in [
+        "sglang-0.5.18/stored_cache_salt.msgpack",
+        "sglang-0.5.23/stored_cache_salt.msgpack",
+    ] {
         let ev = stored_event(file);
         assert_eq!(ev.cache_salt.as_deref(), Some("tenant-a"), "{file}");
-        let keys = BlockKeyer::new(16, None).keys(&ev.token_ids, &ExtraKeys::none().cache_salt("tenant-a"));
+        let keys = BlockKeyer::new(16, None)
+            .keys(&ev.token_ids, &ExtraKeys::none().cache_salt("tenant-a"));
         assert_eq!(indexed_depth(ev, &keys), 2, "{file}");
     }
     // A 32-token group-1 event is not indexed at group 0, but its width is seen.
@@ -279,18 +348,30 @@ fn event_tokens_and_request_tokens_give_the_same_keys() {
 fn int_and_bytes_hash_sets_index_identically() {
     for (int, bytes) in [
         ("vllm-0.33.0/sha256-int", "vllm-0.33.0/sha256-bytes"),
-        ("vllm-0.33.0/sha256_cbor-int", "vllm-0.33.0/sha256_cbor-bytes"),
+        (
+            "vllm-0.33.0/sha256_cbor-int",
+            "vllm-0.33.0/sha256_cbor-bytes",
+        ),
         ("vllm-0.23.0/sha256-int", "vllm-0.23.0/sha256-bytes"),
     ] {
-        for s in ["stored_chain", "removed", "stored_lora_medium", "stored_mm_salt"] {
+        for s in [
+            "stored_chain",
+            "removed",
+            "stored_lora_medium",
+            "stored_mm_salt",
+        ] {
             let a = decode_batch(&read(&format!("{int}/{s}.msgpack"))).expect("decodes");
             let b = decode_batch(&read(&format!("{bytes}/{s}.msgpack"))).expect("decodes");
             let ids = |x: &EventBatch| -> Vec<u64> {
                 x.events
                     .iter()
                     .flat_map(|e| match e {
-                        KvEvent::BlockStored(s) => s.block_hashes.iter().map(BlockHash::id).collect::<Vec<_>>(),
-                        KvEvent::BlockRemoved(r) => r.block_hashes.iter().map(BlockHash::id).collect(),
+                        KvEvent::BlockStored(s) => {
+                            s.block_hashes.iter().map(BlockHash::id).collect::<Vec<_>>()
+                        }
+                        KvEvent::BlockRemoved(r) => {
+                            r.block_hashes.iter().map(BlockHash::id).collect()
+                        }
                         KvEvent::AllBlocksCleared => vec![],
                     })
                     .collect()
@@ -302,9 +383,18 @@ fn int_and_bytes_hash_sets_index_identically() {
 
 #[test]
 fn the_live_captures_drive_the_index_through_store_remove_clear() {
-    for set in ["vllm-0.33.0/sha256-int", "vllm-0.24.0/sha256-int", "vllm-0.23.0/sha256-int", "vllm-0.9.0/builtin-int", "sglang-0.5.23", "sglang-0.5.18"] {
+    for set in [
+        "vllm-0.33.0/sha256-int",
+        "vllm-0.24.0/sha256-int",
+        "vllm-0.23.0/sha256-int",
+        "vllm-0.9.0/builtin-int",
+        "sglang-0.5.23",
+        "sglang-0.5.18",
+    ] {
         let ix = KvIndex::default();
-        let w = ix.register_worker(WorkerRef::new(set, 0), 16).expect("registers");
+        let w = ix
+            .register_worker(WorkerRef::new(set, 0), 16)
+            .expect("registers");
         let mut held = vec![];
         for n in 0..3 {
             let bytes = read(&format!("{set}/capture_live_{n}.frames"));

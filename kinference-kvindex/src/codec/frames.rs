@@ -51,7 +51,9 @@ pub fn seq_to_bytes(seq: u64) -> [u8; 8] {
 /// # Errors
 /// [`FrameError::SeqLength`] when the frame is not 8 bytes.
 pub fn seq_from_bytes(frame: &[u8]) -> Result<u64, FrameError> {
-    let a: [u8; 8] = frame.try_into().map_err(|_| FrameError::SeqLength(frame.len()))?;
+    let a: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| FrameError::SeqLength(frame.len()))?;
     Ok(u64::from_be_bytes(a))
 }
 
@@ -100,14 +102,19 @@ pub fn replay_request(start_seq: u64) -> [Vec<u8>; 2] {
 /// other shape (the engines ignore those without replying).
 pub fn parse_replay_request<'a>(frames: &[&'a [u8]]) -> Option<(&'a [u8], u64)> {
     match frames {
-        [identity, empty, seq] if empty.is_empty() => Some((identity, seq_from_bytes(seq).ok()?)),
+        [identity, [], seq] => Some((identity, seq_from_bytes(seq).ok()?)),
         _ => None,
     }
 }
 
 /// The frames of one replayed batch, without the ROUTER's identity frame
 /// and the empty delimiter (prepend both when sending from a ROUTER).
-pub fn replay_batch_frames(layout: ReplayLayout, topic: &[u8], seq: u64, payload: &[u8]) -> Vec<Vec<u8>> {
+pub fn replay_batch_frames(
+    layout: ReplayLayout,
+    topic: &[u8],
+    seq: u64,
+    payload: &[u8],
+) -> Vec<Vec<u8>> {
     match layout {
         ReplayLayout::SeqPayload => vec![seq_to_bytes(seq).to_vec(), payload.to_vec()],
         ReplayLayout::TopicSeqPayload => {
@@ -120,7 +127,9 @@ pub fn replay_batch_frames(layout: ReplayLayout, topic: &[u8], seq: u64, payload
 pub fn replay_end_frames(layout: ReplayLayout) -> Vec<Vec<u8>> {
     match layout {
         ReplayLayout::SeqPayload => vec![seq_to_bytes(END_SEQ).to_vec(), Vec::new()],
-        ReplayLayout::TopicSeqPayload => vec![Vec::new(), seq_to_bytes(END_SEQ).to_vec(), Vec::new()],
+        ReplayLayout::TopicSeqPayload => {
+            vec![Vec::new(), seq_to_bytes(END_SEQ).to_vec(), Vec::new()]
+        }
     }
 }
 
@@ -164,7 +173,11 @@ pub fn parse_replay_reply<'a>(frames: &[&'a [u8]]) -> Result<ReplayReply<'a>, Fr
     if seq == END_SEQ && payload.is_empty() {
         return Ok(ReplayReply::End);
     }
-    Ok(ReplayReply::Batch { topic, seq, payload })
+    Ok(ReplayReply::Batch {
+        topic,
+        seq,
+        payload,
+    })
 }
 
 /// Splits a `.frames` capture (the fixtures' container: u32 big-endian

@@ -134,9 +134,7 @@ fn read_tokens(r: &mut Reader<'_>) -> Result<Vec<u32>, MsgError> {
     }
     let n = r.read_array_len()?;
     let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
-        v.push(r.read_u32()?);
-    }
+    r.read_u32s(n, &mut v)?;
     Ok(v)
 }
 
@@ -193,6 +191,10 @@ fn read_extra_keys(
             let n = r.read_array_len()?;
             let mut out = Vec::with_capacity(n);
             for _ in 0..n {
+                if r.try_nil()? {
+                    out.push(None);
+                    continue;
+                }
                 match r.read_value()? {
                     Value::Nil => out.push(None),
                     Value::Array(items) => out.push(Some(items)),
@@ -212,7 +214,10 @@ fn read_extra_keys(
     }
 }
 
-fn read_lookahead(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<Vec<Vec<u32>>>, MsgError> {
+fn read_lookahead(
+    r: &mut Reader<'_>,
+    skipped: &mut Skipped,
+) -> Result<Option<Vec<Vec<u32>>>, MsgError> {
     match r.peek_kind()? {
         Kind::Nil => {
             r.skip()?;
@@ -235,7 +240,11 @@ fn read_lookahead(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<Ve
 }
 
 /// SGLang 0.5.18–0.5.19's trailing metadata map: `{"cache_salt": …}`.
-fn read_metadata(r: &mut Reader<'_>, ev: &mut BlockStored, skipped: &mut Skipped) -> Result<(), MsgError> {
+fn read_metadata(
+    r: &mut Reader<'_>,
+    ev: &mut BlockStored,
+    skipped: &mut Skipped,
+) -> Result<(), MsgError> {
     let n = r.read_map_len()?;
     for _ in 0..n {
         if r.peek_kind()? == Kind::Str && r.clone().read_str()? == "cache_salt" {
@@ -250,7 +259,10 @@ fn read_metadata(r: &mut Reader<'_>, ev: &mut BlockStored, skipped: &mut Skipped
     Ok(())
 }
 
-fn decode_positional(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEvent>, DecodeError> {
+fn decode_positional(
+    r: &mut Reader<'_>,
+    skipped: &mut Skipped,
+) -> Result<Option<KvEvent>, DecodeError> {
     let n = r.read_array_len()?;
     if n == 0 {
         skipped.unknown_events += 1;
@@ -391,7 +403,9 @@ fn decode_map(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEven
             (1, "extra_keys") => stored.extra_keys = read_extra_keys(r, skipped)?,
             (1, "group_idx") => stored.group_idx = opt_u32(r, skipped)?,
             (1, "kv_cache_spec_kind") => stored.kv_cache_spec_kind = opt_str(r, skipped)?,
-            (1, "kv_cache_spec_sliding_window") => stored.kv_cache_spec_sliding_window = opt_u32(r, skipped)?,
+            (1, "kv_cache_spec_sliding_window") => {
+                stored.kv_cache_spec_sliding_window = opt_u32(r, skipped)?;
+            }
             (1, "locality") => stored.locality = opt_str(r, skipped)?,
             (1, "ownership") => stored.ownership = opt_str(r, skipped)?,
             (1, "session_id") => stored.session_id = opt_str(r, skipped)?,
@@ -628,7 +642,11 @@ fn encode_map_event(w: &mut Writer, ev: &KvEvent) {
             }
         }
         KvEvent::BlockRemoved(rm) => {
-            let optional = [rm.group_idx.is_some(), rm.locality.is_some(), rm.ownership.is_some()];
+            let optional = [
+                rm.group_idx.is_some(),
+                rm.locality.is_some(),
+                rm.ownership.is_some(),
+            ];
             w.map(3 + optional.iter().filter(|x| **x).count());
             w.str("type");
             w.str("BlockRemoved");
@@ -708,9 +726,15 @@ mod tests {
         w.str("BlockStored");
         assert!(matches!(
             decode_batch(&w.buf),
-            Err(DecodeError::MissingField { field: "block_hashes", .. })
+            Err(DecodeError::MissingField {
+                field: "block_hashes",
+                ..
+            })
         ));
-        assert!(matches!(decode_batch(&[0x91, 0xcb]), Err(DecodeError::ShortBatch(1))));
+        assert!(matches!(
+            decode_batch(&[0x91, 0xcb]),
+            Err(DecodeError::ShortBatch(1))
+        ));
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub enum MsgError {
         /// The marker byte found.
         marker: u8,
     },
-    /// The marker 0xc1 (never used) or nesting deeper than [`MAX_DEPTH`].
+    /// The marker 0xc1 (never used) or nesting deeper than 32 levels.
     #[error("invalid msgpack at byte {0}")]
     Invalid(usize),
     /// A string was not UTF-8.
@@ -93,14 +93,23 @@ impl<'a> Reader<'a> {
     }
 
     fn byte(&mut self) -> Result<u8, MsgError> {
-        let b = *self.buf.get(self.pos).ok_or(MsgError::Truncated(self.pos))?;
+        let b = *self
+            .buf
+            .get(self.pos)
+            .ok_or(MsgError::Truncated(self.pos))?;
         self.pos += 1;
         Ok(b)
     }
 
     fn take(&mut self, n: usize) -> Result<&'a [u8], MsgError> {
-        let end = self.pos.checked_add(n).ok_or(MsgError::Truncated(self.pos))?;
-        let s = self.buf.get(self.pos..end).ok_or(MsgError::Truncated(self.pos))?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .ok_or(MsgError::Truncated(self.pos))?;
+        let s = self
+            .buf
+            .get(self.pos..end)
+            .ok_or(MsgError::Truncated(self.pos))?;
         self.pos = end;
         Ok(s)
     }
@@ -113,7 +122,10 @@ impl<'a> Reader<'a> {
     }
 
     fn peek(&self) -> Result<u8, MsgError> {
-        self.buf.get(self.pos).copied().ok_or(MsgError::Truncated(self.pos))
+        self.buf
+            .get(self.pos)
+            .copied()
+            .ok_or(MsgError::Truncated(self.pos))
     }
 
     /// The kind of the next value without consuming it.
@@ -173,6 +185,45 @@ impl<'a> Reader<'a> {
                 return Err(self.type_err("integer"));
             }
         })
+    }
+
+    /// `n` unsigned integers that fit u32 (token ids), appended to `out`.
+    /// The common encodings (fixint, uint8/16/32) take a fast path.
+    pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
+        out.reserve(n);
+        let buf = self.buf;
+        let mut pos = self.pos;
+        for _ in 0..n {
+            let Some(&m) = buf.get(pos) else {
+                return Err(MsgError::Truncated(pos));
+            };
+            if m < 0x80 {
+                out.push(u32::from(m));
+                pos += 1;
+                continue;
+            }
+            let v = match m {
+                0xcd => buf
+                    .get(pos + 1..pos + 3)
+                    .map(|b| (u32::from(u16::from_be_bytes([b[0], b[1]])), 3)),
+                0xce => buf
+                    .get(pos + 1..pos + 5)
+                    .map(|b| (u32::from_be_bytes([b[0], b[1], b[2], b[3]]), 5)),
+                0xcc => buf.get(pos + 1).map(|b| (u32::from(*b), 2)),
+                _ => None,
+            };
+            if let Some((v, len)) = v {
+                out.push(v);
+                pos += len;
+            } else {
+                // Other encodings (or truncation): the general path.
+                self.pos = pos;
+                out.push(self.read_u32()?);
+                pos = self.pos;
+            }
+        }
+        self.pos = pos;
+        Ok(())
     }
 
     pub(crate) fn read_u32(&mut self) -> Result<u32, MsgError> {
@@ -421,12 +472,12 @@ impl Writer {
     pub(crate) fn uint(&mut self, v: u64) {
         if v < 0x80 {
             self.buf.push(v as u8);
-        } else if v <= u64::from(u8::MAX) {
+        } else if u8::try_from(v).is_ok() {
             self.buf.extend_from_slice(&[0xcc, v as u8]);
-        } else if v <= u64::from(u16::MAX) {
+        } else if u16::try_from(v).is_ok() {
             self.buf.push(0xcd);
             self.buf.extend_from_slice(&(v as u16).to_be_bytes());
-        } else if v <= u64::from(u32::MAX) {
+        } else if u32::try_from(v).is_ok() {
             self.buf.push(0xce);
             self.buf.extend_from_slice(&(v as u32).to_be_bytes());
         } else {
@@ -463,9 +514,9 @@ impl Writer {
         let n = s.len();
         if n < 32 {
             self.buf.push(0xa0 | n as u8);
-        } else if n <= usize::from(u8::MAX) {
+        } else if u8::try_from(n).is_ok() {
             self.buf.extend_from_slice(&[0xd9, n as u8]);
-        } else if n <= usize::from(u16::MAX) {
+        } else if u16::try_from(n).is_ok() {
             self.buf.push(0xda);
             self.buf.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
@@ -477,9 +528,9 @@ impl Writer {
 
     pub(crate) fn bin(&mut self, b: &[u8]) {
         let n = b.len();
-        if n <= usize::from(u8::MAX) {
+        if u8::try_from(n).is_ok() {
             self.buf.extend_from_slice(&[0xc4, n as u8]);
-        } else if n <= usize::from(u16::MAX) {
+        } else if u16::try_from(n).is_ok() {
             self.buf.push(0xc5);
             self.buf.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
@@ -492,7 +543,7 @@ impl Writer {
     pub(crate) fn array(&mut self, n: usize) {
         if n < 16 {
             self.buf.push(0x90 | n as u8);
-        } else if n <= usize::from(u16::MAX) {
+        } else if u16::try_from(n).is_ok() {
             self.buf.push(0xdc);
             self.buf.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
@@ -504,7 +555,7 @@ impl Writer {
     pub(crate) fn map(&mut self, n: usize) {
         if n < 16 {
             self.buf.push(0x80 | n as u8);
-        } else if n <= usize::from(u16::MAX) {
+        } else if u16::try_from(n).is_ok() {
             self.buf.push(0xde);
             self.buf.extend_from_slice(&(n as u16).to_be_bytes());
         } else {
@@ -517,7 +568,8 @@ impl Writer {
     /// with more than 15 fields even when fewer are present.
     pub(crate) fn map16(&mut self, n: usize) {
         self.buf.push(0xde);
-        self.buf.extend_from_slice(&(n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
+        self.buf
+            .extend_from_slice(&(n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
     }
 
     pub(crate) fn value(&mut self, v: &Value) {
@@ -561,10 +613,31 @@ mod tests {
 
     #[test]
     fn integers_use_minimal_width_and_read_back() {
-        for v in [0u64, 127, 128, 255, 256, 65535, 65536, u64::from(u32::MAX), 1 << 32, u64::MAX] {
+        for v in [
+            0u64,
+            127,
+            128,
+            255,
+            256,
+            65535,
+            65536,
+            u64::from(u32::MAX),
+            1 << 32,
+            u64::MAX,
+        ] {
             assert_eq!(roundtrip(&Value::Uint(v)), Value::Uint(v));
         }
-        for v in [-1i64, -32, -33, -128, -129, -32768, -32769, i64::from(i32::MIN) - 1, i64::MIN] {
+        for v in [
+            -1i64,
+            -32,
+            -33,
+            -128,
+            -129,
+            -32768,
+            -32769,
+            i64::from(i32::MIN) - 1,
+            i64::MIN,
+        ] {
             assert_eq!(roundtrip(&Value::Int(v)), Value::Int(v));
         }
         let mut w = Writer::default();
@@ -574,10 +647,17 @@ mod tests {
 
     #[test]
     fn truncated_and_invalid_input_is_an_error() {
-        assert_eq!(Reader::new(&[0xcf, 0, 0]).read_int(), Err(MsgError::Truncated(1)));
+        assert_eq!(
+            Reader::new(&[0xcf, 0, 0]).read_int(),
+            Err(MsgError::Truncated(1))
+        );
         assert_eq!(Reader::new(&[0xc1]).skip(), Err(MsgError::Invalid(0)));
         // An array claiming 2^32-1 elements with nothing behind it.
-        assert!(Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff]).read_array_len().is_err());
+        assert!(
+            Reader::new(&[0xdd, 0xff, 0xff, 0xff, 0xff])
+                .read_array_len()
+                .is_err()
+        );
         // Deep nesting is refused, not a stack overflow.
         let deep = vec![0x91u8; 10_000];
         assert_eq!(Reader::new(&deep).skip(), Err(MsgError::Invalid(33)));

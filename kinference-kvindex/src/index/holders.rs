@@ -4,8 +4,7 @@
 //! and the number of that worker's held blocks whose parent is this block
 //! (bits 40..64, saturating), which the index needs to keep its hole
 //! count exact. Holders are kept sorted by worker id. Up to two live
-//! inline; more go to a boxed slice that grows by doubling, with unused
-//! slots set to [`EMPTY`].
+//! inline; more go to a boxed slice that grows four slots at a time.
 
 pub(crate) const EMPTY: u64 = u64::MAX;
 const WORKER_MASK: u64 = 0xffff_ffff;
@@ -15,7 +14,9 @@ const CHILD_MAX: u64 = (1 << 24) - 1;
 
 #[inline]
 pub(crate) fn pack(worker: u32, tiers: u8, children: u32) -> u64 {
-    u64::from(worker) | (u64::from(tiers) << TIER_SHIFT) | (u64::from(children).min(CHILD_MAX) << CHILD_SHIFT)
+    u64::from(worker)
+        | (u64::from(tiers) << TIER_SHIFT)
+        | (u64::from(children).min(CHILD_MAX) << CHILD_SHIFT)
 }
 #[inline]
 pub(crate) fn worker(h: u64) -> u32 {
@@ -40,9 +41,19 @@ pub(crate) fn with_children(h: u64, c: u32) -> u64 {
 
 #[derive(Debug, Clone)]
 pub(crate) enum Holders {
-    Inline { len: u8, items: [u64; 2] },
-    Heap(Box<[u64]>),
+    Inline {
+        len: u8,
+        items: [u64; 2],
+    },
+    /// `buf[..len]` live; capacity grows by 4 slots at a time (10 holders
+    /// cost 12 slots, not 16).
+    Heap {
+        len: u32,
+        buf: Box<[u64]>,
+    },
 }
+
+const GROW: usize = 4;
 
 impl Holders {
     pub(crate) fn new() -> Self {
@@ -56,20 +67,14 @@ impl Holders {
     pub(crate) fn as_slice(&self) -> &[u64] {
         match self {
             Holders::Inline { len, items } => &items[..usize::from(*len)],
-            Holders::Heap(b) => {
-                let n = b.iter().position(|x| *x == EMPTY).unwrap_or(b.len());
-                &b[..n]
-            }
+            Holders::Heap { len, buf } => &buf[..*len as usize],
         }
     }
 
     fn as_mut_slice(&mut self) -> &mut [u64] {
         match self {
             Holders::Inline { len, items } => &mut items[..usize::from(*len)],
-            Holders::Heap(b) => {
-                let n = b.iter().position(|x| *x == EMPTY).unwrap_or(b.len());
-                &mut b[..n]
-            }
+            Holders::Heap { len, buf } => &mut buf[..*len as usize],
         }
     }
 
@@ -82,7 +87,7 @@ impl Holders {
     pub(crate) fn heap_words(&self) -> usize {
         match self {
             Holders::Inline { .. } => 0,
-            Holders::Heap(b) => b.len(),
+            Holders::Heap { buf, .. } => buf.len(),
         }
     }
 
@@ -108,6 +113,7 @@ impl Holders {
 
     /// Inserts a holder for a worker not yet present; returns the change in
     /// heap words.
+    #[allow(clippy::many_single_char_names)]
     pub(crate) fn insert(&mut self, h: u64) -> isize {
         let w = worker(h);
         let s = self.as_slice();
@@ -121,26 +127,26 @@ impl Holders {
                 0
             }
             Holders::Inline { items, .. } => {
-                let mut b = vec![EMPTY; 4].into_boxed_slice();
+                let mut b = vec![EMPTY; GROW].into_boxed_slice();
                 b[..at].copy_from_slice(&items[..at]);
                 b[at] = h;
                 b[at + 1..=n].copy_from_slice(&items[at..n]);
-                *self = Holders::Heap(b);
-                4
+                *self = Holders::Heap { len: 3, buf: b };
+                GROW as isize
             }
-            Holders::Heap(b) => {
-                if n < b.len() {
-                    b.copy_within(at..n, at + 1);
-                    b[at] = h;
+            Holders::Heap { len, buf } => {
+                *len += 1;
+                if n < buf.len() {
+                    buf.copy_within(at..n, at + 1);
+                    buf[at] = h;
                     0
                 } else {
-                    let mut nb = vec![EMPTY; b.len() * 2].into_boxed_slice();
-                    nb[..at].copy_from_slice(&b[..at]);
+                    let mut nb = vec![EMPTY; buf.len() + GROW].into_boxed_slice();
+                    nb[..at].copy_from_slice(&buf[..at]);
                     nb[at] = h;
-                    nb[at + 1..=n].copy_from_slice(&b[at..n]);
-                    let grew = nb.len() - b.len();
-                    *b = nb;
-                    grew as isize
+                    nb[at + 1..=n].copy_from_slice(&buf[at..n]);
+                    *buf = nb;
+                    GROW as isize
                 }
             }
         }
@@ -156,27 +162,24 @@ impl Holders {
                 *len -= 1;
                 0
             }
-            Holders::Heap(b) => {
-                b.copy_within(i + 1..n, i);
-                b[n - 1] = EMPTY;
+            Holders::Heap { len, buf } => {
+                buf.copy_within(i + 1..n, i);
+                buf[n - 1] = EMPTY;
                 let left = n - 1;
+                *len = left as u32;
                 if left <= 2 {
                     let mut items = [EMPTY; 2];
-                    items[..left].copy_from_slice(&b[..left]);
-                    let freed = b.len() as isize;
+                    items[..left].copy_from_slice(&buf[..left]);
+                    let freed = buf.len() as isize;
                     *self = Holders::Inline {
                         len: left as u8,
                         items,
                     };
                     -freed
-                } else if left * 4 <= b.len() {
-                    let nb: Box<[u64]> = {
-                        let mut v = vec![EMPTY; b.len() / 2];
-                        v[..left].copy_from_slice(&b[..left]);
-                        v.into_boxed_slice()
-                    };
-                    let shrink = b.len() - nb.len();
-                    *b = nb;
+                } else if left + 2 * GROW <= buf.len() {
+                    let nb: Box<[u64]> = buf[..left + GROW].into();
+                    let shrink = buf.len() - nb.len();
+                    *buf = nb;
                     -(shrink as isize)
                 } else {
                     0

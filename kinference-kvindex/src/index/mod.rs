@@ -55,13 +55,14 @@ pub enum IndexError {
 }
 
 /// Index settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IndexConfig {
     /// Number of key shards (rounded up to a power of two, at most 65536).
     pub shards: usize,
-    /// Blocks per segment (rounded up to a power of two): all blocks of one
-    /// segment of one chain live in one shard, so a lookup takes one read
-    /// lock per segment it touches.
+    /// Length B of the first segment (rounded up to a power of two); later
+    /// segments double: `[0,B) [B,2B) [2B,4B) …`. All blocks of one segment
+    /// of one chain live in one shard (chosen by the key at the segment's
+    /// start), so a lookup takes one read lock per segment it touches.
     pub segment: u32,
     /// Budget: most (block, worker) entries held. When a store would pass
     /// it, the worker holding the most entries is cleared first (see the
@@ -255,6 +256,8 @@ struct Cand {
     worker: u32,
     lo: u32,
     hi: u32,
+    open: bool,
+    bracket: u8,
 }
 
 impl Matches {
@@ -287,6 +290,8 @@ const FLAG_HOLES: u8 = 1;
 const FLAG_NO_GPU: u8 = 2;
 /// Probe points per bracket per round of the lookup search.
 const FANOUT: u32 = 8;
+/// Brackets probed in one round.
+const MAX_BRACKETS: usize = 4;
 
 /// The shared KV-block index. `Send + Sync`: share it in an `Arc`; any
 /// number of threads may look up while others apply events.
@@ -313,6 +318,7 @@ fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
+#[inline]
 fn lookup_rec(writer: &Writer, w: usize, h: u64) -> Option<Rec> {
     let ws = writer.workers.get(w)?.as_ref()?;
     if !ws.overrides.is_empty()
@@ -357,6 +363,32 @@ impl KvIndex {
         &self.config
     }
 
+    /// Segments grow geometrically: `[0, B)`, `[B, 2B)`, `[2B, 4B)`, …
+    /// (B = `config.segment`), so a lookup of n blocks touches at most
+    /// log₂(n/B) + 2 segments.
+    #[inline]
+    fn seg_of(&self, pos: u32) -> usize {
+        if pos >> self.seg_shift == 0 {
+            0
+        } else {
+            (pos.ilog2() - self.seg_shift) as usize + 1
+        }
+    }
+
+    #[inline]
+    fn seg_start(&self, seg: usize) -> u32 {
+        if seg == 0 {
+            0
+        } else {
+            1 << (self.seg_shift + seg as u32 - 1)
+        }
+    }
+
+    #[inline]
+    fn seg_start_at(&self, pos: u32) -> bool {
+        pos == 0 || (pos >> self.seg_shift != 0 && pos.is_power_of_two())
+    }
+
     #[inline]
     fn shard_of(&self, key: u64) -> u16 {
         ((key >> 32) & self.shard_mask) as u16
@@ -370,13 +402,19 @@ impl KvIndex {
     ///
     /// # Errors
     /// [`IndexError::ZeroBlockSize`], [`IndexError::TooManyWorkers`].
-    pub fn register_worker(&self, worker: WorkerRef, block_size: u32) -> Result<WorkerId, IndexError> {
+    pub fn register_worker(
+        &self,
+        worker: WorkerRef,
+        block_size: u32,
+    ) -> Result<WorkerId, IndexError> {
         if block_size == 0 {
             return Err(IndexError::ZeroBlockSize);
         }
         let mut wr = lock(&self.writer);
         if let Some(&id) = wr.by_ref.get(&worker) {
-            let same = wr.workers[id as usize].as_ref().is_some_and(|s| s.block_size == block_size);
+            let same = wr.workers[id as usize]
+                .as_ref()
+                .is_some_and(|s| s.block_size == block_size);
             if !same {
                 self.clear_locked(&mut wr, id as usize);
                 if let Some(ws) = wr.workers[id as usize].as_mut() {
@@ -442,11 +480,11 @@ impl KvIndex {
     /// [`IndexError::UnknownWorker`].
     pub fn clear_worker(&self, id: WorkerId) -> Result<u64, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         Ok(self.clear_locked(&mut wr, id.0 as usize))
     }
 
-    fn check(&self, wr: &Writer, id: WorkerId) -> Result<(), IndexError> {
+    fn check(wr: &Writer, id: WorkerId) -> Result<(), IndexError> {
         match wr.workers.get(id.0 as usize) {
             Some(Some(_)) => Ok(()),
             _ => Err(IndexError::UnknownWorker(id.0)),
@@ -456,7 +494,8 @@ impl KvIndex {
     fn clear_locked(&self, wr: &mut Writer, w: usize) -> u64 {
         let wid = w as u32;
         let mut removed = 0u64;
-        let mut dead_keys: hashbrown::HashSet<u64, BuildHasherDefault<KeyHasher>> = hashbrown::HashSet::default();
+        let mut dead_keys: hashbrown::HashSet<u64, BuildHasherDefault<KeyHasher>> =
+            hashbrown::HashSet::default();
         let mut heap_delta = 0isize;
         for s in &self.shards {
             let mut sh = write(&s.0);
@@ -482,7 +521,8 @@ impl KvIndex {
         self.add_heap(heap_delta);
         if !dead_keys.is_empty() {
             wr.engine.retain(|_, r| !dead_keys.contains(&r.key));
-            wr.multi.retain(|_, subs| subs.first().is_none_or(|r| !dead_keys.contains(&r.key)));
+            wr.multi
+                .retain(|_, subs| subs.first().is_none_or(|r| !dead_keys.contains(&r.key)));
             wr.engine.shrink_to_fit();
             wr.multi.shrink_to_fit();
         }
@@ -498,11 +538,26 @@ impl KvIndex {
         removed
     }
 
+    fn flush(&self, d: &Delta) {
+        for (ctr, v) in [
+            (&self.entries, d.entries),
+            (&self.keys, d.keys),
+            (&self.heap_words, d.heap as i64),
+        ] {
+            if v > 0 {
+                ctr.fetch_add(v as u64, Ordering::Relaxed);
+            } else if v < 0 {
+                ctr.fetch_sub(v.unsigned_abs(), Ordering::Relaxed);
+            }
+        }
+    }
+
     fn add_heap(&self, delta: isize) {
         if delta >= 0 {
             self.heap_words.fetch_add(delta as u64, Ordering::Relaxed);
         } else {
-            self.heap_words.fetch_sub(delta.unsigned_abs() as u64, Ordering::Relaxed);
+            self.heap_words
+                .fetch_sub(delta.unsigned_abs() as u64, Ordering::Relaxed);
         }
     }
 
@@ -526,13 +581,20 @@ impl KvIndex {
     /// Counters of one worker.
     pub fn worker_stats(&self, id: WorkerId) -> Option<WorkerStats> {
         let wr = lock(&self.writer);
-        wr.workers.get(id.0 as usize)?.as_ref().map(|s| s.stats.clone())
+        wr.workers
+            .get(id.0 as usize)?
+            .as_ref()
+            .map(|s| s.stats.clone())
     }
 
     /// Ids of all registered workers.
     pub fn workers(&self) -> Vec<(WorkerId, WorkerRef)> {
         let wr = lock(&self.writer);
-        let mut v: Vec<_> = wr.by_ref.iter().map(|(r, &i)| (WorkerId(i), r.clone())).collect();
+        let mut v: Vec<_> = wr
+            .by_ref
+            .iter()
+            .map(|(r, &i)| (WorkerId(i), r.clone()))
+            .collect();
         v.sort();
         v
     }
@@ -552,7 +614,8 @@ impl KvIndex {
         }
         bytes += wr.multi.capacity() as u64 * (std::mem::size_of::<(u64, Box<[Rec]>)>() as u64 + 1);
         for ws in wr.workers.iter().flatten() {
-            bytes += ws.overrides.capacity() as u64 * rec_slot + ws.orphan_parents.capacity() as u64 * 13;
+            bytes += ws.overrides.capacity() as u64 * rec_slot
+                + ws.orphan_parents.capacity() as u64 * 13;
         }
         IndexStats {
             entries: self.entries.load(Ordering::Relaxed),
@@ -593,7 +656,7 @@ impl KvIndex {
     /// [`IndexError::UnknownWorker`].
     pub fn apply_event(&self, id: WorkerId, ev: &KvEvent) -> Result<Applied, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         let w = id.0 as usize;
         Ok(match ev {
             KvEvent::BlockStored(s) => self.apply_stored(&mut wr, w, s),
@@ -615,7 +678,12 @@ impl KvIndex {
                     });
                 }
                 let tier = Tier::from_medium(r.medium.as_deref());
-                let removed = self.remove_locked(&mut wr, w, r.block_hashes.iter().map(crate::event::BlockHash::id), tier);
+                let removed = self.remove_locked(
+                    &mut wr,
+                    w,
+                    r.block_hashes.iter().map(crate::event::BlockHash::id),
+                    tier,
+                );
                 Applied {
                     removed,
                     ..Applied::default()
@@ -636,7 +704,10 @@ impl KvIndex {
         let n = s.block_hashes.len() as u64;
         let group = s.group_idx.unwrap_or(0);
         let ws = wr.workers[w].as_mut().expect("checked");
-        if s.block_size > 0 && !ws.stats.observed_widths.contains(&(group, s.block_size)) && ws.stats.observed_widths.len() < 16 {
+        if s.block_size > 0
+            && !ws.stats.observed_widths.contains(&(group, s.block_size))
+            && ws.stats.observed_widths.len() < 16
+        {
             ws.stats.observed_widths.push((group, s.block_size));
         }
         let dropped = Applied {
@@ -666,7 +737,7 @@ impl KvIndex {
         }
         let width = ws.block_size;
         let bs = s.block_size;
-        if bs == 0 || bs % width != 0 || s.token_ids.len() as u64 != u64::from(bs) * n {
+        if bs == 0 || !bs.is_multiple_of(width) || s.token_ids.len() as u64 != u64::from(bs) * n {
             ws.stats.width_mismatch_blocks += n;
             return dropped;
         }
@@ -681,8 +752,15 @@ impl KvIndex {
         for (i, chunk) in s.token_ids.chunks_exact(width as usize).enumerate() {
             locals.push(key::local_hash(chunk, extras[i / k]));
         }
-        let hashes: SmallVec<[u64; 64]> = s.block_hashes.iter().map(crate::event::BlockHash::id).collect();
-        let parent = s.parent_block_hash.as_ref().map(crate::event::BlockHash::id);
+        let hashes: SmallVec<[u64; 64]> = s
+            .block_hashes
+            .iter()
+            .map(crate::event::BlockHash::id)
+            .collect();
+        let parent = s
+            .parent_block_hash
+            .as_ref()
+            .map(crate::event::BlockHash::id);
         let out = self.store_locked(wr, w, parent, seed, &hashes, &locals, k, tier);
         wr.locals = locals;
         out
@@ -708,9 +786,18 @@ impl KvIndex {
         tier: Tier,
     ) -> Result<Applied, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         let n = hashes.len().min(locals.len());
-        Ok(self.store_locked(&mut wr, id.0 as usize, parent, seed, &hashes[..n], &locals[..n], 1, tier))
+        Ok(self.store_locked(
+            &mut wr,
+            id.0 as usize,
+            parent,
+            seed,
+            &hashes[..n],
+            &locals[..n],
+            1,
+            tier,
+        ))
     }
 
     /// Removes blocks of a worker from one tier by engine id (the
@@ -718,14 +805,20 @@ impl KvIndex {
     ///
     /// # Errors
     /// [`IndexError::UnknownWorker`].
-    pub fn remove_hashed(&self, id: WorkerId, hashes: &[u64], tier: Tier) -> Result<u64, IndexError> {
+    pub fn remove_hashed(
+        &self,
+        id: WorkerId,
+        hashes: &[u64],
+        tier: Tier,
+    ) -> Result<u64, IndexError> {
         let mut wr = lock(&self.writer);
-        self.check(&wr, id)?;
+        Self::check(&wr, id)?;
         Ok(self.remove_locked(&mut wr, id.0 as usize, hashes.iter().copied(), tier))
     }
 
     /// `k` locals per engine hash (re-chunking when k > 1).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     fn store_locked(
         &self,
         wr: &mut Writer,
@@ -738,32 +831,33 @@ impl KvIndex {
         tier: Tier,
     ) -> Applied {
         let n = hashes.len() as u64;
-        let (mut prev_key, mut pos, mut prev_shard) = match parent {
-            None => (seed, 0u32, 0u16),
-            Some(p) => match lookup_rec(wr, w, p) {
-                Some(r) => (r.key, r.pos + 1, r.shard),
-                None => {
-                    let ws = wr.workers[w].as_mut().expect("checked");
-                    ws.stats.orphan_blocks += n;
-                    return Applied {
-                        dropped: n,
-                        ..Applied::default()
-                    };
-                }
-            },
-        };
+        let (mut prev_key, mut pos, mut prev_shard) = (seed, 0u32, 0u16);
+        if let Some(p) = parent {
+            let Some(r) = lookup_rec(wr, w, p) else {
+                let ws = wr.workers[w].as_mut().expect("checked");
+                ws.stats.orphan_blocks += n;
+                return Applied {
+                    dropped: n,
+                    ..Applied::default()
+                };
+            };
+            (prev_key, pos, prev_shard) = (r.key, r.pos + 1, r.shard);
+        }
         // Budget: clear the largest worker first if this store could pass it.
         if self.entries.load(Ordering::Relaxed) + locals.len() as u64 > self.config.max_entries {
             self.evict_largest(wr);
         }
-        let seg_mask = (1u32 << self.seg_shift) - 1;
         let mut recs = std::mem::take(&mut wr.scratch);
         recs.clear();
         for (i, h) in hashes.iter().enumerate() {
             let mut subs: SmallVec<[Rec; 4]> = SmallVec::new();
             for local in &locals[i * k..(i + 1) * k] {
                 let key = key::chain(prev_key, *local).0;
-                let shard = if pos & seg_mask == 0 { self.shard_of(key) } else { prev_shard };
+                let shard = if self.seg_start_at(pos) {
+                    self.shard_of(key)
+                } else {
+                    prev_shard
+                };
                 subs.push(Rec {
                     key,
                     parent_key: prev_key,
@@ -796,6 +890,7 @@ impl KvIndex {
             }
         }
         let mut stored = 0u64;
+        let mut delta = Delta::default();
         let mut i = 0;
         while i < recs.len() {
             let shard = recs[i].1.shard;
@@ -803,25 +898,53 @@ impl KvIndex {
             while j < recs.len() && recs[j].1.shard == shard {
                 j += 1;
             }
-            // The parent of the run's first block may live in another shard.
+            // The parent of the run's first block may live in another shard:
+            // account for it after this shard's lock is released.
             let first = recs[i].1;
-            let mut parent_held_external = None;
-            if first.pos > 0 && first.parent_shard != shard {
-                parent_held_external = Some(self.touch_parent(w, first.parent_shard, first.parent_key, 1));
-            }
+            let external = first.pos > 0 && first.parent_shard != shard;
             let mut sh = write(&self.shards[shard as usize].0);
             let ws = wr.workers[w].as_mut().expect("checked");
-            let mut heap = 0isize;
-            for (n_in_run, (_, r)) in recs[i..j].iter().enumerate() {
-                let ext = if n_in_run == 0 { parent_held_external } else { None };
-                if self.insert_holder(&mut sh.map, ws, w as u32, r, tier, ext, &mut heap) {
+            // Tail first: each block learns whether its child (inserted
+            // just before) is new, so parents need no second probe. Readers
+            // see the run only as a whole (the shard is write-locked).
+            let mut child_new = false;
+            for (n_in_run, (_, r)) in recs[i..j].iter().enumerate().rev() {
+                let parent = if r.pos == 0 {
+                    Parent::Root
+                } else if n_in_run > 0 {
+                    Parent::InRun
+                } else if external {
+                    Parent::External
+                } else {
+                    Parent::Probe
+                };
+                child_new = Self::insert_holder(
+                    &mut sh.map,
+                    ws,
+                    w as u32,
+                    r,
+                    tier,
+                    parent,
+                    u32::from(child_new),
+                    &mut delta,
+                );
+                if child_new {
                     stored += 1;
                 }
             }
+            let first_new = child_new;
             drop(sh);
-            self.add_heap(heap);
+            if external
+                && first_new
+                && !self.touch_parent(w, first.parent_shard, first.parent_key, 1)
+            {
+                let ws = wr.workers[w].as_mut().expect("checked");
+                ws.stats.holes += 1;
+                *ws.orphan_parents.entry(first.parent_key).or_insert(0) += 1;
+            }
             i = j;
         }
+        self.flush(&delta);
         wr.scratch = recs;
         let ws = wr.workers[w].as_mut().expect("checked");
         ws.stats.stored_blocks += stored;
@@ -847,58 +970,64 @@ impl KvIndex {
         false
     }
 
-    /// Inserts or updates `(r.key, w)`. `parent_external` is `Some(held)`
-    /// when the parent lives in another shard and was already counted.
+    /// Inserts or updates `(r.key, w)`; returns whether the entry is new.
+    /// `new_children`: new entries of this worker whose parent this block
+    /// is (inserted just before). `parent` says who accounts for the parent.
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     fn insert_holder(
-        &self,
         map: &mut KeyMap<Holders>,
         ws: &mut WorkerState,
         w: u32,
         r: &Rec,
         tier: Tier,
-        parent_external: Option<bool>,
-        heap: &mut isize,
+        parent: Parent,
+        new_children: u32,
+        d: &mut Delta,
     ) -> bool {
         let bit = tier.bit();
         let gpu = Tier::Gpu.bit();
         let hs = map.entry(r.key).or_insert_with(|| {
-            self.keys.fetch_add(1, Ordering::Relaxed);
+            d.keys += 1;
             Holders::new()
         });
         if let Some(i) = hs.find(w) {
-            let h = hs.as_slice()[i];
+            let mut h = hs.as_slice()[i];
             let t = holders::tiers(h);
             if t & bit == 0 {
-                hs.set(i, holders::with_tiers(h, t | bit));
+                h = holders::with_tiers(h, t | bit);
                 if t & gpu == 0 && bit == gpu {
                     ws.no_gpu -= 1;
                 }
             }
+            if new_children > 0 {
+                h = holders::with_children(h, holders::children(h) + new_children);
+            }
+            hs.set(i, h);
             return false;
         }
-        let children = ws.orphan_parents.remove(&r.key).unwrap_or(0);
-        ws.stats.holes -= u64::from(children);
-        *heap += hs.insert(holders::pack(w, bit, children));
-        self.entries.fetch_add(1, Ordering::Relaxed);
+        let children = new_children
+            + if ws.orphan_parents.is_empty() {
+                0
+            } else {
+                ws.orphan_parents.remove(&r.key).unwrap_or(0)
+            };
+        ws.stats.holes -= u64::from(children - new_children);
+        d.heap += hs.insert(holders::pack(w, bit, children));
+        d.entries += 1;
         ws.stats.blocks_held += 1;
         if bit != gpu {
             ws.no_gpu += 1;
         }
-        if r.pos > 0 {
-            let held = match parent_external {
-                Some(held) => held,
-                None => {
-                    if let Some(ph) = map.get_mut(&r.parent_key)
-                        && let Some(i) = ph.find(w)
-                    {
-                        let h = ph.as_slice()[i];
-                        ph.set(i, holders::with_children(h, holders::children(h) + 1));
-                        true
-                    } else {
-                        false
-                    }
-                }
+        if parent == Parent::Probe {
+            let held = if let Some(ph) = map.get_mut(&r.parent_key)
+                && let Some(i) = ph.find(w)
+            {
+                let h = ph.as_slice()[i];
+                ph.set(i, holders::with_children(h, holders::children(h) + 1));
+                true
+            } else {
+                false
             };
             if !held {
                 ws.stats.holes += 1;
@@ -909,12 +1038,19 @@ impl KvIndex {
     }
 
     /// Adds a tier to a block the worker holds (placeholder stores).
+    #[allow(clippy::many_single_char_names)]
     fn add_tier_locked(&self, wr: &mut Writer, w: usize, h: u64, tier: Tier) -> bool {
-        let Some(r) = lookup_rec(wr, w, h) else { return false };
+        let Some(r) = lookup_rec(wr, w, h) else {
+            return false;
+        };
         let mut sh = write(&self.shards[r.shard as usize].0);
         let ws = wr.workers[w].as_mut().expect("checked");
-        let Some(hs) = sh.map.get_mut(&r.key) else { return false };
-        let Some(i) = hs.find(w as u32) else { return false };
+        let Some(hs) = sh.map.get_mut(&r.key) else {
+            return false;
+        };
+        let Some(i) = hs.find(w as u32) else {
+            return false;
+        };
         let x = hs.as_slice()[i];
         let t = holders::tiers(x);
         if t & tier.bit() == 0 {
@@ -928,24 +1064,63 @@ impl KvIndex {
         true
     }
 
-    fn remove_locked(&self, wr: &mut Writer, w: usize, hashes: impl Iterator<Item = u64>, tier: Tier) -> u64 {
+    fn remove_locked(
+        &self,
+        wr: &mut Writer,
+        w: usize,
+        hashes: impl Iterator<Item = u64>,
+        tier: Tier,
+    ) -> u64 {
         let mut removed = 0;
-        for h in hashes {
-            let Some(last) = lookup_rec(wr, w, h) else {
-                wr.workers[w].as_mut().expect("checked").stats.unknown_removals += 1;
+        let mut delta = Delta::default();
+        // The write guard of the shard last touched, kept across blocks.
+        let mut cur: Option<(u16, RwLockWriteGuard<'_, Shard>)> = None;
+        // All record lookups first: independent probes whose cache misses
+        // overlap (the shard locks below would serialize them).
+        let found: SmallVec<[(u64, Option<Rec>); 32]> =
+            hashes.map(|h| (h, lookup_rec(wr, w, h))).collect();
+        // Then touch every block's slot and holders under one read lock per
+        // shard run, so those misses overlap too (the removal loop below
+        // works on dependent data and would take them one by one).
+        let mut i = 0;
+        while i < found.len() {
+            let Some(shard) = found[i].1.map(|r| r.shard) else {
+                i += 1;
                 continue;
             };
-            let subs = wr.multi.get(&h).cloned();
-            let mut any = false;
-            let mut key_died = false;
-            // Tail first, so no transient holes.
+            let sh = read(&self.shards[shard as usize].0);
+            let mut acc = 0u64;
+            while i < found.len() && found[i].1.is_some_and(|r| r.shard == shard) {
+                if let Some(r) = found[i].1
+                    && let Some(hs) = sh.map.get(&r.key)
+                {
+                    acc ^= hs.as_slice().first().copied().unwrap_or(0);
+                }
+                i += 1;
+            }
+            std::hint::black_box(acc);
+        }
+        for (h, rec) in found {
+            let Some(last) = rec else {
+                wr.workers[w]
+                    .as_mut()
+                    .expect("checked")
+                    .stats
+                    .unknown_removals += 1;
+                continue;
+            };
             let mut all: SmallVec<[Rec; 4]> = SmallVec::new();
-            if let Some(s) = &subs {
+            if !wr.multi.is_empty()
+                && let Some(s) = wr.multi.get(&h)
+            {
                 all.extend(s.iter().copied());
             }
             all.push(last);
+            let mut any = false;
+            let mut key_died = false;
+            // Tail first, so no transient holes.
             for r in all.iter().rev() {
-                match self.remove_holder(wr, w, r, tier) {
+                match self.remove_holder(wr, w, r, tier, &mut cur, &mut delta) {
                     Removal::NotHeld => {}
                     Removal::TierOnly => any = true,
                     Removal::Removed { key_died: d } => {
@@ -960,31 +1135,54 @@ impl KvIndex {
                 ws.stats.unknown_removals += 1;
             }
             if key_died {
-                if ws.overrides.remove(&h).is_none() {
+                if ws.overrides.is_empty() || ws.overrides.remove(&h).is_none() {
                     wr.engine.remove(&h);
-                    wr.multi.remove(&h);
+                    if !wr.multi.is_empty() {
+                        wr.multi.remove(&h);
+                    }
                     if wr.engine.capacity() > 1024 && wr.engine.len() * 4 < wr.engine.capacity() {
                         wr.engine.shrink_to(wr.engine.len() * 2);
                     }
                 }
-            } else if !any {
+            } else if !any && !ws.overrides.is_empty() {
                 // Not held by this worker: forget its private record.
                 ws.overrides.remove(&h);
             }
         }
+        drop(cur);
+        self.flush(&delta);
         let ws = wr.workers[w].as_mut().expect("checked");
         ws.stats.removed_blocks += removed;
         self.publish_flags(w, ws);
         removed
     }
 
-    fn remove_holder(&self, wr: &mut Writer, w: usize, r: &Rec, tier: Tier) -> Removal {
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
+    fn remove_holder<'a>(
+        &'a self,
+        wr: &mut Writer,
+        w: usize,
+        r: &Rec,
+        tier: Tier,
+        cur: &mut Option<(u16, RwLockWriteGuard<'a, Shard>)>,
+        d: &mut Delta,
+    ) -> Removal {
         let wid = w as u32;
         let gpu = Tier::Gpu.bit();
-        let mut sh = write(&self.shards[r.shard as usize].0);
+        if cur.as_ref().is_none_or(|(s, _)| *s != r.shard) {
+            *cur = None;
+            *cur = Some((r.shard, write(&self.shards[r.shard as usize].0)));
+        }
+        let Some((_, sh)) = cur.as_mut() else {
+            return Removal::NotHeld;
+        };
         let ws = wr.workers[w].as_mut().expect("checked");
-        let Some(hs) = sh.map.get_mut(&r.key) else { return Removal::NotHeld };
-        let Some(i) = hs.find(wid) else { return Removal::NotHeld };
+        let Some(hs) = sh.map.get_mut(&r.key) else {
+            return Removal::NotHeld;
+        };
+        let Some(i) = hs.find(wid) else {
+            return Removal::NotHeld;
+        };
         let h = hs.as_slice()[i];
         let t = holders::tiers(h);
         let rest = t & !tier.bit();
@@ -998,15 +1196,14 @@ impl KvIndex {
             }
             return Removal::TierOnly;
         }
-        let heap = hs.remove(i);
+        d.heap += hs.remove(i);
         let key_died = hs.is_empty();
         if key_died {
             sh.map.remove(&r.key);
-            self.keys.fetch_sub(1, Ordering::Relaxed);
+            d.keys -= 1;
             Self::maybe_shrink(&mut sh.map);
         }
-        self.add_heap(heap);
-        self.entries.fetch_sub(1, Ordering::Relaxed);
+        d.entries -= 1;
         ws.stats.blocks_held -= 1;
         if t & gpu == 0 {
             ws.no_gpu -= 1;
@@ -1017,25 +1214,29 @@ impl KvIndex {
             *ws.orphan_parents.entry(r.key).or_insert(0) += c;
         }
         if r.pos > 0 {
-            let same = r.parent_shard == r.shard;
-            let held = if same {
+            let held = if r.parent_shard == r.shard {
                 if let Some(ph) = sh.map.get_mut(&r.parent_key)
                     && let Some(j) = ph.find(wid)
                 {
                     let x = ph.as_slice()[j];
-                    ph.set(j, holders::with_children(x, holders::children(x).saturating_sub(1)));
+                    ph.set(
+                        j,
+                        holders::with_children(x, holders::children(x).saturating_sub(1)),
+                    );
                     true
                 } else {
                     false
                 }
             } else {
-                drop(sh);
+                *cur = None;
                 self.touch_parent(w, r.parent_shard, r.parent_key, -1)
             };
             if !held {
                 let ws = wr.workers[w].as_mut().expect("checked");
                 ws.stats.holes = ws.stats.holes.saturating_sub(1);
-                if let hashbrown::hash_map::Entry::Occupied(mut o) = ws.orphan_parents.entry(r.parent_key) {
+                if let hashbrown::hash_map::Entry::Occupied(mut o) =
+                    ws.orphan_parents.entry(r.parent_key)
+                {
                     *o.get_mut() -= 1;
                     if *o.get() == 0 {
                         o.remove();
@@ -1056,7 +1257,12 @@ impl KvIndex {
         if let Some((held, w)) = victim
             && held > 0
         {
-            tracing::warn!(worker = w, held, budget = self.config.max_entries, "kv index over budget: clearing the largest worker");
+            tracing::warn!(
+                worker = w,
+                held,
+                budget = self.config.max_entries,
+                "kv index over budget: clearing the largest worker"
+            );
             self.clear_locked(wr, w);
             wr.evictions += 1;
         }
@@ -1073,6 +1279,7 @@ impl KvIndex {
     }
 
     /// Like [`find_matches`](Self::find_matches), reusing `out`'s buffers.
+    #[allow(clippy::many_single_char_names)] // w, r, h, d, k: worker, record, holder, delta, width
     pub fn find_matches_into(&self, keys: &[BlockKey], out: &mut Matches) {
         out.items.clear();
         out.cand.clear();
@@ -1082,62 +1289,127 @@ impl KvIndex {
         }
         let mut guards: Guards<'_> = SmallVec::new();
         let mut seg_slot: SmallVec<[u16; 16]> = SmallVec::new();
-        let nseg = ((n - 1) >> self.seg_shift) as usize + 1;
+        let nseg = self.seg_of(n - 1) + 1;
         seg_slot.resize(nseg, u16::MAX);
 
-        self.ensure(keys, 0, &mut guards, &mut seg_slot);
-        let Some(h0) = self.probe(keys, 0, &guards, &seg_slot) else { return };
-        for h in h0.as_slice() {
-            out.cand.push(Cand {
-                worker: holders::worker(*h),
-                lo: 0,
-                hi: n,
-            });
-        }
-        // Multi-way search for the last held position, per bracket.
+        // Multi-way search for each worker's last held position. Workers
+        // with the same bracket (known held at lo, not held at hi) share
+        // probes; all open brackets (up to MAX_BRACKETS) are probed in the
+        // same round, and probes of one round are independent, so their
+        // cache misses overlap.
         let mut points = std::mem::take(&mut out.points);
+        // (lo, hi, first point, end point) per bracket of this round.
+        let mut brackets: SmallVec<[(u32, u32, usize, usize); MAX_BRACKETS]> = SmallVec::new();
+        let mut first = true;
         loop {
-            // Pick the first unfinished bracket; probe FANOUT points in it.
-            let Some(c) = out.cand.iter().find(|c| c.hi - c.lo > 1) else { break };
-            let (lo, hi) = (c.lo, c.hi);
             points.clear();
-            let span = hi - lo - 1;
-            if span <= FANOUT {
-                points.extend(lo + 1..hi);
-            } else {
-                for j in 1..=FANOUT {
-                    points.push(lo + (span * j).div_ceil(FANOUT));
+            brackets.clear();
+            if first {
+                // Round 1: the first and the last block only. A full match
+                // (or none) is then settled with two parallel probes.
+                if n > 1 {
+                    points.push(n - 1);
                 }
-                points.dedup();
+                brackets.push((0, n, 0, points.len()));
+            } else {
+                for c in &mut out.cand {
+                    c.bracket = u8::MAX;
+                    if c.hi - c.lo <= 1 {
+                        continue;
+                    }
+                    if let Some(b) = brackets.iter().position(|b| b.0 == c.lo && b.1 == c.hi) {
+                        c.bracket = b as u8;
+                    } else if brackets.len() < MAX_BRACKETS {
+                        let (lo, hi) = (c.lo, c.hi);
+                        let start = points.len();
+                        let span = hi - lo - 1;
+                        if span <= FANOUT {
+                            points.extend(lo + 1..hi);
+                        } else {
+                            for j in 1..=FANOUT {
+                                points.push(lo + (span * j).div_ceil(FANOUT));
+                            }
+                        }
+                        c.bracket = brackets.len() as u8;
+                        brackets.push((lo, hi, start, points.len()));
+                    }
+                }
+                if brackets.is_empty() {
+                    break;
+                }
+            }
+            if first {
+                self.ensure(keys, 0, &mut guards, &mut seg_slot);
             }
             for &p in &points {
                 self.ensure(keys, p, &mut guards, &mut seg_slot);
             }
-            // Highest point first: a candidate stops at its first hit.
-            let mut found: SmallVec<[Option<&Holders>; 16]> = SmallVec::new();
+            let h0 = if first {
+                self.probe(keys, 0, &guards, &seg_slot)
+            } else {
+                None
+            };
+            let mut found: SmallVec<[Option<&Holders>; 32]> = SmallVec::new();
             for &p in &points {
                 found.push(self.probe(keys, p, &guards, &seg_slot));
             }
-            for c in out.cand.iter_mut().filter(|c| c.lo == lo && c.hi == hi) {
-                for (idx, &p) in points.iter().enumerate().rev() {
-                    if found[idx].is_some_and(|hs| hs.find(c.worker).is_some()) {
-                        c.lo = p;
-                        break;
+            if first {
+                let Some(h0) = h0 else {
+                    out.points = points;
+                    return;
+                };
+                for h in h0.as_slice() {
+                    out.cand.push(Cand {
+                        worker: holders::worker(*h),
+                        lo: 0,
+                        hi: n,
+                        open: false,
+                        bracket: 0,
+                    });
+                }
+                first = false;
+            }
+            // Per bracket, highest point first: a candidate stops at its
+            // first hit. Candidates and holders are both sorted by worker
+            // id, so each point costs one merge walk.
+            for (b, &(_, _, start, end)) in brackets.iter().enumerate() {
+                for c in &mut out.cand {
+                    c.open = usize::from(c.bracket) == b;
+                }
+                for idx in (start..end).rev() {
+                    let p = points[idx];
+                    let hs = found[idx].map_or(&[][..], Holders::as_slice);
+                    let mut k = 0;
+                    for c in out.cand.iter_mut().filter(|c| c.open) {
+                        while k < hs.len() && holders::worker(hs[k]) < c.worker {
+                            k += 1;
+                        }
+                        if k < hs.len() && holders::worker(hs[k]) == c.worker {
+                            c.lo = p;
+                            c.open = false;
+                        } else {
+                            c.hi = p;
+                        }
                     }
-                    c.hi = p;
                 }
             }
         }
         out.points = points;
         // Exact answers for workers with holes or non-GPU entries.
         for c in &out.cand {
-            let flags = self.flags.get(c.worker as usize).map_or(0, |f| f.load(Ordering::Acquire));
+            let flags = self
+                .flags
+                .get(c.worker as usize)
+                .map_or(0, |f| f.load(Ordering::Acquire));
             let mut blocks = c.lo + 1;
             if flags & FLAG_HOLES != 0 {
                 blocks = n;
                 for p in 1..n {
                     self.ensure(keys, p, &mut guards, &mut seg_slot);
-                    if self.probe(keys, p, &guards, &seg_slot).is_none_or(|hs| hs.find(c.worker).is_none()) {
+                    if self
+                        .probe(keys, p, &guards, &seg_slot)
+                        .is_none_or(|hs| hs.find(c.worker).is_none())
+                    {
                         blocks = p;
                         break;
                     }
@@ -1148,7 +1420,8 @@ impl KvIndex {
                 gpu_blocks = blocks;
                 for p in 0..blocks {
                     self.ensure(keys, p, &mut guards, &mut seg_slot);
-                    let gpu = self.probe(keys, p, &guards, &seg_slot)
+                    let gpu = self
+                        .probe(keys, p, &guards, &seg_slot)
                         .and_then(|hs| hs.get(c.worker))
                         .is_some_and(|h| holders::tiers(h) & Tier::Gpu.bit() != 0);
                     if !gpu {
@@ -1165,10 +1438,16 @@ impl KvIndex {
         }
     }
 
-    fn ensure<'a>(&'a self, keys: &[BlockKey], pos: u32, guards: &mut Guards<'a>, seg_slot: &mut [u16]) {
-        let seg = (pos >> self.seg_shift) as usize;
+    fn ensure<'a>(
+        &'a self,
+        keys: &[BlockKey],
+        pos: u32,
+        guards: &mut Guards<'a>,
+        seg_slot: &mut [u16],
+    ) {
+        let seg = self.seg_of(pos);
         if seg_slot[seg] == u16::MAX {
-            let anchor = keys[seg << self.seg_shift].0;
+            let anchor = keys[self.seg_start(seg) as usize].0;
             let shard = self.shard_of(anchor);
             let slot = if let Some(i) = guards.iter().position(|(s, _)| *s == shard) {
                 i
@@ -1181,13 +1460,44 @@ impl KvIndex {
     }
 
     #[inline]
-    fn probe<'g>(&self, keys: &[BlockKey], pos: u32, guards: &'g Guards<'_>, seg_slot: &[u16]) -> Option<&'g Holders> {
-        let slot = seg_slot[(pos >> self.seg_shift) as usize];
-        guards.get(usize::from(slot))?.1.map.get(&keys[pos as usize].0)
+    fn probe<'g>(
+        &self,
+        keys: &[BlockKey],
+        pos: u32,
+        guards: &'g Guards<'_>,
+        seg_slot: &[u16],
+    ) -> Option<&'g Holders> {
+        let slot = seg_slot[self.seg_of(pos)];
+        guards
+            .get(usize::from(slot))?
+            .1
+            .map
+            .get(&keys[pos as usize].0)
     }
 }
 
 type Guards<'a> = SmallVec<[(u16, RwLockReadGuard<'a, Shard>); 8]>;
+
+/// Where a stored block's parent is, for child/hole accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Parent {
+    /// No parent (position 0).
+    Root,
+    /// The previous block of the same run: it accounts for this child.
+    InRun,
+    /// In another shard: the caller accounts after releasing this one.
+    External,
+    /// In this shard, outside the run: probe it.
+    Probe,
+}
+
+/// Counter changes of one event, published with one atomic op each.
+#[derive(Debug, Default)]
+struct Delta {
+    entries: i64,
+    keys: i64,
+    heap: isize,
+}
 
 enum Removal {
     NotHeld,

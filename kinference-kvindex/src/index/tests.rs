@@ -11,7 +11,9 @@ fn idx() -> KvIndex {
 }
 
 fn tokens(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ salt).collect()
+    (0..n as u32)
+        .map(|i| i.wrapping_mul(2_654_435_761) ^ salt)
+        .collect()
 }
 
 fn stored(hashes: &[u64], parent: Option<u64>, toks: &[u32], bs: u32) -> KvEvent {
@@ -33,18 +35,25 @@ fn removed(hashes: &[u64], medium: Option<&str>) -> KvEvent {
 }
 
 fn depth(ix: &KvIndex, keys: &[BlockKey], w: WorkerId) -> (u32, u32) {
-    ix.find_matches(keys).get(w).map_or((0, 0), |m| (m.blocks, m.gpu_blocks))
+    ix.find_matches(keys)
+        .get(w)
+        .map_or((0, 0), |m| (m.blocks, m.gpu_blocks))
 }
 
 #[test]
 fn events_meet_request_keys_across_events_and_segments() {
     let ix = idx();
-    let w = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
     let t = tokens(40, 1);
     // 10 blocks in three events chained by parent hashes.
-    ix.apply_event(w, &stored(&[1, 2, 3], None, &t[..12], 4)).expect("applies");
-    ix.apply_event(w, &stored(&[4, 5, 6, 7], Some(3), &t[12..28], 4)).expect("applies");
-    ix.apply_event(w, &stored(&[8, 9, 10], Some(7), &t[28..40], 4)).expect("applies");
+    ix.apply_event(w, &stored(&[1, 2, 3], None, &t[..12], 4))
+        .expect("applies");
+    ix.apply_event(w, &stored(&[4, 5, 6, 7], Some(3), &t[12..28], 4))
+        .expect("applies");
+    ix.apply_event(w, &stored(&[8, 9, 10], Some(7), &t[28..40], 4))
+        .expect("applies");
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
     assert_eq!(depth(&ix, &keys, w), (10, 10));
     assert_eq!(depth(&ix, &keys[..7], w), (7, 7));
@@ -54,7 +63,8 @@ fn events_meet_request_keys_across_events_and_segments() {
     assert_eq!(depth(&ix, &ko, w), (5, 5));
     assert_eq!(ix.entries(), 10);
     // Tail-first removal keeps the prefix.
-    ix.apply_event(w, &removed(&[10, 9], None)).expect("applies");
+    ix.apply_event(w, &removed(&[10, 9], None))
+        .expect("applies");
     assert_eq!(depth(&ix, &keys, w), (8, 8));
     assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
 }
@@ -62,15 +72,19 @@ fn events_meet_request_keys_across_events_and_segments() {
 #[test]
 fn a_removed_middle_block_ends_the_match_and_refilling_it_restores_it() {
     let ix = idx();
-    let w = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
     let t = tokens(24, 2);
-    ix.apply_event(w, &stored(&[1, 2, 3, 4, 5, 6], None, &t, 4)).expect("applies");
+    ix.apply_event(w, &stored(&[1, 2, 3, 4, 5, 6], None, &t, 4))
+        .expect("applies");
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
     ix.apply_event(w, &removed(&[3], None)).expect("applies");
     assert_eq!(ix.worker_stats(w).expect("stats").holes, 1);
     assert_eq!(depth(&ix, &keys, w), (2, 2));
     // Re-storing block 2 (parent 2) closes the hole.
-    ix.apply_event(w, &stored(&[3], Some(2), &t[8..12], 4)).expect("applies");
+    ix.apply_event(w, &stored(&[3], Some(2), &t[8..12], 4))
+        .expect("applies");
     assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
     assert_eq!(depth(&ix, &keys, w), (6, 6));
 }
@@ -78,22 +92,30 @@ fn a_removed_middle_block_ends_the_match_and_refilling_it_restores_it() {
 #[test]
 fn tiers_placeholders_and_per_tier_removal() {
     let ix = idx();
-    let w = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
     let t = tokens(16, 3);
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
-    ix.apply_event(w, &stored(&[1, 2, 3, 4], None, &t, 4)).expect("applies");
+    ix.apply_event(w, &stored(&[1, 2, 3, 4], None, &t, 4))
+        .expect("applies");
     // Placeholder: blocks 0-3 also on CPU; unknown hash 99 ignored.
     let ph = KvEvent::BlockStored(BlockStored {
-        block_hashes: [1, 2, 3, 4, 99].iter().map(|h| BlockHash::Uint(*h)).collect(),
+        block_hashes: [1, 2, 3, 4, 99]
+            .iter()
+            .map(|h| BlockHash::Uint(*h))
+            .collect(),
         medium: Some("CPU".into()),
         ..BlockStored::default()
     });
     ix.apply_event(w, &ph).expect("applies");
     assert_eq!(ix.worker_stats(w).expect("stats").unknown_placeholders, 1);
     // GPU evicts blocks 2-3: still held on CPU.
-    ix.apply_event(w, &removed(&[4, 3], Some("GPU"))).expect("applies");
+    ix.apply_event(w, &removed(&[4, 3], Some("GPU")))
+        .expect("applies");
     assert_eq!(depth(&ix, &keys, w), (4, 2));
-    ix.apply_event(w, &removed(&[4], Some("cpu"))).expect("applies");
+    ix.apply_event(w, &removed(&[4], Some("cpu")))
+        .expect("applies");
     assert_eq!(depth(&ix, &keys, w), (3, 2));
     assert_eq!(ix.entries(), 3);
 }
@@ -101,15 +123,19 @@ fn tiers_placeholders_and_per_tier_removal() {
 #[test]
 fn wider_event_blocks_are_rechunked_and_other_widths_dropped() {
     let ix = idx();
-    let w = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
     let t = tokens(16, 4);
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
-    ix.apply_event(w, &stored(&[1, 2], None, &t, 8)).expect("applies");
+    ix.apply_event(w, &stored(&[1, 2], None, &t, 8))
+        .expect("applies");
     assert_eq!(depth(&ix, &keys, w), (4, 4));
     ix.apply_event(w, &removed(&[2], None)).expect("applies");
     assert_eq!(depth(&ix, &keys, w), (2, 2));
     // 6-token blocks cannot be re-chunked at 4: not indexed, width recorded.
-    ix.apply_event(w, &stored(&[7, 8], None, &tokens(12, 5), 6)).expect("applies");
+    ix.apply_event(w, &stored(&[7, 8], None, &tokens(12, 5), 6))
+        .expect("applies");
     let st = ix.worker_stats(w).expect("stats");
     assert_eq!(st.width_mismatch_blocks, 2);
     assert_eq!(st.observed_widths, vec![(0, 8), (0, 6)]);
@@ -119,18 +145,25 @@ fn wider_event_blocks_are_rechunked_and_other_widths_dropped() {
 #[test]
 fn workers_share_records_and_clear_independently() {
     let ix = idx();
-    let a = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
-    let b = ix.register_worker(WorkerRef::new("b", 0), 4).expect("registers");
+    let a = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    let b = ix
+        .register_worker(WorkerRef::new("b", 0), 4)
+        .expect("registers");
     assert_eq!(ix.register_worker(WorkerRef::new("a", 0), 4), Ok(a));
     let t = tokens(16, 6);
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
-    ix.apply_event(a, &stored(&[1, 2, 3, 4], None, &t, 4)).expect("applies");
-    ix.apply_event(b, &stored(&[1, 2], None, &t[..8], 4)).expect("applies");
+    ix.apply_event(a, &stored(&[1, 2, 3, 4], None, &t, 4))
+        .expect("applies");
+    ix.apply_event(b, &stored(&[1, 2], None, &t[..8], 4))
+        .expect("applies");
     let m = ix.find_matches(&keys);
     assert_eq!(m.get(a).map(|x| x.blocks), Some(4));
     assert_eq!(m.get(b).map(|x| x.blocks), Some(2));
     assert_eq!(ix.stats().engine_records, 4);
-    ix.apply_event(a, &KvEvent::AllBlocksCleared).expect("applies");
+    ix.apply_event(a, &KvEvent::AllBlocksCleared)
+        .expect("applies");
     assert_eq!(ix.find_matches(&keys).len(), 1);
     assert_eq!(ix.stats().engine_records, 2);
     assert!(ix.remove_worker(b));
@@ -144,9 +177,12 @@ fn workers_share_records_and_clear_independently() {
 #[test]
 fn orphans_other_groups_and_remote_events_are_not_indexed() {
     let ix = idx();
-    let w = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
     let t = tokens(8, 7);
-    ix.apply_event(w, &stored(&[5, 6], Some(42), &t, 4)).expect("applies");
+    ix.apply_event(w, &stored(&[5, 6], Some(42), &t, 4))
+        .expect("applies");
     let mut g1 = stored(&[7, 8], None, &t, 4);
     if let KvEvent::BlockStored(s) = &mut g1 {
         s.group_idx = Some(1);
@@ -158,7 +194,10 @@ fn orphans_other_groups_and_remote_events_are_not_indexed() {
     }
     ix.apply_event(w, &remote).expect("applies");
     let st = ix.worker_stats(w).expect("stats");
-    assert_eq!((st.orphan_blocks, st.other_group_blocks, st.remote_blocks), (2, 2, 2));
+    assert_eq!(
+        (st.orphan_blocks, st.other_group_blocks, st.remote_blocks),
+        (2, 2, 2)
+    );
     assert_eq!(ix.entries(), 0);
 }
 
@@ -170,11 +209,17 @@ fn the_budget_clears_the_largest_worker() {
         max_entries: 6,
         ..IndexConfig::default()
     });
-    let a = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
-    let b = ix.register_worker(WorkerRef::new("b", 0), 4).expect("registers");
+    let a = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    let b = ix
+        .register_worker(WorkerRef::new("b", 0), 4)
+        .expect("registers");
     let t = tokens(20, 8);
-    ix.apply_event(a, &stored(&[1, 2, 3, 4, 5], None, &t, 4)).expect("applies");
-    ix.apply_event(b, &stored(&[1, 2], None, &t[..8], 4)).expect("applies");
+    ix.apply_event(a, &stored(&[1, 2, 3, 4, 5], None, &t, 4))
+        .expect("applies");
+    ix.apply_event(b, &stored(&[1, 2], None, &t[..8], 4))
+        .expect("applies");
     assert_eq!(ix.entries(), 2);
     assert_eq!(ix.stats().evictions, 1);
     assert_eq!(ix.worker_stats(a).expect("stats").blocks_held, 0);
@@ -183,12 +228,22 @@ fn the_budget_clears_the_largest_worker() {
 #[test]
 fn memory_is_returned_after_removal() {
     let ix = idx();
-    let w = ix.register_worker(WorkerRef::new("a", 0), 4).expect("registers");
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
     let empty = ix.stats().bytes;
     for d in 0..200u64 {
         let hashes: Vec<u64> = (0..64).map(|i| d * 1000 + i + 1).collect();
         let locals: Vec<u64> = (0..64).map(|i| (d << 20) ^ i).collect();
-        ix.store_hashed(w, None, key::seed_for_lora(None), &hashes, &locals, Tier::Gpu).expect("stores");
+        ix.store_hashed(
+            w,
+            None,
+            key::seed_for_lora(None),
+            &hashes,
+            &locals,
+            Tier::Gpu,
+        )
+        .expect("stores");
     }
     assert_eq!(ix.entries(), 200 * 64);
     assert!(ix.stats().bytes > empty + 200 * 64 * 16);
@@ -205,4 +260,23 @@ fn memory_is_returned_after_removal() {
 fn index_is_send_and_sync() {
     fn assert_send_sync<T: Send + Sync>() {}
     assert_send_sync::<KvIndex>();
+}
+
+#[test]
+fn segments_double_in_length() {
+    let ix = KvIndex::new(IndexConfig {
+        segment: 64,
+        ..IndexConfig::default()
+    });
+    let segs: Vec<usize> = [0u32, 63, 64, 127, 128, 255, 256, 511, 512]
+        .iter()
+        .map(|p| ix.seg_of(*p))
+        .collect();
+    assert_eq!(segs, vec![0, 0, 1, 1, 2, 2, 3, 3, 4]);
+    assert_eq!(
+        (0..5).map(|s| ix.seg_start(s)).collect::<Vec<_>>(),
+        vec![0, 64, 128, 256, 512]
+    );
+    let starts: Vec<u32> = (0..600).filter(|p| ix.seg_start_at(*p)).collect();
+    assert_eq!(starts, vec![0, 64, 128, 256, 512]);
 }

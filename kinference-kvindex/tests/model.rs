@@ -1,0 +1,247 @@
+//! Proptest models: the index against a naive reference (maps of sets)
+//! under random store/remove/placeholder/clear/worker-removal/lookup
+//! sequences, and the codec on random and mutated bytes (never panics).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use kinference_kvindex::key::{BlockKeyer, ExtraKeys};
+use kinference_kvindex::{
+    BlockHash, BlockKey, BlockRemoved, BlockStored, IndexConfig, KvEvent, KvIndex, WorkerId,
+    WorkerRef, decode_batch,
+};
+use proptest::prelude::*;
+
+const WIDTH: usize = 4;
+const DOCS: usize = 4;
+const LEN: usize = 12;
+const WORKERS: usize = 3;
+
+/// Docs share prefixes: doc d's block i has the content of "branch"
+/// `branch(d, i)`, so doc 1 shares 3 blocks with doc 0, doc 2 shares 6
+/// with doc 0, doc 3 shares nothing.
+fn branch(d: usize, i: usize) -> usize {
+    let shared = [LEN, 3, 6, 0][d];
+    if i < shared { 0 } else { d }
+}
+
+fn doc_tokens(d: usize) -> Vec<u32> {
+    (0..LEN * WIDTH)
+        .map(|t| {
+            let i = t / WIDTH;
+            (branch(d, i) * 100_000 + t) as u32
+        })
+        .collect()
+}
+
+/// The engine's hash of block i of doc d: a function of the prefix content,
+/// like vLLM's chained hashes.
+fn engine_hash(d: usize, i: usize) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for j in 0..=i {
+        h = (h ^ (branch(d, j) as u64 + 1)).wrapping_mul(0x100_0000_01b3);
+        h = h.rotate_left(17) ^ j as u64;
+    }
+    h
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Store {
+        w: usize,
+        d: usize,
+        from: usize,
+        len: usize,
+        cpu: bool,
+    },
+    Remove {
+        w: usize,
+        d: usize,
+        i: usize,
+        cpu: bool,
+    },
+    Placeholder {
+        w: usize,
+        d: usize,
+        i: usize,
+        cpu: bool,
+    },
+    Clear {
+        w: usize,
+    },
+    RemoveWorker {
+        w: usize,
+    },
+    Lookup {
+        d: usize,
+        len: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..WORKERS, 0..DOCS, 0..LEN, 1..6usize, prop::bool::weighted(0.2))
+            .prop_map(|(w, d, from, len, cpu)| Op::Store { w, d, from, len: len.min(LEN - from), cpu }),
+        4 => (0..WORKERS, 0..DOCS, 0..LEN, prop::bool::weighted(0.2)).prop_map(|(w, d, i, cpu)| Op::Remove { w, d, i, cpu }),
+        1 => (0..WORKERS, 0..DOCS, 0..LEN, any::<bool>()).prop_map(|(w, d, i, cpu)| Op::Placeholder { w, d, i, cpu }),
+        1 => (0..WORKERS).prop_map(|w| Op::Clear { w }),
+        1 => (0..WORKERS).prop_map(|w| Op::RemoveWorker { w }),
+        4 => (0..DOCS, 1..=LEN).prop_map(|(d, len)| Op::Lookup { d, len }),
+    ]
+}
+
+/// The reference: per worker, block key → tier set {gpu, cpu}.
+#[derive(Default, Debug)]
+struct Model {
+    held: Vec<BTreeMap<BlockKey, BTreeSet<bool>>>,
+}
+
+impl Model {
+    fn any_holder(&self, k: BlockKey) -> bool {
+        self.held.iter().any(|m| m.contains_key(&k))
+    }
+    fn depth(&self, w: usize, keys: &[BlockKey], gpu_only: bool) -> u32 {
+        keys.iter()
+            .take_while(|k| {
+                self.held[w]
+                    .get(k)
+                    .is_some_and(|t| !gpu_only || t.contains(&false))
+            })
+            .count() as u32
+    }
+    fn holes(&self, w: usize, keys: &[Vec<BlockKey>]) -> u64 {
+        // A held block whose chain parent is not held. Parents are found
+        // through the docs (each key has one parent).
+        let mut parent = BTreeMap::new();
+        for ks in keys {
+            for i in 1..ks.len() {
+                parent.insert(ks[i], ks[i - 1]);
+            }
+        }
+        self.held[w]
+            .keys()
+            .filter(|k| parent.get(k).is_some_and(|p| !self.held[w].contains_key(p)))
+            .count() as u64
+    }
+}
+
+fn medium(cpu: bool) -> String {
+    if cpu { "CPU" } else { "GPU" }.to_owned()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    #[test]
+    fn index_matches_the_reference_model(ops in prop::collection::vec(op(), 1..80)) {
+        let ix = KvIndex::new(IndexConfig { shards: 4, segment: 2, ..IndexConfig::default() });
+        let mut ids: Vec<WorkerId> = (0..WORKERS)
+            .map(|w| ix.register_worker(WorkerRef::new(format!("w{w}"), 0), WIDTH as u32).expect("registers"))
+            .collect();
+        let toks: Vec<Vec<u32>> = (0..DOCS).map(doc_tokens).collect();
+        let keys: Vec<Vec<BlockKey>> = toks.iter().map(|t| BlockKeyer::new(WIDTH as u32, None).keys(t, &ExtraKeys::none())).collect();
+        let mut m = Model { held: vec![BTreeMap::new(); WORKERS] };
+        for op in ops {
+            match op {
+                Op::Store { w, d, from, len, cpu } => {
+                    let parent = (from > 0).then(|| engine_hash(d, from - 1));
+                    let ev = KvEvent::BlockStored(BlockStored {
+                        block_hashes: (from..from + len).map(|i| BlockHash::Uint(engine_hash(d, i))).collect(),
+                        parent_block_hash: parent.map(BlockHash::Uint),
+                        token_ids: toks[d][from * WIDTH..(from + len) * WIDTH].to_vec(),
+                        block_size: WIDTH as u32,
+                        medium: Some(medium(cpu)),
+                        ..BlockStored::default()
+                    });
+                    ix.apply_event(ids[w], &ev).expect("applies");
+                    // The parent must be known to someone, else the event is an orphan.
+                    if from == 0 || m.any_holder(keys[d][from - 1]) {
+                        for k in &keys[d][from..from + len] {
+                            m.held[w].entry(*k).or_default().insert(cpu);
+                        }
+                    }
+                }
+                Op::Remove { w, d, i, cpu } => {
+                    let ev = KvEvent::BlockRemoved(BlockRemoved {
+                        block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
+                        medium: Some(medium(cpu)),
+                        ..BlockRemoved::default()
+                    });
+                    ix.apply_event(ids[w], &ev).expect("applies");
+                    if let Some(t) = m.held[w].get_mut(&keys[d][i]) {
+                        t.remove(&cpu);
+                        if t.is_empty() {
+                            m.held[w].remove(&keys[d][i]);
+                        }
+                    }
+                }
+                Op::Placeholder { w, d, i, cpu } => {
+                    let ev = KvEvent::BlockStored(BlockStored {
+                        block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
+                        medium: Some(medium(cpu)),
+                        ..BlockStored::default()
+                    });
+                    ix.apply_event(ids[w], &ev).expect("applies");
+                    if let Some(t) = m.held[w].get_mut(&keys[d][i]) {
+                        t.insert(cpu);
+                    }
+                }
+                Op::Clear { w } => {
+                    ix.apply_event(ids[w], &KvEvent::AllBlocksCleared).expect("applies");
+                    m.held[w].clear();
+                }
+                Op::RemoveWorker { w } => {
+                    prop_assert!(ix.remove_worker(ids[w]));
+                    ids[w] = ix.register_worker(WorkerRef::new(format!("w{w}"), 0), WIDTH as u32).expect("registers");
+                    m.held[w].clear();
+                }
+                Op::Lookup { d, len } => {
+                    let q = &keys[d][..len];
+                    let got = ix.find_matches(q);
+                    let mut want = vec![];
+                    for (w, id) in ids.iter().enumerate() {
+                        let depth = m.depth(w, q, false);
+                        if depth > 0 {
+                            want.push((*id, depth, m.depth(w, q, true)));
+                        }
+                    }
+                    want.sort();
+                    let got: Vec<_> = got.as_slice().iter().map(|x| (x.worker, x.blocks, x.gpu_blocks)).collect();
+                    prop_assert_eq!(got, want);
+                }
+            }
+            let total: usize = m.held.iter().map(BTreeMap::len).sum();
+            prop_assert_eq!(ix.entries(), total as u64);
+            for (w, id) in ids.iter().enumerate() {
+                let st = ix.worker_stats(*id).expect("stats");
+                prop_assert_eq!(st.blocks_held, m.held[w].len() as u64);
+                prop_assert_eq!(st.holes, m.holes(w, &keys));
+            }
+        }
+    }
+
+    #[test]
+    fn the_codec_never_panics_on_random_bytes(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        let _ = decode_batch(&bytes);
+    }
+
+    #[test]
+    fn the_codec_never_panics_on_mutated_fixtures(file in 0usize..6, flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8), cut in any::<prop::sample::Index>()) {
+        let files = [
+            "vllm-0.33.0/sha256-int/stored_mm_salt.msgpack",
+            "vllm-0.33.0/sha256-bytes/stored_chain.msgpack",
+            "vllm-0.23.0/sha256-bytes/stored_group1_bs32.msgpack",
+            "vllm-0.9.0/builtin-int/stored_chain.msgpack",
+            "sglang-0.5.18/stored_cache_salt.msgpack",
+            "sglang-0.5.23/stored_lora_dynamo_format.msgpack",
+        ];
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events").join(files[file]);
+        let mut bytes = std::fs::read(path).expect("fixture");
+        for (at, v) in flips {
+            let i = at.index(bytes.len());
+            bytes[i] = v;
+        }
+        let _ = decode_batch(&bytes);
+        let n = cut.index(bytes.len());
+        let _ = decode_batch(&bytes[..n]);
+    }
+}
