@@ -31,7 +31,8 @@ use hashbrown::HashTable;
 /// Fixed per-entry overhead charged to the budget (slot, table entry, boxes).
 const ENTRY_OVERHEAD: usize = 64;
 
-/// Counters of a [`SegmentCache`], for metrics.
+/// Counters of a tokenizer's segment cache, for metrics
+/// ([`ModelTokenizer::cache_stats`](crate::ModelTokenizer::cache_stats)).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CacheStats {
     /// Segment lookups answered from the cache.
@@ -68,7 +69,7 @@ impl CacheStats {
 
 /// A bounded, sharded map from segment text to token ids.
 #[derive(Debug)]
-pub struct SegmentCache {
+pub(crate) struct SegmentCache {
     shards: Box<[Mutex<Shard>]>,
     shard_budget: usize,
     max_entry: usize,
@@ -133,7 +134,9 @@ impl SegmentCache {
     fn shard(&self, hash: u64) -> MutexGuard<'_, Shard> {
         // The high bits pick the shard; hashbrown uses the low bits.
         let i = ((hash >> 48) as usize) % self.shards.len();
-        self.shards[i].lock().unwrap_or_else(PoisonError::into_inner)
+        self.shards[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Appends the ids of `text` to `out` if cached; returns whether it was.
@@ -157,23 +160,21 @@ impl SegmentCache {
                 None => None,
             }
         };
-        match found {
-            Some(n) => {
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                self.hit_tokens.fetch_add(n as u64, Ordering::Relaxed);
-                true
-            }
-            None => {
-                self.misses.fetch_add(1, Ordering::Relaxed);
-                false
-            }
+        if let Some(n) = found {
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            self.hit_tokens.fetch_add(n as u64, Ordering::Relaxed);
+            true
+        } else {
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            false
         }
     }
 
     /// Stores the ids of `text` (tokenized after a miss), evicting as
     /// needed. A concurrent insert of the same text keeps the first.
     pub(crate) fn insert(&self, hash: u64, text: &str, ids: &[u32]) {
-        self.miss_tokens.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        self.miss_tokens
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
         let size = charge(text.len(), ids.len());
         if size > self.max_entry {
             self.oversized.fetch_add(1, Ordering::Relaxed);
@@ -203,15 +204,12 @@ impl SegmentCache {
                 self.evictions.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let index = match shard.free.pop() {
-            Some(i) => {
-                shard.slots[i as usize] = Some(entry);
-                i
-            }
-            None => {
-                shard.slots.push(Some(entry));
-                (shard.slots.len() - 1) as u32
-            }
+        let index = if let Some(i) = shard.free.pop() {
+            shard.slots[i as usize] = Some(entry);
+            i
+        } else {
+            shard.slots.push(Some(entry));
+            (shard.slots.len() - 1) as u32
         };
         let Shard { table, slots, .. } = shard;
         table.insert_unique(hash, index, |&i| {
@@ -311,7 +309,15 @@ mod tests {
         assert_eq!(get(&cache, "abd"), Some(vec![4]));
         assert_eq!(get(&cache, "ab"), None);
         let stats = cache.stats();
-        assert_eq!((stats.hits, stats.misses, stats.hit_tokens, stats.miss_tokens), (2, 2, 4, 4));
+        assert_eq!(
+            (
+                stats.hits,
+                stats.misses,
+                stats.hit_tokens,
+                stats.miss_tokens
+            ),
+            (2, 2, 4, 4)
+        );
         assert_eq!(stats.entries, 2);
         assert_eq!(stats.bytes as usize, charge(3, 3) + charge(3, 1));
         cache.clear();
@@ -328,7 +334,10 @@ mod tests {
         for i in 0..1000 {
             put(&cache, &format!("key-{i:06}"), &ids);
             // Touch the hot entry so CLOCK gives it a second chance.
-            assert!(get(&cache, "hot-000000").is_some(), "hot entry evicted at {i}");
+            assert!(
+                get(&cache, "hot-000000").is_some(),
+                "hot entry evicted at {i}"
+            );
             let stats = cache.stats();
             assert!(stats.bytes <= stats.capacity_bytes, "{stats:?}");
         }

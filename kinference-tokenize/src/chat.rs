@@ -93,7 +93,12 @@ impl RenderInputs {
         let tools = request
             .tools
             .as_ref()
-            .map(|tools| tools.iter().map(normalize_tool).collect::<Result<Vec<_>, _>>())
+            .map(|tools| {
+                tools
+                    .iter()
+                    .map(normalize_tool)
+                    .collect::<Result<Vec<_>, _>>()
+            })
             .transpose()?;
 
         let mut merged = request.chat_template_kwargs.clone();
@@ -181,7 +186,10 @@ fn normalize_message(src: &Json, format: ContentFormat) -> Result<Json, Error> {
             None | Some(Json::Null) => {}
             Some(Json::Array(calls)) => {
                 if !calls.is_empty() {
-                    let calls = calls.iter().map(normalize_tool_call).collect::<Result<_, _>>()?;
+                    let calls = calls
+                        .iter()
+                        .map(normalize_tool_call)
+                        .collect::<Result<_, _>>()?;
                     out.insert("tool_calls".into(), Json::Array(calls));
                 }
             }
@@ -224,7 +232,9 @@ fn text_of_part(part: &Json) -> Result<Option<&str>, Error> {
                 ))),
             }
         }
-        _ => Err(Error::invalid("each content part must be an object or a string")),
+        _ => Err(Error::invalid(
+            "each content part must be an object or a string",
+        )),
     }
 }
 
@@ -325,7 +335,11 @@ impl ChatTemplate {
 
     /// Renders `inputs` with `globals` (the tokenizer's special tokens map)
     /// as transformers does, including the `continue_final_message` cut.
-    pub(crate) fn render(&self, globals: &[(String, Value)], inputs: &RenderInputs) -> Result<String, Error> {
+    pub(crate) fn render(
+        &self,
+        globals: &[(String, Value)],
+        inputs: &RenderInputs,
+    ) -> Result<String, Error> {
         let template = self
             .env
             .get_template(jinja::TEMPLATE_NAME)
@@ -467,6 +481,7 @@ mod tests {
     use super::*;
     use crate::request::Endpoint;
 
+    #[allow(clippy::needless_pass_by_value)] // test helper over `json!` literals
     fn inputs(body: Json) -> Result<RenderInputs, Error> {
         RenderInputs::from_request(
             &ChatRequest::parse(Endpoint::ChatCompletions, &body)?,
@@ -519,7 +534,10 @@ mod tests {
         ]}]}))
         .unwrap();
         let calls = &got.messages[0]["tool_calls"];
-        assert_eq!(calls[0]["function"], json!({"arguments": {"b": 2, "a": 1.0}, "name": "f"}));
+        assert_eq!(
+            calls[0]["function"],
+            json!({"arguments": {"b": 2, "a": 1.0}, "name": "f"})
+        );
         for i in 1..5 {
             assert_eq!(calls[i]["function"]["arguments"], json!({}), "call {i}");
         }
@@ -552,7 +570,10 @@ mod tests {
             json!({"messages": [{"role": "user", "content": {"a": 1}}]}),
             json!({"messages": [{"role": "assistant", "tool_calls": [{"id": 1}]}]}),
         ] {
-            assert!(matches!(inputs(bad.clone()), Err(Error::InvalidRequest(_))), "{bad}");
+            assert!(
+                matches!(inputs(bad.clone()), Err(Error::InvalidRequest(_))),
+                "{bad}"
+            );
         }
         assert!(matches!(
             inputs(json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})),
@@ -580,10 +601,14 @@ mod tests {
             "documents": [{"title": "t", "text": "x"}],
         }))
         .unwrap();
-        assert_eq!(Json::Object(got.template_kwargs), json!({"enable_thinking": false}));
+        assert_eq!(
+            Json::Object(got.template_kwargs),
+            json!({"enable_thinking": false})
+        );
         assert_eq!(got.documents, Some(json!([{"title": "t", "text": "x"}])));
     }
 
+    #[allow(clippy::needless_pass_by_value)] // test helper over `json!` literals
     fn render(template: &str, body: Json) -> Result<String, Error> {
         let t = ChatTemplate::compile(template, ContentFormat::Auto).unwrap();
         let inputs = RenderInputs::from_request(

@@ -166,11 +166,14 @@ pub(crate) fn detect_content_format(source: &str) -> ContentFormat {
         .filter(|(_, iterable)| lists.iter().any(|l| access_of(iterable, l, None)))
         .filter_map(|(target, _)| is_identifier(target).then_some(target))
         .collect();
-    let loops_over_content = tags.iter().filter_map(|tag| parse_for(tag)).any(|(_, iterable)| {
-        messages
-            .iter()
-            .any(|m| access_of(iterable, m, Some("content")))
-    });
+    let loops_over_content = tags
+        .iter()
+        .filter_map(|tag| parse_for(tag))
+        .any(|(_, iterable)| {
+            messages
+                .iter()
+                .any(|m| access_of(iterable, m, Some("content")))
+        });
     if loops_over_content {
         ContentFormat::OpenAi
     } else {
@@ -189,7 +192,11 @@ fn access_of(expr: &str, var: &str, key: Option<&str>) -> bool {
         return false;
     }
     if let Some(key) = key {
-        let dotted = rest.trim_start().strip_prefix('.').map(str::trim_start).and_then(|r| r.strip_prefix(key));
+        let dotted = rest
+            .trim_start()
+            .strip_prefix('.')
+            .map(str::trim_start)
+            .and_then(|r| r.strip_prefix(key));
         let quoted = ['\'', '"'].iter().find_map(|q| {
             rest.trim_start()
                 .strip_prefix('[')
@@ -346,13 +353,13 @@ pub(crate) fn strftime(format: &str, unix_secs: i64) -> String {
             Some('F') => {
                 let _ = write!(out, "{year}-{month:02}-{day:02}");
             }
-            Some('T') => {
+            Some('T' | 'X') => {
                 let _ = write!(out, "{hour:02}:{minute:02}:{second:02}");
             }
             Some('R') => {
                 let _ = write!(out, "{hour:02}:{minute:02}");
             }
-            Some('D') => {
+            Some('D' | 'x') => {
                 let _ = write!(out, "{month:02}/{day:02}/{:02}", year.rem_euclid(100));
             }
             Some('c') => {
@@ -362,12 +369,6 @@ pub(crate) fn strftime(format: &str, unix_secs: i64) -> String {
                     &weekday_name[..3],
                     &month_name[..3]
                 );
-            }
-            Some('x') => {
-                let _ = write!(out, "{month:02}/{day:02}/{:02}", year.rem_euclid(100));
-            }
-            Some('X') => {
-                let _ = write!(out, "{hour:02}:{minute:02}:{second:02}");
             }
             Some('%') => out.push('%'),
             // Naive datetimes have no zone: Python prints nothing.
@@ -427,6 +428,9 @@ pub(crate) struct DumpOptions {
 
 /// transformers' `tojson(x, ensure_ascii=False, indent=None,
 /// separators=None, sort_keys=False)`, positional or keyword.
+// minijinja passes filter arguments by value (and `Kwargs` must be owned to
+// track which were used).
+#[allow(clippy::needless_pass_by_value)]
 fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
     let mut opts = DumpOptions::default();
     let names = ["ensure_ascii", "indent", "separators", "sort_keys"];
@@ -502,7 +506,9 @@ pub(crate) fn dump(
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => push_number(value, out),
-        ValueKind::String => push_json_string(value.as_str().unwrap_or_default(), opts.ensure_ascii, out),
+        ValueKind::String => {
+            push_json_string(value.as_str().unwrap_or_default(), opts.ensure_ascii, out);
+        }
         ValueKind::Seq => {
             let items: Vec<Value> = value.try_iter()?.collect();
             if items.is_empty() {
@@ -738,7 +744,7 @@ mod tests {
             (1000.0, "1000.0"),
             (1e15, "1000000000000000.0"),
             (1e16, "1e+16"),
-            (1.2345678901234568e22, "1.2345678901234568e+22"),
+            (1.234_567_890_123_456_8e22, "1.2345678901234568e+22"),
             (123_456.789, "123456.789"),
             (0.1, "0.1"),
             (-3.25, "-3.25"),
@@ -746,7 +752,7 @@ mod tests {
             (f64::NEG_INFINITY, "-Infinity"),
             (f64::NAN, "NaN"),
             (5e-324, "5e-324"),
-            (1.7976931348623157e308, "1.7976931348623157e+308"),
+            (1.797_693_134_862_315_7e308, "1.7976931348623157e+308"),
         ] {
             assert_eq!(py_float_repr(f), want, "{f:e}");
         }
@@ -770,7 +776,11 @@ mod tests {
             "[\n  1,\n  {\n    \"k\": []\n  }\n]"
         );
         assert_eq!(
-            render("{{ {'a': 1, 'b': 2} | tojson(separators=(',', ':')) }}", &ctx).unwrap(),
+            render(
+                "{{ {'a': 1, 'b': 2} | tojson(separators=(',', ':')) }}",
+                &ctx
+            )
+            .unwrap(),
             "{\"a\":1,\"b\":2}"
         );
         let err = render("{{ nothing | tojson }}", &ctx).unwrap_err();
@@ -779,9 +789,15 @@ mod tests {
 
     #[test]
     fn raise_exception_carries_its_message() {
-        let err = render("{{ raise_exception('Roles must alternate!') }}", &serde_json::json!({}))
-            .unwrap_err();
-        assert_eq!(raised_message(&err).as_deref(), Some("Roles must alternate!"));
+        let err = render(
+            "{{ raise_exception('Roles must alternate!') }}",
+            &serde_json::json!({}),
+        )
+        .unwrap_err();
+        assert_eq!(
+            raised_message(&err).as_deref(),
+            Some("Roles must alternate!")
+        );
         let other = render("{{ x.y.z }}", &serde_json::json!({})).unwrap_err();
         assert_eq!(raised_message(&other), None);
     }
@@ -797,7 +813,8 @@ mod tests {
 
     #[test]
     fn generation_blocks_render_their_body() {
-        let t = "A{%- generation -%}  B  {%- endgeneration -%} C{% generation %}D{% endgeneration %}";
+        let t =
+            "A{%- generation -%}  B  {%- endgeneration -%} C{% generation %}D{% endgeneration %}";
         assert_eq!(render(t, &serde_json::json!({})).unwrap(), "ABCD");
     }
 

@@ -175,7 +175,8 @@ impl TokenizerConfig {
                 file: CHAT_TEMPLATE_JINJA,
             })?;
             out.chat_templates.retain(|(name, _)| name != "default");
-            out.chat_templates.insert(0, ("default".into(), source.to_owned()));
+            out.chat_templates
+                .insert(0, ("default".into(), source.to_owned()));
             out.template_file = CHAT_TEMPLATE_JINJA;
         }
 
@@ -199,9 +200,15 @@ impl TokenizerConfig {
             }
         }
         let (file, additional) = if config.contains_key("additional_special_tokens") {
-            (TOKENIZER_CONFIG_JSON, config.get("additional_special_tokens"))
+            (
+                TOKENIZER_CONFIG_JSON,
+                config.get("additional_special_tokens"),
+            )
         } else {
-            (SPECIAL_TOKENS_MAP_JSON, special_map.get("additional_special_tokens"))
+            (
+                SPECIAL_TOKENS_MAP_JSON,
+                special_map.get("additional_special_tokens"),
+            )
         };
         match additional {
             None | Some(Json::Null) => {}
@@ -227,7 +234,11 @@ impl TokenizerConfig {
             // transformers writes "no limit" as 1e30, which is not a u64.
             Some(Json::Number(n)) => n.as_u64(),
             Some(_) => {
-                return Err(field(TOKENIZER_CONFIG_JSON, "model_max_length", "must be a number"));
+                return Err(field(
+                    TOKENIZER_CONFIG_JSON,
+                    "model_max_length",
+                    "must be a number",
+                ));
             }
         };
         Ok(out)
@@ -308,7 +319,9 @@ fn class_defaults(class: Option<&str>) -> &'static [(&'static str, &'static str)
 }
 
 fn object_file(file: &'static str, bytes: &[u8]) -> Result<Map<String, Json>, LoadError> {
-    match serde_json::from_slice::<Json>(bytes).map_err(|source| LoadError::Json { file, source })? {
+    match serde_json::from_slice::<Json>(bytes)
+        .map_err(|source| LoadError::Json { file, source })?
+    {
         Json::Object(map) => Ok(map),
         _ => Err(field(file, "(top level)", "must be a JSON object")),
     }
@@ -323,15 +336,27 @@ fn field(file: &'static str, name: &str, problem: &str) -> LoadError {
 }
 
 /// A special token written as a string or as an `AddedToken` object.
-fn token_content(file: &'static str, attr: &str, value: &Json) -> Result<Option<String>, LoadError> {
+fn token_content(
+    file: &'static str,
+    attr: &str,
+    value: &Json,
+) -> Result<Option<String>, LoadError> {
     match value {
         Json::Null => Ok(None),
         Json::String(s) => Ok(Some(s.clone())),
         Json::Object(obj) => match obj.get("content") {
             Some(Json::String(s)) => Ok(Some(s.clone())),
-            _ => Err(field(file, attr, "must be a string or an object with a string `content`")),
+            _ => Err(field(
+                file,
+                attr,
+                "must be a string or an object with a string `content`",
+            )),
         },
-        _ => Err(field(file, attr, "must be a string or an object with a string `content`")),
+        _ => Err(field(
+            file,
+            attr,
+            "must be a string or an object with a string `content`",
+        )),
     }
 }
 
@@ -357,6 +382,7 @@ mod tests {
 
     use super::*;
 
+    #[allow(clippy::needless_pass_by_value)] // test helper over `json!` literals
     fn config(cfg: Json) -> Result<TokenizerConfig, LoadError> {
         TokenizerConfig::from_files(&ModelFiles::from_entries([(
             TOKENIZER_CONFIG_JSON,
@@ -379,7 +405,10 @@ mod tests {
             json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "additional_special_tokens": ["<a>", "<b>"]})
         );
         let keys: Vec<String> = c.special_tokens_map().keys().cloned().collect();
-        assert_eq!(keys, ["eos_token", "pad_token", "additional_special_tokens"]);
+        assert_eq!(
+            keys,
+            ["eos_token", "pad_token", "additional_special_tokens"]
+        );
     }
 
     #[test]
@@ -399,15 +428,24 @@ mod tests {
     #[test]
     fn chat_templates_single_named_and_file() {
         let c = config(json!({"chat_template": "T"})).unwrap();
-        assert_eq!(c.chat_templates, vec![("default".to_string(), "T".to_string())]);
+        assert_eq!(
+            c.chat_templates,
+            vec![("default".to_string(), "T".to_string())]
+        );
         let c = config(json!({"chat_template": [{"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]})).unwrap();
         assert_eq!(c.chat_templates.len(), 2);
         let files = ModelFiles::from_entries([
-            (TOKENIZER_CONFIG_JSON, br#"{"chat_template": "old"}"#.to_vec()),
+            (
+                TOKENIZER_CONFIG_JSON,
+                br#"{"chat_template": "old"}"#.to_vec(),
+            ),
             (CHAT_TEMPLATE_JINJA, b"new".to_vec()),
         ]);
         let c = TokenizerConfig::from_files(&files).unwrap();
-        assert_eq!(c.chat_templates, vec![("default".to_string(), "new".to_string())]);
+        assert_eq!(
+            c.chat_templates,
+            vec![("default".to_string(), "new".to_string())]
+        );
         assert_eq!(c.template_file, CHAT_TEMPLATE_JINJA);
     }
 
@@ -419,26 +457,47 @@ mod tests {
             "tokenizer_config.json: `chat_template` must be a string or a list of named templates"
         );
         let e = config(json!({"add_bos_token": "yes"})).unwrap_err();
-        assert_eq!(e.to_string(), "tokenizer_config.json: `add_bos_token` must be a boolean");
+        assert_eq!(
+            e.to_string(),
+            "tokenizer_config.json: `add_bos_token` must be a boolean"
+        );
         let e = TokenizerConfig::from_files(&ModelFiles::from_entries([(
             TOKENIZER_CONFIG_JSON,
             b"{oops".to_vec(),
         )]))
         .unwrap_err();
-        assert!(e.to_string().starts_with("tokenizer_config.json is not valid JSON"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("tokenizer_config.json is not valid JSON"),
+            "{e}"
+        );
         let e = ModelFiles::read_dir("/nonexistent/kinference").unwrap_err();
-        assert!(e.to_string().starts_with("cannot read /nonexistent/kinference"), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with("cannot read /nonexistent/kinference"),
+            "{e}"
+        );
     }
 
     #[test]
     fn llama_family_rewrites_bos() {
-        assert_eq!(config(json!({"tokenizer_class": "LlamaTokenizerFast"})).unwrap().bos_eos_rewrite(), Some((true, false)));
+        assert_eq!(
+            config(json!({"tokenizer_class": "LlamaTokenizerFast"}))
+                .unwrap()
+                .bos_eos_rewrite(),
+            Some((true, false))
+        );
         assert_eq!(
             config(json!({"tokenizer_class": "LlamaTokenizer", "add_bos_token": false, "add_eos_token": true}))
                 .unwrap()
                 .bos_eos_rewrite(),
             Some((false, true))
         );
-        assert_eq!(config(json!({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": true})).unwrap().bos_eos_rewrite(), None);
+        assert_eq!(
+            config(json!({"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": true}))
+                .unwrap()
+                .bos_eos_rewrite(),
+            None
+        );
     }
 }

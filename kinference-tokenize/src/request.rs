@@ -60,6 +60,8 @@ impl RequestKind {
 }
 
 /// A request, parsed.
+// One per HTTP request, moved rarely: boxing the chat variant buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum Request {
     /// `/v1/completions` or the completion form of `/tokenize`.
@@ -78,7 +80,9 @@ impl Request {
     /// wrong type.
     pub fn parse(endpoint: Endpoint, body: &Value) -> Result<Self, Error> {
         match endpoint {
-            Endpoint::Completions => CompletionRequest::parse(endpoint, body).map(Request::Completion),
+            Endpoint::Completions => {
+                CompletionRequest::parse(endpoint, body).map(Request::Completion)
+            }
             Endpoint::ChatCompletions => ChatRequest::parse(endpoint, body).map(Request::Chat),
             Endpoint::Tokenize => match RequestKind::detect(body)? {
                 RequestKind::Completion => {
@@ -177,16 +181,24 @@ fn parse_prompts(prompt: &Value) -> Result<Vec<Prompt>, Error> {
                     .map(|p| {
                         p.as_str()
                             .map(|s| Prompt::Text(s.to_owned()))
-                            .ok_or_else(|| Error::invalid("`prompt` mixes strings and other values"))
+                            .ok_or_else(|| {
+                                Error::invalid("`prompt` mixes strings and other values")
+                            })
                     })
                     .collect(),
                 Value::Number(_) => Ok(vec![Prompt::TokenIds(token_ids(items)?)]),
                 Value::Array(_) => items
                     .iter()
                     .map(|p| match p {
-                        Value::Array(ids) if !ids.is_empty() => Ok(Prompt::TokenIds(token_ids(ids)?)),
-                        Value::Array(_) => Err(Error::invalid("`prompt` holds an empty list of token ids")),
-                        _ => Err(Error::invalid("`prompt` mixes lists of token ids and other values")),
+                        Value::Array(ids) if !ids.is_empty() => {
+                            Ok(Prompt::TokenIds(token_ids(ids)?))
+                        }
+                        Value::Array(_) => {
+                            Err(Error::invalid("`prompt` holds an empty list of token ids"))
+                        }
+                        _ => Err(Error::invalid(
+                            "`prompt` mixes lists of token ids and other values",
+                        )),
                     })
                     .collect(),
                 _ => Err(Error::invalid(
@@ -206,7 +218,9 @@ fn token_ids(items: &[Value]) -> Result<Vec<u32>, Error> {
         .map(|v| {
             v.as_u64()
                 .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| Error::invalid(format!("`prompt` holds {v}, which is not a token id")))
+                .ok_or_else(|| {
+                    Error::invalid(format!("`prompt` holds {v}, which is not a token id"))
+                })
         })
         .collect()
 }
@@ -367,13 +381,19 @@ mod tests {
             Request::detect(&json!({"model": "m"})),
             Err(Error::InvalidRequest(_))
         ));
-        assert!(matches!(Request::detect(&json!([1])), Err(Error::InvalidRequest(_))));
+        assert!(matches!(
+            Request::detect(&json!([1])),
+            Err(Error::InvalidRequest(_))
+        ));
     }
 
     #[test]
     fn completion_prompt_shapes() {
         let parse = |body: Value| CompletionRequest::parse(Endpoint::Completions, &body);
-        assert_eq!(parse(json!({"prompt": "a"})).unwrap(), CompletionRequest::text("a"));
+        assert_eq!(
+            parse(json!({"prompt": "a"})).unwrap(),
+            CompletionRequest::text("a")
+        );
         assert_eq!(
             parse(json!({"prompt": ["a", "b"], "add_special_tokens": false}))
                 .unwrap()
@@ -400,7 +420,10 @@ mod tests {
             json!({"prompt": "a", "add_special_tokens": "yes"}),
             json!({"prompt": "a", "truncate_prompt_tokens": -2}),
         ] {
-            assert!(matches!(parse(bad.clone()), Err(Error::InvalidRequest(_))), "{bad}");
+            assert!(
+                matches!(parse(bad.clone()), Err(Error::InvalidRequest(_))),
+                "{bad}"
+            );
         }
         assert_eq!(
             parse(json!({"prompt": "a", "truncate_prompt_tokens": 5}))
@@ -413,7 +436,10 @@ mod tests {
     #[test]
     fn tokenize_endpoint_forms() {
         let completion = Request::parse(Endpoint::Tokenize, &json!({"prompt": "hi"})).unwrap();
-        assert_eq!(completion, Request::Completion(CompletionRequest::text("hi")));
+        assert_eq!(
+            completion,
+            Request::Completion(CompletionRequest::text("hi"))
+        );
         assert!(Request::parse(Endpoint::Tokenize, &json!({"prompt": [1, 2]})).is_err());
         let Request::Chat(chat) = Request::parse(
             Endpoint::Tokenize,
@@ -455,8 +481,11 @@ mod tests {
         );
         assert!(ChatRequest::parse(Endpoint::ChatCompletions, &json!({"messages": {}})).is_err());
         assert!(
-            ChatRequest::parse(Endpoint::ChatCompletions, &json!({"messages": [], "tools": {}}))
-                .is_err()
+            ChatRequest::parse(
+                Endpoint::ChatCompletions,
+                &json!({"messages": [], "tools": {}})
+            )
+            .is_err()
         );
     }
 }

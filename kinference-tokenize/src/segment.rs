@@ -30,81 +30,144 @@ use aho_corasick::{AhoCorasick, MatchKind};
 /// Finds the exact cut points of texts for one tokenizer.
 #[derive(Debug)]
 pub(crate) struct Segmenter {
-    /// All non-normalized added tokens (overlapping scan), or `None` when
-    /// no cut is ever safe.
+    /// All non-normalized added tokens (overlapping scan), or `None`
+    /// without any.
     matcher: Option<AhoCorasick>,
     /// Per pattern: may a cut be made before it.
     anchor: Vec<bool>,
+    /// Per pattern: its token id.
+    id: Vec<u32>,
+    /// Whether cuts are made at all (not with `split_special_tokens`).
+    cuts: bool,
+}
+
+/// One piece of a text between cut points.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Segment {
+    /// Byte range in the text.
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    /// The anchor token the segment starts with (it is matched as that
+    /// token): its id and length in bytes.
+    pub(crate) lead: Option<(u32, usize)>,
+    /// No added-token occurrence after the lead: the rest is one plain
+    /// piece for the normalizer, pre-tokenizer and model. Only meaningful
+    /// when the tokenizer has no normalized added tokens.
+    pub(crate) plain: bool,
 }
 
 impl Segmenter {
     /// Builds the matcher from the tokenizer's added vocabulary.
     pub(crate) fn new(tokenizer: &tokenizers::Tokenizer) -> Self {
-        let none = Segmenter {
-            matcher: None,
-            anchor: Vec::new(),
-        };
-        if tokenizer.get_encode_special_tokens() {
-            return none;
-        }
-        let mut tokens: Vec<tokenizers::AddedToken> = tokenizer
+        let mut tokens: Vec<(u32, tokenizers::AddedToken)> = tokenizer
             .get_added_tokens_decoder()
-            .into_values()
-            .filter(|t| !t.normalized && !t.content.is_empty())
+            .into_iter()
+            .filter(|(_, t)| !t.normalized && !t.content.is_empty())
             .collect();
-        tokens.sort_by(|a, b| a.content.cmp(&b.content));
-        tokens.dedup_by(|a, b| a.content == b.content);
-        let anchor: Vec<bool> = tokens.iter().map(is_anchor).collect();
-        if !anchor.iter().any(|a| *a) {
-            return none;
-        }
-        let Ok(matcher) = AhoCorasick::builder()
-            .match_kind(MatchKind::Standard)
-            .build(tokens.iter().map(|t| t.content.as_bytes()))
-        else {
-            return none;
+        tokens.sort_by(|a, b| a.1.content.cmp(&b.1.content));
+        tokens.dedup_by(|a, b| a.1.content == b.1.content);
+        let matcher = if tokens.is_empty() {
+            None
+        } else {
+            AhoCorasick::builder()
+                .match_kind(MatchKind::Standard)
+                .build(tokens.iter().map(|(_, t)| t.content.as_bytes()))
+                .ok()
         };
+        let anchor: Vec<bool> = tokens.iter().map(|(_, t)| is_anchor(t)).collect();
+        // The id the pipeline gives the content (its added-tokens map).
+        let id = tokens
+            .iter()
+            .map(|(id, t)| tokenizer.token_to_id(&t.content).unwrap_or(*id))
+            .collect();
         Segmenter {
-            matcher: Some(matcher),
+            cuts: matcher.is_some()
+                && !tokenizer.get_encode_special_tokens()
+                && anchor.iter().any(|a| *a),
+            matcher,
             anchor,
+            id,
         }
     }
 
     /// Whether any cut can ever be made.
     pub(crate) fn can_cut(&self) -> bool {
-        self.matcher.is_some()
+        self.cuts
     }
 
-    /// Appends the cut points of `text` to `out`: strictly increasing byte
-    /// offsets, each on a character boundary, none at 0 or `text.len()`.
-    pub(crate) fn cut_points(&self, text: &str, out: &mut Vec<usize>) {
+    /// Appends the segments of `text` to `out`: contiguous, in order,
+    /// covering the text (none for an empty text). Each starts at 0 or at
+    /// an exact cut point.
+    pub(crate) fn segments(&self, text: &str, out: &mut Vec<Segment>) {
+        if text.is_empty() {
+            return;
+        }
         let Some(matcher) = &self.matcher else {
+            out.push(Segment {
+                start: 0,
+                end: text.len(),
+                lead: None,
+                plain: true,
+            });
             return;
         };
-        // (start, end, pattern) of every occurrence, overlapping ones too.
+        // (start, end, pattern) of every occurrence, overlapping ones too,
+        // sorted by start, longest first.
         let mut found: Vec<(usize, usize, usize)> = matcher
             .find_overlapping_iter(text)
             .map(|m| (m.start(), m.end(), m.pattern().as_usize()))
             .collect();
-        if found.is_empty() {
-            return;
-        }
         found.sort_unstable_by_key(|&(start, end, _)| (start, std::cmp::Reverse(end)));
+
+        let first = out.len();
+        out.push(Segment {
+            start: 0,
+            end: text.len(),
+            lead: None,
+            plain: true,
+        });
         // Furthest end among occurrences that start before the candidate.
         let mut reach = 0;
         let mut i = 0;
         while i < found.len() {
-            let (start, _, pattern) = found[i];
-            // found[i] is the longest occurrence at `start` (sorted by end
-            // descending within a start): the one leftmost-longest picks.
-            if start > 0 && start < text.len() && reach <= start && self.anchor[pattern] {
-                out.push(start);
+            let (start, end, pattern) = found[i];
+            // found[i] is the longest occurrence at `start`: the one
+            // leftmost-longest matching picks (if nothing straddles).
+            let anchored = reach <= start && self.anchor[pattern];
+            let current = out
+                .last_mut()
+                .unwrap_or_else(|| unreachable!("a segment was pushed"));
+            if anchored && start == 0 && current.start == 0 && self.cuts {
+                current.lead = Some((self.id[pattern], end - start));
+            } else if anchored && start > 0 && self.cuts {
+                current.end = start;
+                out.push(Segment {
+                    start,
+                    end: text.len(),
+                    lead: Some((self.id[pattern], end - start)),
+                    plain: true,
+                });
+            } else {
+                // An occurrence inside the segment, other than its lead.
+                let lead_end = current.start + current.lead.map_or(0, |(_, len)| len);
+                if start >= lead_end {
+                    current.plain = false;
+                }
             }
             while i < found.len() && found[i].0 == start {
                 reach = reach.max(found[i].1);
                 i += 1;
             }
         }
+        debug_assert!(out[first..].windows(2).all(|w| w[0].end == w[1].start));
+    }
+
+    /// The cut points of `text` (segment starts other than 0).
+    #[cfg(test)]
+    pub(crate) fn cut_points(&self, text: &str, out: &mut Vec<usize>) {
+        let mut segments = Vec::new();
+        self.segments(text, &mut segments);
+        out.extend(segments.iter().skip(1).map(|s| s.start));
     }
 }
 
@@ -116,7 +179,9 @@ fn is_anchor(token: &tokenizers::AddedToken) -> bool {
         && !token.lstrip
         && !token.rstrip
         && !token.single_word
-        && first.is_some_and(|c| c.is_ascii() && !c.is_ascii_whitespace() && !c.is_ascii_alphanumeric() && c != '_')
+        && first.is_some_and(|c| {
+            c.is_ascii() && !c.is_ascii_whitespace() && !c.is_ascii_alphanumeric() && c != '_'
+        })
         && last.is_some_and(|c| !c.is_whitespace())
 }
 
@@ -165,6 +230,55 @@ mod tests {
         assert_eq!(cuts(&seg, "qx<a>"), Vec::<usize>::new());
         // lstrip tokens, and tokens starting with a word character, are not anchors.
         assert_eq!(cuts(&seg, "q <l>r w"), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn segments_know_their_lead_and_whether_they_are_plain() {
+        let tok = tokenizer(vec![
+            AddedToken::from("<a>", true),
+            AddedToken::from("<l>", true).lstrip(true),
+        ]);
+        let seg = Segmenter::new(&tok);
+        let a = tok.token_to_id("<a>").unwrap();
+        let mut out = Vec::new();
+        seg.segments("<a>x<a>y <l>z<a>", &mut out);
+        assert_eq!(
+            out,
+            vec![
+                Segment {
+                    start: 0,
+                    end: 4,
+                    lead: Some((a, 3)),
+                    plain: true
+                },
+                Segment {
+                    start: 4,
+                    end: 13,
+                    lead: Some((a, 3)),
+                    plain: false
+                },
+                Segment {
+                    start: 13,
+                    end: 16,
+                    lead: Some((a, 3)),
+                    plain: true
+                },
+            ]
+        );
+        out.clear();
+        seg.segments("x<", &mut out);
+        assert_eq!(
+            out,
+            vec![Segment {
+                start: 0,
+                end: 2,
+                lead: None,
+                plain: true
+            }]
+        );
+        out.clear();
+        seg.segments("", &mut out);
+        assert!(out.is_empty());
     }
 
     #[test]

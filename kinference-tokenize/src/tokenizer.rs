@@ -10,10 +10,11 @@ use tokenizers::{Encoding, Token};
 use crate::cache::{CacheStats, SegmentCache};
 use crate::chat::{ChatTemplate, RenderInputs};
 use crate::error::{Error, LoadError};
+use crate::fast::FastPath;
 use crate::jinja::{self, ContentFormat};
 use crate::load::{ModelFiles, TOKENIZER_JSON, TokenizerConfig};
 use crate::request::{ChatRequest, CompletionRequest, Endpoint, Prompt, Request};
-use crate::segment::Segmenter;
+use crate::segment::{Segment, Segmenter};
 
 /// How a [`ModelTokenizer`] is built.
 #[derive(Clone, Debug)]
@@ -91,6 +92,7 @@ pub struct ModelTokenizer {
     special_tokens_map: Map<String, Json>,
     wrap: Option<SpecialWrap>,
     segmenter: Segmenter,
+    fast: Option<FastPath>,
     cache: SegmentCache,
     options: Options,
     clean_up_tokenization_spaces: bool,
@@ -160,13 +162,14 @@ impl ModelTokenizer {
 
         let mut templates = Vec::with_capacity(config.chat_templates.len());
         for (name, source) in &config.chat_templates {
-            let template = ChatTemplate::compile(source, options.content_format).map_err(|source| {
-                LoadError::Template {
-                    file: config.template_file,
-                    name: name.clone(),
-                    source,
-                }
-            })?;
+            let template =
+                ChatTemplate::compile(source, options.content_format).map_err(|source| {
+                    LoadError::Template {
+                        file: config.template_file,
+                        name: name.clone(),
+                        source,
+                    }
+                })?;
             templates.push((name.clone(), template));
         }
 
@@ -184,10 +187,18 @@ impl ModelTokenizer {
         let eos_token_id = token_id("eos_token");
         let wrap = special_wrap(&inner);
         let segmenter = Segmenter::new(&inner);
+        // The fast route relies on the pipeline being the one in the file:
+        // not with split_special_tokens (special tokens then stay text).
+        let fast = if config.split_special_tokens {
+            None
+        } else {
+            FastPath::from_tokenizer_bytes(json)
+        };
         tracing::debug!(
             templates = templates.len(),
             vocab = inner.get_vocab_size(true),
             segmentable = segmenter.can_cut(),
+            fast_path = fast.is_some(),
             "tokenizer loaded"
         );
         Ok(ModelTokenizer {
@@ -198,6 +209,7 @@ impl ModelTokenizer {
             special_tokens_map,
             wrap,
             segmenter,
+            fast,
             options,
             clean_up_tokenization_spaces: config.clean_up_tokenization_spaces,
             model_max_length: config.model_max_length,
@@ -234,7 +246,11 @@ impl ModelTokenizer {
     ///
     /// [`Error::InvalidRequest`] if the bytes are not JSON; otherwise as
     /// [`ModelTokenizer::tokenize`].
-    pub fn tokenize_bytes(&self, endpoint: Option<Endpoint>, body: &[u8]) -> Result<Tokenized, Error> {
+    pub fn tokenize_bytes(
+        &self,
+        endpoint: Option<Endpoint>,
+        body: &[u8],
+    ) -> Result<Tokenized, Error> {
         let body: Json = serde_json::from_slice(body)
             .map_err(|e| Error::invalid(format!("the body is not JSON: {e}")))?;
         match endpoint {
@@ -328,14 +344,15 @@ impl ModelTokenizer {
             Some(_) if !self.options.trust_request_chat_template => {
                 return Err(Error::UntrustedChatTemplate);
             }
-            Some(source) => match self.templates.iter().find(|(name, _)| name == source) {
-                Some((_, t)) => t,
-                None => {
+            Some(source) => {
+                if let Some((_, t)) = self.templates.iter().find(|(name, _)| name == source) {
+                    t
+                } else {
                     owned = ChatTemplate::compile(source, self.options.content_format)
                         .map_err(|e| Error::Template(format!("{e:#}")))?;
                     &owned
                 }
-            },
+            }
             None => self.pick_template(request.tools.is_some())?,
         };
         let inputs = RenderInputs::from_request(request, template.content_format())?;
@@ -363,7 +380,8 @@ impl ModelTokenizer {
     ///
     /// [`Error::Tokenizer`] if the `tokenizers` pipeline fails.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, Error> {
-        self.encode_counting(text, add_special_tokens).map(|(ids, _)| ids)
+        self.encode_counting(text, add_special_tokens)
+            .map(|(ids, _)| ids)
     }
 
     /// Encodes text with the `tokenizers` pipeline directly, bypassing the
@@ -380,7 +398,11 @@ impl ModelTokenizer {
     }
 
     /// Cached encoding; also returns how many ids came from the cache.
-    fn encode_counting(&self, text: &str, add_special_tokens: bool) -> Result<(Vec<u32>, usize), Error> {
+    fn encode_counting(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, usize), Error> {
         let wrap = match (&self.wrap, add_special_tokens) {
             (_, false) => None,
             (Some(wrap), true) => Some(wrap),
@@ -388,43 +410,64 @@ impl ModelTokenizer {
             // let the pipeline do it.
             (None, true) => return Ok((self.encode_uncached(text, true)?, 0)),
         };
-        if !self.cache.is_enabled() {
-            return Ok((self.encode_uncached(text, add_special_tokens)?, 0));
-        }
-        let mut cuts = Vec::new();
-        self.segmenter.cut_points(text, &mut cuts);
-        cuts.push(text.len());
+        let mut segments = Vec::new();
+        self.segmenter.segments(text, &mut segments);
 
         let mut ids = Vec::with_capacity(text.len() / 3 + 8);
         if let Some(wrap) = wrap {
             ids.extend_from_slice(&wrap.prefix);
         }
         let mut cached = 0;
-        let mut start = 0;
-        for end in cuts {
-            let segment = &text[start..end];
-            start = end;
-            if segment.is_empty() {
-                continue;
-            }
-            let hash = SegmentCache::hash(segment);
+        let caching = self.cache.is_enabled();
+        for segment in &segments {
+            let piece = &text[segment.start..segment.end];
             let before = ids.len();
-            if self.cache.get_into(hash, segment, &mut ids) {
-                cached += ids.len() - before;
+            if caching {
+                let hash = SegmentCache::hash(piece);
+                if self.cache.get_into(hash, piece, &mut ids) {
+                    cached += ids.len() - before;
+                } else {
+                    self.encode_segment(piece, segment, &mut ids)?;
+                    self.cache.insert(hash, piece, &ids[before..]);
+                }
             } else {
-                let encoding = self
-                    .inner
-                    .encode_fast(segment, false)
-                    .map_err(|e| Error::Tokenizer(e.to_string()))?;
-                let segment_ids = encoding.get_ids();
-                ids.extend_from_slice(segment_ids);
-                self.cache.insert(hash, segment, segment_ids);
+                self.encode_segment(piece, segment, &mut ids)?;
             }
         }
         if let Some(wrap) = wrap {
             ids.extend_from_slice(&wrap.suffix);
         }
         Ok((ids, cached))
+    }
+
+    /// Encodes one segment (without special tokens) onto `out`: through the
+    /// fast route when it applies, else the `tokenizers` pipeline.
+    fn encode_segment(
+        &self,
+        piece: &str,
+        segment: &Segment,
+        out: &mut Vec<u32>,
+    ) -> Result<(), Error> {
+        if let Some(fast) = &self.fast
+            && segment.plain
+        {
+            let before = out.len();
+            let lead = segment.lead.map_or(0, |(_, len)| len);
+            if let Some((id, _)) = segment.lead {
+                out.push(id);
+            }
+            match fast.encode_plain(self.inner.get_model(), &piece[lead..], out) {
+                Some(Ok(())) => return Ok(()),
+                Some(Err(e)) => return Err(Error::Tokenizer(e.to_string())),
+                None => out.truncate(before),
+            }
+        }
+        let encoding = self
+            .inner
+            .encode_fast(piece, false)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        out.extend_from_slice(encoding.get_ids());
+        Ok(())
     }
 
     /// Decodes ids as vLLM's `/detokenize` does (`decode` keeping special
@@ -480,6 +523,12 @@ impl ModelTokenizer {
     /// `model_max_length` from the config, when it is a real limit.
     pub fn model_max_length(&self) -> Option<u64> {
         self.model_max_length
+    }
+
+    /// Whether plain text takes the fast route past the `tokenizers`
+    /// pipeline (same ids; see the crate docs). Informational.
+    pub fn has_fast_path(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Whether chat requests can be rendered.
@@ -549,7 +598,7 @@ fn bos_eos_processor(
         if !flag {
             return Ok(None);
         }
-        let flag_name = format!("add_{}", attr);
+        let flag_name = format!("add_{attr}");
         let token = config
             .special_token(attr)
             .ok_or_else(|| bad(&flag_name, format!("is true but `{attr}` is not set")))?;
@@ -562,7 +611,9 @@ fn bos_eos_processor(
     let bos = wrap(add_bos, "bos_token")?;
     let eos = wrap(add_eos, "eos_token")?;
     let piece = |t: &Option<String>, type_id: u8| {
-        t.as_ref().map(|t| format!("{t}:{type_id} ")).unwrap_or_default()
+        t.as_ref()
+            .map(|t| format!("{t}:{type_id} "))
+            .unwrap_or_default()
     };
     let single = format!("{}$A:0 {}", piece(&bos, 0), piece(&eos, 0));
     let pair = format!(
@@ -572,13 +623,18 @@ fn bos_eos_processor(
         piece(&bos, 1),
         piece(&eos, 1)
     );
-    let pp_error =
-        |e: &dyn std::fmt::Display| LoadError::Tokenizer(format!("post-processor from add_bos_token/add_eos_token: {e}"));
+    let pp_error = |e: &dyn std::fmt::Display| {
+        LoadError::Tokenizer(format!(
+            "post-processor from add_bos_token/add_eos_token: {e}"
+        ))
+    };
     let mut builder = TemplateProcessing::builder();
     builder
         .try_single(single.trim_end())
         .map_err(|e| pp_error(&e))?;
-    builder.try_pair(pair.trim_end()).map_err(|e| pp_error(&e))?;
+    builder
+        .try_pair(pair.trim_end())
+        .map_err(|e| pp_error(&e))?;
     builder.special_tokens(special);
     builder.build().map_err(|e| pp_error(&e))
 }

@@ -12,7 +12,8 @@
 //! ChatML without tools:
 //! `<|im_start|>{role}\n{content}<|im_end|>\n` per message, plus
 //! `<|im_start|>assistant\n` with `add_generation_prompt`; the newlines are
-//! whitespace to this tokenizer, so a turn costs its words plus four ids.
+//! whitespace to this tokenizer, so a message costs its words plus three ids
+//! and the generation prompt two.
 //!
 //! A copy of [`tokenizer_json`] and [`tokenizer_config_json`] is committed
 //! under `examples/word-level/` at the workspace root (a test keeps them in

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use std::sync::LazyLock;
 
 use kinference_tokenize::{
-    ChatRequest, ModelFiles, ModelTokenizer, Options, TOKENIZER_CONFIG_JSON, TOKENIZER_JSON, word_level,
+    ChatRequest, ModelFiles, ModelTokenizer, Options, TOKENIZER_CONFIG_JSON, TOKENIZER_JSON,
+    word_level,
 };
 use proptest::prelude::*;
 use serde_json::json;
@@ -31,7 +32,11 @@ fn small_cache() -> Options {
 }
 
 fn load(model: &str) -> ModelTokenizer {
-    ModelTokenizer::load(&ModelFiles::read_dir(model_dir(model)).unwrap(), small_cache()).unwrap()
+    ModelTokenizer::load(
+        &ModelFiles::read_dir(model_dir(model)).unwrap(),
+        small_cache(),
+    )
+    .unwrap()
 }
 
 static QWEN3: LazyLock<ModelTokenizer> = LazyLock::new(|| load("qwen3"));
@@ -42,7 +47,8 @@ static WORDS: LazyLock<ModelTokenizer> = LazyLock::new(|| word_level::load(small
 /// chat template whose turns start with the plain anchor `<|sep|>`.
 static ADVERSARIAL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
     let mut t = tokenizers::Tokenizer::from_file(model_dir("gpt2").join(TOKENIZER_JSON)).unwrap();
-    t.with_normalizer(Some(tokenizers::normalizers::Lowercase)).unwrap();
+    t.with_normalizer(Some(tokenizers::normalizers::Lowercase))
+        .unwrap();
     t.add_special_tokens([
         AddedToken::from("<|sep|>", true),
         AddedToken::from("<|sep|>y", true),
@@ -53,14 +59,19 @@ static ADVERSARIAL: LazyLock<ModelTokenizer> = LazyLock::new(|| {
         AddedToken::from("_u>", true),
     ])
     .unwrap();
-    t.add_tokens([AddedToken::from("<norm>", false).normalized(true), AddedToken::from("<raw>", false)])
-        .unwrap();
+    t.add_tokens([
+        AddedToken::from("<norm>", false).normalized(true),
+        AddedToken::from("<raw>", false),
+    ])
+    .unwrap();
     let template = "{% for m in messages %}<|sep|>{{ m.role }}: {{ m.content }}{% endfor %}{% if add_generation_prompt %}<|sep|>assistant:{% endif %}";
     let files = ModelFiles::from_entries([
         (TOKENIZER_JSON, t.to_string(false).unwrap().into_bytes()),
         (
             TOKENIZER_CONFIG_JSON,
-            json!({"chat_template": template, "eos_token": "<|endoftext|>"}).to_string().into_bytes(),
+            json!({"chat_template": template, "eos_token": "<|endoftext|>"})
+                .to_string()
+                .into_bytes(),
         ),
     ]);
     ModelTokenizer::load(&files, small_cache()).unwrap()
@@ -95,7 +106,9 @@ static METASPACE: LazyLock<ModelTokenizer> = LazyLock::new(|| {
         (TOKENIZER_JSON, tokenizer.to_string().into_bytes()),
         (
             TOKENIZER_CONFIG_JSON,
-            json!({"chat_template": "{% for m in messages %}<sep>{{ m.content }}{% endfor %}"}).to_string().into_bytes(),
+            json!({"chat_template": "{% for m in messages %}<sep>{{ m.content }}{% endfor %}"})
+                .to_string()
+                .into_bytes(),
         ),
     ]);
     ModelTokenizer::load(&files, small_cache()).unwrap()
@@ -104,12 +117,75 @@ static METASPACE: LazyLock<ModelTokenizer> = LazyLock::new(|| {
 /// Pieces texts are made of: prose, whitespace, Unicode that normalizers
 /// touch, every model's special tokens, and fragments of them.
 const FRAGMENTS: &[&str] = &[
-    "hello", " world", "w17", " w42", "The", " quick", "42", "3.14", ".", ",", "!", "?", " ", "  ", "\n", "\n\n",
-    "\t", "\r\n", " \n ", "e", "\u{301}", "é", "Å", "A\u{30a}", "你好", "🍕", "👨\u{200d}👩", "\u{200b}", "\u{a0}",
-    "'s", "'ll", "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>",
-    "<|im_", "_start|>", "|>", "<|", "<", ">", "[INST]", "[/INST]", "</s>", "<s>", "<SPECIAL_20>", "[INST",
-    "<|sep|>", "<|sep|>y", "x<|", "x", "y", "<mask>", "[w]", "[W]", " <sp>", "<sp>", "_u>", "<norm>",
-    "<NORM>", "<raw>", "<sep>", "a", "b", "▁", "user", "assistant",
+    "hello",
+    " world",
+    "w17",
+    " w42",
+    "The",
+    " quick",
+    "42",
+    "3.14",
+    ".",
+    ",",
+    "!",
+    "?",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "\r\n",
+    " \n ",
+    "e",
+    "\u{301}",
+    "é",
+    "Å",
+    "A\u{30a}",
+    "你好",
+    "🍕",
+    "👨\u{200d}👩",
+    "\u{200b}",
+    "\u{a0}",
+    "'s",
+    "'ll",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "<|im_",
+    "_start|>",
+    "|>",
+    "<|",
+    "<",
+    ">",
+    "[INST]",
+    "[/INST]",
+    "</s>",
+    "<s>",
+    "<SPECIAL_20>",
+    "[INST",
+    "<|sep|>",
+    "<|sep|>y",
+    "x<|",
+    "x",
+    "y",
+    "<mask>",
+    "[w]",
+    "[W]",
+    " <sp>",
+    "<sp>",
+    "_u>",
+    "<norm>",
+    "<NORM>",
+    "<raw>",
+    "<sep>",
+    "a",
+    "b",
+    "▁",
+    "user",
+    "assistant",
 ];
 
 fn text() -> impl Strategy<Value = String> {
@@ -133,7 +209,11 @@ fn tokenizers() -> [(&'static str, &'static ModelTokenizer); 5] {
 
 /// Grows the conversation one turn at a time (a multi-turn client re-sends
 /// its history), tokenizing each request through the cache.
-fn check_conversation(tok: &ModelTokenizer, turns: &[(String, String)], add_generation_prompt: bool) -> Result<(), TestCaseError> {
+fn check_conversation(
+    tok: &ModelTokenizer,
+    turns: &[(String, String)],
+    add_generation_prompt: bool,
+) -> Result<(), TestCaseError> {
     for n in 1..=turns.len() {
         let messages = turns[..n]
             .iter()
@@ -151,7 +231,10 @@ fn check_conversation(tok: &ModelTokenizer, turns: &[(String, String)], add_gene
         prop_assert_eq!(&tokenized.token_ids[0], &reference, "prompt {:?}", prompt);
         request.add_special_tokens = true;
         let with_special = tok.tokenize_chat(&request).unwrap();
-        prop_assert_eq!(&with_special.token_ids[0], &tok.encode_uncached(prompt, true).unwrap());
+        prop_assert_eq!(
+            &with_special.token_ids[0],
+            &tok.encode_uncached(prompt, true).unwrap()
+        );
     }
     Ok(())
 }
@@ -195,8 +278,10 @@ fn anchors_actually_split_and_hit() {
             json!({"role": role, "content": format!("turn {i}: some words about routing and caches")})
         })
         .collect();
-    let first = tok.tokenize_chat(&ChatRequest::new(turns[..5].to_vec())).unwrap();
-    let second = tok.tokenize_chat(&ChatRequest::new(turns.to_vec())).unwrap();
+    let first = tok
+        .tokenize_chat(&ChatRequest::new(turns[..5].to_vec()))
+        .unwrap();
+    let second = tok.tokenize_chat(&ChatRequest::new(turns.clone())).unwrap();
     assert!(second.total_tokens() > first.total_tokens());
     assert!(
         second.cached_tokens * 10 >= second.total_tokens() * 7,
@@ -220,10 +305,20 @@ fn anchors_actually_split_and_hit() {
         let whole = format!("{a}{b}");
         if a.is_empty() {
             // Metaspace `first` prepends only at the start of the text.
-            assert_ne!(tok.encode_uncached("<sep>a", false).unwrap(), tok.encode_uncached("a", false).unwrap()[..].to_vec());
+            assert_ne!(
+                tok.encode_uncached("<sep>a", false).unwrap(),
+                tok.encode_uncached("a", false).unwrap()[..].to_vec()
+            );
             continue;
         }
-        assert_ne!(tok.encode_uncached(&whole, false).unwrap(), naive(tok, a, b), "{whole:?}");
-        assert_eq!(tok.encode(&whole, false).unwrap(), tok.encode_uncached(&whole, false).unwrap());
+        assert_ne!(
+            tok.encode_uncached(&whole, false).unwrap(),
+            naive(tok, a, b),
+            "{whole:?}"
+        );
+        assert_eq!(
+            tok.encode(&whole, false).unwrap(),
+            tok.encode_uncached(&whole, false).unwrap()
+        );
     }
 }

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::sync::LazyLock;
 
 use kinference_tokenize::{
-    ChatRequest, Endpoint, Error, ModelFiles, ModelTokenizer, Options, Request, TOKENIZER_CONFIG_JSON,
-    TOKENIZER_JSON,
+    ChatRequest, Endpoint, Error, ModelFiles, ModelTokenizer, Options, Request,
+    TOKENIZER_CONFIG_JSON, TOKENIZER_JSON,
 };
 use serde_json::{Value, json};
 
@@ -20,8 +20,12 @@ fn model_dir(model: &str) -> PathBuf {
 
 fn vectors(model: &str) -> Value {
     let path = model_dir(model).join("vectors.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (the fixture data lives in testdata/)", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (the fixture data lives in testdata/)",
+            path.display()
+        )
+    });
     serde_json::from_str(&text).unwrap()
 }
 
@@ -55,17 +59,27 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
     let mut checked = 0;
 
     for (name, meta) in v["files"].as_object().unwrap() {
-        let bytes = std::fs::metadata(model_dir(model).join(name)).unwrap().len();
-        assert_eq!(bytes, meta["bytes"].as_u64().unwrap(), "{model}/{name} differs from the one the vectors were made with");
+        let bytes = std::fs::metadata(model_dir(model).join(name))
+            .unwrap()
+            .len();
+        assert_eq!(
+            bytes,
+            meta["bytes"].as_u64().unwrap(),
+            "{model}/{name} differs from the one the vectors were made with"
+        );
     }
-    if ordered(&Value::Object(tok.special_tokens_map().clone())) != ordered(&v["template_globals"]) {
+    if ordered(&Value::Object(tok.special_tokens_map().clone())) != ordered(&v["template_globals"])
+    {
         failures.push(format!(
             "template_globals: got {}, want {}",
             ordered(&Value::Object(tok.special_tokens_map().clone())),
             v["template_globals"]
         ));
     }
-    assert_eq!(tok.has_chat_template(), v["has_chat_template"].as_bool().unwrap());
+    assert_eq!(
+        tok.has_chat_template(),
+        v["has_chat_template"].as_bool().unwrap()
+    );
 
     for case in v["completion_cases"].as_array().unwrap() {
         let id = case["id"].as_str().unwrap();
@@ -74,29 +88,48 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
         let without = ids(&case["ids_no_special_tokens"]);
         // Twice: cold, then from the segment cache.
         for round in ["cold", "warm"] {
-            let got = tok.tokenize(Endpoint::Completions, &json!({"prompt": text})).unwrap();
+            let got = tok
+                .tokenize(Endpoint::Completions, &json!({"prompt": text}))
+                .unwrap();
             if got.token_ids != vec![with.clone()] || got.prompt.is_some() {
-                failures.push(format!("completion {id} ({round}): got {:?}, want {with:?}", got.token_ids));
+                failures.push(format!(
+                    "completion {id} ({round}): got {:?}, want {with:?}",
+                    got.token_ids
+                ));
             }
             let got = tok
-                .tokenize(Endpoint::Completions, &json!({"prompt": [text, text], "add_special_tokens": false}))
+                .tokenize(
+                    Endpoint::Completions,
+                    &json!({"prompt": [text, text], "add_special_tokens": false}),
+                )
                 .unwrap();
             if got.token_ids != vec![without.clone(), without.clone()] {
-                failures.push(format!("completion {id} without special tokens ({round}): got {:?}, want {without:?}", got.token_ids));
+                failures.push(format!(
+                    "completion {id} without special tokens ({round}): got {:?}, want {without:?}",
+                    got.token_ids
+                ));
             }
-            let got = tok.tokenize(Endpoint::Tokenize, &json!({"prompt": text})).unwrap();
+            let got = tok
+                .tokenize(Endpoint::Tokenize, &json!({"prompt": text}))
+                .unwrap();
             if got.token_ids != vec![with.clone()] {
                 failures.push(format!("/tokenize {id} ({round}): got {:?}", got.token_ids));
             }
         }
-        if tok.encode_uncached(text, true).unwrap() != with || tok.encode_uncached(text, false).unwrap() != without {
+        if tok.encode_uncached(text, true).unwrap() != with
+            || tok.encode_uncached(text, false).unwrap() != without
+        {
             failures.push(format!("completion {id}: the uncached pipeline differs"));
         }
         // Token ids pass through unchanged.
         if !with.is_empty() {
-            let got = tok.tokenize_request(&json!({"prompt": with.clone()})).unwrap();
+            let got = tok
+                .tokenize_request(&json!({"prompt": with.clone()}))
+                .unwrap();
             if got.token_ids != vec![with.clone()] {
-                failures.push(format!("completion {id}: token ids were not passed through"));
+                failures.push(format!(
+                    "completion {id}: token ids were not passed through"
+                ));
             }
         }
         checked += 1;
@@ -119,7 +152,11 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
                 "template_kwargs": inputs.template_kwargs,
             });
             if ordered(&got) != ordered(render) {
-                failures.push(format!("chat {id}: render inputs\n  got  {}\n  want {}", ordered(&got), ordered(render)));
+                failures.push(format!(
+                    "chat {id}: render inputs\n  got  {}\n  want {}",
+                    ordered(&got),
+                    ordered(render)
+                ));
             }
         }
 
@@ -127,7 +164,10 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
         let results = [
             ("chat", tok.tokenize(Endpoint::ChatCompletions, request)),
             ("detect", tok.tokenize_request(request)),
-            ("bytes", tok.tokenize_bytes(None, request.to_string().as_bytes())),
+            (
+                "bytes",
+                tok.tokenize_bytes(None, request.to_string().as_bytes()),
+            ),
             ("chat warm", tok.tokenize_chat(&chat)),
             ("/tokenize", tok.tokenize(Endpoint::Tokenize, request)),
         ];
@@ -148,16 +188,25 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
                     }
                 }
                 (Some(want), Ok(got)) => {
-                    failures.push(format!("chat {id} ({path}): rendered {:?}, want error {want}", got.prompt));
+                    failures.push(format!(
+                        "chat {id} ({path}): rendered {:?}, want error {want}",
+                        got.prompt
+                    ));
                 }
                 (None, Err(err)) => failures.push(format!("chat {id} ({path}): {err}")),
                 (None, Ok(got)) => {
                     let want_prompt = case["prompt"].as_str().unwrap();
                     if got.prompt.as_deref() != Some(want_prompt) {
-                        failures.push(format!("chat {id} ({path}): prompt\n  got  {:?}\n  want {want_prompt:?}", got.prompt));
+                        failures.push(format!(
+                            "chat {id} ({path}): prompt\n  got  {:?}\n  want {want_prompt:?}",
+                            got.prompt
+                        ));
                     }
                     if got.token_ids != vec![ids(&case["ids"])] {
-                        failures.push(format!("chat {id} ({path}): ids\n  got  {:?}\n  want {:?}", got.token_ids, case["ids"]));
+                        failures.push(format!(
+                            "chat {id} ({path}): ids\n  got  {:?}\n  want {:?}",
+                            got.token_ids, case["ids"]
+                        ));
                     }
                 }
             }
@@ -167,7 +216,10 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
             body["add_special_tokens"] = json!(true);
             let got = tok.tokenize(Endpoint::ChatCompletions, &body).unwrap();
             if got.token_ids != vec![ids(&case["ids_add_special_tokens"])] {
-                failures.push(format!("chat {id} with add_special_tokens: got {:?}", got.token_ids));
+                failures.push(format!(
+                    "chat {id} with add_special_tokens: got {:?}",
+                    got.token_ids
+                ));
             }
             let prompt = case["prompt"].as_str().unwrap();
             if tok.encode_uncached(prompt, false).unwrap() != ids(&case["ids"]) {
@@ -181,11 +233,17 @@ fn check_model(model: &str, tok: &ModelTokenizer) -> (Vec<String>, usize) {
 
 fn assert_model(model: &str, tok: &ModelTokenizer) {
     let v = vectors(model);
-    let total = v["completion_cases"].as_array().unwrap().len() + v["chat_cases"].as_array().unwrap().len();
+    let total =
+        v["completion_cases"].as_array().unwrap().len() + v["chat_cases"].as_array().unwrap().len();
     let (failures, checked) = check_model(model, tok);
     assert_eq!(checked, total, "every case is checked");
     assert!(total > 30, "{model}: only {total} cases found");
-    assert!(failures.is_empty(), "{model}: {} failures:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{model}: {} failures:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     let stats = tok.cache_stats();
     assert!(stats.hits > 0 && stats.misses > 0, "{stats:?}");
 }
@@ -219,10 +277,14 @@ fn mistral_bos_comes_from_the_post_processor() {
 fn loads_from_configmap_entries() {
     let dir = model_dir("gpt2");
     let files = ModelFiles::from_entries(
-        [TOKENIZER_JSON, TOKENIZER_CONFIG_JSON].map(|name| (name, std::fs::read(dir.join(name)).unwrap())),
+        [TOKENIZER_JSON, TOKENIZER_CONFIG_JSON]
+            .map(|name| (name, std::fs::read(dir.join(name)).unwrap())),
     );
     let tok = ModelTokenizer::load(&files, Options::default()).unwrap();
-    assert_eq!(tok.encode("Hello, world!", true).unwrap(), vec![15496, 11, 995, 0]);
+    assert_eq!(
+        tok.encode("Hello, world!", true).unwrap(),
+        vec![15496, 11, 995, 0]
+    );
     assert_eq!(tok.model_max_length(), Some(1024));
     assert_eq!(tok.vocab_size(), 50257);
 }
@@ -259,11 +321,17 @@ fn decode_and_token_strs() {
 #[test]
 fn truncate_prompt_tokens_keeps_the_tail() {
     let got = GPT2
-        .tokenize(Endpoint::Completions, &json!({"prompt": "Hello, world!", "truncate_prompt_tokens": 2}))
+        .tokenize(
+            Endpoint::Completions,
+            &json!({"prompt": "Hello, world!", "truncate_prompt_tokens": 2}),
+        )
         .unwrap();
     assert_eq!(got.token_ids, vec![vec![995, 0]]);
     let got = GPT2
-        .tokenize(Endpoint::Completions, &json!({"prompt": [1, 2, 3], "truncate_prompt_tokens": 5}))
+        .tokenize(
+            Endpoint::Completions,
+            &json!({"prompt": [1, 2, 3], "truncate_prompt_tokens": 5}),
+        )
         .unwrap();
     assert_eq!(got.token_ids, vec![vec![1, 2, 3]]);
 }
@@ -271,7 +339,10 @@ fn truncate_prompt_tokens_keeps_the_tail() {
 #[test]
 fn request_templates_need_trust() {
     let body = json!({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ messages[0].content }}!"});
-    assert!(matches!(QWEN3.tokenize_request(&body), Err(Error::UntrustedChatTemplate)));
+    assert!(matches!(
+        QWEN3.tokenize_request(&body),
+        Err(Error::UntrustedChatTemplate)
+    ));
     let trusting = ModelTokenizer::load(
         &ModelFiles::read_dir(model_dir("gpt2")).unwrap(),
         Options {
@@ -283,7 +354,10 @@ fn request_templates_need_trust() {
     let got = trusting.tokenize_request(&body).unwrap();
     assert_eq!(got.prompt.as_deref(), Some("x!"));
     let broken = json!({"messages": [], "chat_template": "{% if %}"});
-    assert!(matches!(trusting.tokenize_request(&broken), Err(Error::Template(_))));
+    assert!(matches!(
+        trusting.tokenize_request(&broken),
+        Err(Error::Template(_))
+    ));
 }
 
 #[test]
@@ -301,22 +375,36 @@ fn malformed_requests_are_errors_not_panics() {
         let err = QWEN3.tokenize_request(&body).unwrap_err();
         assert!(err.is_client_error(), "{body}: {err}");
     }
-    assert!(matches!(QWEN3.tokenize_bytes(None, b"{not json"), Err(Error::InvalidRequest(_))));
+    assert!(matches!(
+        QWEN3.tokenize_bytes(None, b"{not json"),
+        Err(Error::InvalidRequest(_))
+    ));
     // An empty conversation: the template itself fails.
-    assert!(matches!(QWEN3.tokenize_request(&json!({"messages": []})), Err(Error::Template(_))));
+    assert!(matches!(
+        QWEN3.tokenize_request(&json!({"messages": []})),
+        Err(Error::Template(_))
+    ));
 }
 
 #[test]
 fn parsed_requests_round_trip() {
-    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false});
+    let body =
+        json!({"messages": [{"role": "user", "content": "Hi"}], "add_generation_prompt": false});
     let Request::Chat(chat) = Request::detect(&body).unwrap() else {
         panic!("chat expected");
     };
     let a = QWEN3.tokenize_chat(&chat).unwrap();
     let b = QWEN3.tokenize_request(&body).unwrap();
     assert_eq!((&a.prompt, &a.token_ids), (&b.prompt, &b.token_ids));
-    assert_eq!(b.cached_tokens, b.total_tokens(), "the second time comes from the cache");
-    assert_eq!(a.prompt.as_deref(), Some("<|im_start|>user\nHi<|im_end|>\n"));
+    assert_eq!(
+        b.cached_tokens,
+        b.total_tokens(),
+        "the second time comes from the cache"
+    );
+    assert_eq!(
+        a.prompt.as_deref(),
+        Some("<|im_start|>user\nHi<|im_end|>\n")
+    );
 }
 
 #[test]
@@ -326,18 +414,32 @@ fn loading_errors_say_which_file() {
     assert_eq!(err.to_string(), "tokenizer.json is missing");
     std::fs::write(dir.path().join(TOKENIZER_JSON), "{}").unwrap();
     let err = ModelTokenizer::from_dir(dir.path()).unwrap_err();
-    assert!(err.to_string().starts_with("tokenizer.json is not a usable tokenizer"), "{err}");
+    assert!(
+        err.to_string()
+            .starts_with("tokenizer.json is not a usable tokenizer"),
+        "{err}"
+    );
     std::fs::write(
         dir.path().join(TOKENIZER_JSON),
         std::fs::read(model_dir("gpt2").join(TOKENIZER_JSON)).unwrap(),
     )
     .unwrap();
-    std::fs::write(dir.path().join(TOKENIZER_CONFIG_JSON), r#"{"chat_template": "{% for %}"}"#).unwrap();
+    std::fs::write(
+        dir.path().join(TOKENIZER_CONFIG_JSON),
+        r#"{"chat_template": "{% for %}"}"#,
+    )
+    .unwrap();
     let err = ModelTokenizer::from_dir(dir.path()).unwrap_err();
-    assert_eq!(err.to_string(), "tokenizer_config.json: chat template `default` does not compile");
+    assert_eq!(
+        err.to_string(),
+        "tokenizer_config.json: chat template `default` does not compile"
+    );
     std::fs::write(dir.path().join(TOKENIZER_CONFIG_JSON), "[]").unwrap();
     let err = ModelTokenizer::from_dir(dir.path()).unwrap_err();
-    assert_eq!(err.to_string(), "tokenizer_config.json: `(top level)` must be a JSON object");
+    assert_eq!(
+        err.to_string(),
+        "tokenizer_config.json: `(top level)` must be a JSON object"
+    );
 }
 
 #[test]
@@ -345,7 +447,9 @@ fn shareable_across_threads() {
     fn assert_send_sync<T: Send + Sync + 'static>() {}
     assert_send_sync::<ModelTokenizer>();
     let tok = std::sync::Arc::new(load("gpt2"));
-    let want = tok.encode_uncached("Hello<|endoftext|>World", true).unwrap();
+    let want = tok
+        .encode_uncached("Hello<|endoftext|>World", true)
+        .unwrap();
     let handles: Vec<_> = (0..4)
         .map(|_| {
             let tok = tok.clone();
