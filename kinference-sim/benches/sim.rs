@@ -9,8 +9,10 @@
 //! Scenarios (each run `--runs` times, default 3; medians with min–max):
 //!
 //! * `idle`: 64 engines, no requests: what idle engines cost.
-//! * `open-loop`: 16 engines, Poisson arrivals, 1024-token prompts (768
-//!   shared by 8 groups), 128 streamed output tokens.
+//! * `open-loop`: 16 engines, Poisson arrivals at 100 and 400 req/s,
+//!   1024-token prompts (768 shared by 8 groups), 128 streamed output
+//!   tokens; client-side and engine-side TTFT show that clients see the
+//!   simulated latency.
 //! * `saturated`: 1 engine, 64 concurrent streams (512-token prompts, 256
 //!   output tokens): the CPU of one fully loaded engine, hence engines per
 //!   core at that load.
@@ -400,89 +402,73 @@ fn main() {
     let base = collect(&|| rt.block_on(baseline(16, secs / 2.0)));
     let idle64 = collect(&|| rt.block_on(idle(64, secs / 2.0)));
     let open = collect(&|| rt.block_on(open_loop(16, 100.0, secs)));
+    let open400 = collect(&|| rt.block_on(open_loop(16, 400.0, secs)));
     let sat = collect(&|| rt.block_on(saturated(64, secs)));
 
     let col = |ms: &[Measured], f: &dyn Fn(&Measured) -> f64| Stat(ms.iter().map(f).collect());
     let base_us = |m: &Measured| m.sim_cpu / m.done as f64 * 1e6;
     let base_med = median(&mut base.iter().map(base_us).collect::<Vec<_>>());
-    println!("\nbaseline GET /health, 16 concurrent:");
-    println!(
-        "  req/s                 {}",
-        col(&base, &|m| m.done as f64 / m.wall)
+    let print = |title: &str, rows: Vec<(&str, Stat)>| {
+        println!("\n{title}");
+        for (name, stat) in rows {
+            println!("  {name:<22}{stat}");
+        }
+    };
+    print(
+        "baseline GET /health, 16 concurrent:",
+        vec![
+            ("req/s", col(&base, &|m| m.done as f64 / m.wall)),
+            ("sim CPU µs/request", col(&base, &base_us)),
+        ],
     );
-    println!("  sim CPU µs/request    {}", col(&base, &base_us));
-    println!("\nidle, 64 engines:");
-    println!(
-        "  sim CPU (cores)       {}",
-        col(&idle64, &|m| m.sim_cpu / m.wall)
+    print(
+        "idle, 64 engines:",
+        vec![("sim CPU (cores)", col(&idle64, &|m| m.sim_cpu / m.wall))],
     );
-    println!(
-        "\nopen loop, 16 engines, Poisson 100 req/s, 1024-token prompts (768 shared by 8 groups), 128 streamed tokens:"
-    );
-    println!(
-        "  completed req/s       {}",
-        col(&open, &|m| m.done as f64 / m.wall)
-    );
-    println!(
-        "  streamed tokens/s     {}",
-        col(&open, &|m| m.tokens as f64 / m.wall)
-    );
-    println!(
-        "  KV batches/s          {}",
-        col(&open, &|m| m.batches as f64 / m.wall)
-    );
-    println!(
-        "  sim CPU (cores)       {}",
-        col(&open, &|m| m.sim_cpu / m.wall)
-    );
-    println!(
-        "  sim CPU µs/request    {}",
-        col(&open, &|m| m.sim_cpu / m.done as f64 * 1e6)
-    );
-    println!(
-        "  ratio to /health      {}",
-        col(&open, &|m| m.sim_cpu / m.done as f64 * 1e6 / base_med)
-    );
-    println!(
-        "  req/s per core        {}",
-        col(&open, &|m| m.done as f64 / m.sim_cpu)
-    );
-    println!(
-        "  TTFT p50 client (s)   {}",
-        col(&open, &|m| m.client_ttft_p50)
-    );
-    println!(
-        "  TTFT p50 engine (s)   {}",
-        col(&open, &|m| m.engine_ttft_p50)
-    );
-    println!("\nsaturated, 1 engine, 64 concurrent streams, 512-token prompts, 256 output tokens:");
-    println!(
-        "  completed req/s       {}",
-        col(&sat, &|m| m.done as f64 / m.wall)
-    );
-    println!(
-        "  streamed tokens/s     {}",
-        col(&sat, &|m| m.tokens as f64 / m.wall)
-    );
-    println!(
-        "  sim CPU (cores)       {}",
-        col(&sat, &|m| m.sim_cpu / m.wall)
-    );
-    println!(
-        "  sim CPU µs/token      {}",
-        col(&sat, &|m| m.sim_cpu / m.tokens as f64 * 1e6)
-    );
-    println!(
-        "  engines per core      {}",
-        col(&sat, &|m| m.wall / m.sim_cpu)
-    );
-    println!(
-        "  TTFT p50 client (s)   {}",
-        col(&sat, &|m| m.client_ttft_p50)
-    );
-    println!(
-        "  TTFT p50 engine (s)   {}",
-        col(&sat, &|m| m.engine_ttft_p50)
+    for (rate, open) in [(100, &open), (400, &open400)] {
+        print(
+            &format!(
+                "open loop, 16 engines, Poisson {rate} req/s, 1024-token prompts (768 shared by 8 groups), 128 streamed tokens:"
+            ),
+            vec![
+                ("completed req/s", col(open, &|m| m.done as f64 / m.wall)),
+                (
+                    "streamed tokens/s",
+                    col(open, &|m| m.tokens as f64 / m.wall),
+                ),
+                ("KV batches/s", col(open, &|m| m.batches as f64 / m.wall)),
+                ("sim CPU (cores)", col(open, &|m| m.sim_cpu / m.wall)),
+                (
+                    "sim CPU µs/request",
+                    col(open, &|m| m.sim_cpu / m.done as f64 * 1e6),
+                ),
+                (
+                    "ratio to /health",
+                    col(open, &|m| m.sim_cpu / m.done as f64 * 1e6 / base_med),
+                ),
+                ("req/s per core", col(open, &|m| m.done as f64 / m.sim_cpu)),
+                ("TTFT p50 client (s)", col(open, &|m| m.client_ttft_p50)),
+                ("TTFT p50 engine (s)", col(open, &|m| m.engine_ttft_p50)),
+            ],
+        );
+    }
+    print(
+        "saturated, 1 engine, 64 concurrent streams, 512-token prompts, 256 output tokens:",
+        vec![
+            ("completed req/s", col(&sat, &|m| m.done as f64 / m.wall)),
+            (
+                "streamed tokens/s",
+                col(&sat, &|m| m.tokens as f64 / m.wall),
+            ),
+            ("sim CPU (cores)", col(&sat, &|m| m.sim_cpu / m.wall)),
+            (
+                "sim CPU µs/token",
+                col(&sat, &|m| m.sim_cpu / m.tokens as f64 * 1e6),
+            ),
+            ("engines per core", col(&sat, &|m| m.wall / m.sim_cpu)),
+            ("TTFT p50 client (s)", col(&sat, &|m| m.client_ttft_p50)),
+            ("TTFT p50 engine (s)", col(&sat, &|m| m.engine_ttft_p50)),
+        ],
     );
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     println!("\nloadavg at end: {}", load.trim());

@@ -1,4 +1,4 @@
-//! One engine core: vLLM V1's scheduler over a [`BlockPool`], with simulated
+//! One engine core: vLLM V1's scheduler over a [`crate::pool`] block pool, with simulated
 //! time passed in (no clock, no I/O, no async), so it is deterministic and
 //! testable step by step.
 //!

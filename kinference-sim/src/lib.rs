@@ -43,7 +43,7 @@
 //!   blocks run out ([`engine`]).
 //! * Time: a step lasts `a + b·prefill tokens + c·decoding sequences`
 //!   ([`LatencyModel`], calibration in its docs); the clock task sleeps until
-//!   the step is due ([`driver`] docs), so idle and busy engines cost no CPU
+//!   the step is due (one tokio task per core), so idle and busy engines cost no CPU
 //!   between steps.
 //! * Output: lengths from `max_tokens` or a seeded distribution
 //!   ([`OutputLen`]); tokens from a fixed plain-word table, so no
