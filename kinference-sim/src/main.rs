@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use kinference_sim::{
-    EngineConfig, EventForm, FaultConfig, HashRepr, KvEventsConfig, LatencyModel, OutputLen,
-    ReplayLayout, SimConfig, SimFleet, SimTokenizer,
+    EngineConfig, EventForm, FaultConfig, FaultRequest, HashRepr, KvEventsConfig, LatencyModel,
+    OutputLen, ReplayLayout, SimConfig, SimFleet, SimTokenizer,
 };
 
 /// Simulated vLLM engines: OpenAI API, /metrics, KV events with replay, a
@@ -116,6 +116,21 @@ struct Args {
     /// Fault: drop every n-th KV batch from the PUB socket (0: never).
     #[arg(long, default_value_t = 0)]
     drop_every: u64,
+    /// Fault: restart every engine's publishers every SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    restart_publisher_every: Option<f64>,
+    /// Fault: how long a restarted publisher stays down, ms.
+    #[arg(long, default_value_t = 0)]
+    restart_down_ms: u64,
+    /// Fault: stall every engine for --stall-ms every SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    stall_every: Option<f64>,
+    /// Fault: length of a periodic stall, ms.
+    #[arg(long, default_value_t = 1000)]
+    stall_ms: u64,
+    /// Fault: cut every in-flight response every SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    kill_streams_every: Option<f64>,
     /// Tokio worker threads (default: one per core).
     #[arg(long)]
     worker_threads: Option<usize>,
@@ -201,6 +216,7 @@ fn config(args: &Args) -> anyhow::Result<SimConfig> {
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
@@ -233,9 +249,64 @@ async fn run(args: Args) -> anyhow::Result<()> {
             kv.join("; ")
         );
     }
+    let fleet = std::sync::Arc::new(fleet);
+    let periodic = [
+        (
+            args.restart_publisher_every,
+            FaultRequest {
+                restart_publisher: Some(true),
+                restart_down_ms: Some(args.restart_down_ms),
+                ..FaultRequest::default()
+            },
+        ),
+        (
+            args.stall_every,
+            FaultRequest {
+                stall_ms: Some(args.stall_ms),
+                ..FaultRequest::default()
+            },
+        ),
+        (
+            args.kill_streams_every,
+            FaultRequest {
+                kill_streams: Some(true),
+                ..FaultRequest::default()
+            },
+        ),
+    ];
+    let mut tasks = Vec::new();
+    for (every, fault) in periodic {
+        let Some(secs) = every else { continue };
+        anyhow::ensure!(
+            secs.is_finite() && secs > 0.0,
+            "fault periods must be positive"
+        );
+        let fleet = fleet.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs_f64(secs));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                for e in fleet.engines() {
+                    if let Err(err) = e.inject(&fault).await {
+                        tracing::warn!(error = %err, "periodic fault failed");
+                    }
+                }
+                tracing::info!(?fault, "periodic fault injected");
+            }
+        }));
+    }
     tokio::signal::ctrl_c()
         .await
         .context("waiting for ctrl-c")?;
-    fleet.shutdown().await;
+    for t in &tasks {
+        t.abort();
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Ok(fleet) = std::sync::Arc::try_unwrap(fleet) {
+        fleet.shutdown().await;
+    }
     Ok(())
 }

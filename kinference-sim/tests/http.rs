@@ -461,3 +461,48 @@ async fn admin_faults_over_http() {
     );
     e.shutdown().await;
 }
+
+#[tokio::test]
+async fn a_real_tokenizer_serves_chat() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../testdata/tokenizers/qwen3");
+    let tok =
+        std::sync::Arc::new(kinference_sim::SimTokenizer::from_dir(dir).expect("qwen3 loads"));
+    assert!(
+        tok.output_vocabulary() > 1000,
+        "plain-word output tokens found"
+    );
+    let e = SimEngine::spawn(SimConfig {
+        tokenizer: Some(tok.clone()),
+        ..config()
+    })
+    .await
+    .expect("engine starts");
+    let c = client();
+    let messages = json!([{"role": "user", "content": "What is a KV cache?"}]);
+    let (status, r) = post_json(
+        &c,
+        &format!("{}/v1/chat/completions", e.base_url()),
+        &json!({"messages": messages, "max_tokens": 12}),
+    )
+    .await;
+    assert_eq!(status, 200, "{r}");
+    // The prompt is what the tokenizer crate computes for vLLM.
+    let want = tok
+        .tokenizer()
+        .tokenize(
+            kinference_tokenize::Endpoint::ChatCompletions,
+            &json!({"messages": messages}),
+        )
+        .expect("tokenizes");
+    assert_eq!(r["usage"]["prompt_tokens"], want.first_ids().len());
+    // The answer re-tokenizes to as many tokens as were generated.
+    let text = r["choices"][0]["message"]["content"]
+        .as_str()
+        .expect("content");
+    assert_eq!(
+        tok.tokenizer().encode(text, false).expect("encodes").len(),
+        12,
+        "{text:?}"
+    );
+    e.shutdown().await;
+}
