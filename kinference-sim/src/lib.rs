@@ -82,12 +82,12 @@
 pub mod config;
 mod driver;
 pub mod engine;
-pub mod events;
 pub mod hash;
 pub mod pool;
 pub mod textgen;
 
 mod api;
+mod events;
 mod http;
 mod metrics;
 
@@ -717,8 +717,8 @@ impl SimEngine {
     }
 }
 
-/// A running engine. Dropping it leaves the engine running until the
-/// runtime ends; call [`SimHandle::shutdown`] to stop it.
+/// A running engine. Dropping it signals the engine to stop (in-flight
+/// requests end abruptly); [`SimHandle::shutdown`] also waits until it has.
 #[derive(Debug)]
 pub struct SimHandle {
     http_addr: SocketAddr,
@@ -811,15 +811,22 @@ impl SimHandle {
         self.shared.apply_faults(faults).await
     }
 
-    /// Stops the engine: in-flight requests end abruptly, sockets close.
-    pub async fn shutdown(self) {
+    /// Stops the engine and waits for it: in-flight requests end
+    /// abruptly, sockets close.
+    pub async fn shutdown(mut self) {
         for r in &self.shared.ranks {
             r.kill_all();
         }
         let _ = self.shutdown.send(true);
-        for t in self.tasks {
+        for t in std::mem::take(&mut self.tasks) {
             let _ = t.await;
         }
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
     }
 }
 
