@@ -340,9 +340,15 @@ fn main() {
     {
         config.shards = v;
     }
+    if let Some(v) = std::env::var("KVBENCH_FANOUT")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        config.fanout = v;
+    }
     println!(
-        "index config: {} shards, segment {}",
-        config.shards, config.segment
+        "index config: {} shards, segment {}, fanout {}",
+        config.shards, config.segment, config.fanout
     );
     let ix = KvIndex::new(config);
     let ids: Vec<WorkerId> = (0..WORKERS)

@@ -25,8 +25,10 @@
 //!
 //! * **Key shards** (read by lookups): `shards` hash maps, each behind its
 //!   own `RwLock`, from block key to its *holders*: a sorted array of packed
-//!   `u64` (worker id, tier mask, count of that worker's held children).
-//!   Up to two holders live inline; more go to one boxed array. A chain is
+//!   `u32` (20-bit worker id, tier mask, count of that worker's held
+//!   children, with a per-worker side table from 255 up). Up to 13 holders
+//!   live inline, so a key and its holders fill one 64-byte bucket and a
+//!   probe costs no pointer chase; more go to a heap vector. A chain is
 //!   cut into *segments* of doubling length, `[0,B) [B,2B) [2B,4B) …`
 //!   (B = `IndexConfig::segment`, 64 by default); all blocks of one
 //!   segment of one chain live in the shard chosen by the key at the
@@ -67,8 +69,8 @@
 //! first key, the number of leading query blocks it holds in any tier and
 //! on the GPU. Cost for a query of n blocks with holders H at position 0:
 //! round 1 probes the first and the last block (a full match, or none, ends
-//! there); further rounds probe 8 points of a worker group's bracket
-//! (⌈log₉ n⌉ rounds), and membership is a merge walk of sorted worker ids:
+//! there); further rounds probe `fanout` points (default 4) of each open
+//! bracket of worker groups (⌈log₅ n⌉ rounds), and membership is a merge walk of sorted worker ids:
 //! O(log n) probes and O((|H| + holders) · log n) work. Workers with holes
 //! or with blocks outside the GPU add an O(depth) scan for themselves only.
 //! Lookups run concurrently with writes; a lookup sees each shard either

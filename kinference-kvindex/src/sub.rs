@@ -426,17 +426,19 @@ impl<S: EventSink> Run<S> {
         let result = loop {
             tokio::select! {
                 r = &mut fetch => break r,
-                m = sub.recv() => {
-                    if let Ok(m) = m
-                        && let Some(Live::Batch(s, p)) = self.live(&m)
-                    {
-                        if buffered.len() < self.config.max_buffered {
-                            buffered.push((s, p));
-                        } else {
-                            overflow = true;
+                m = sub.recv() => match m {
+                    Ok(m) => {
+                        if let Some(Live::Batch(s, p)) = self.live(&m) {
+                            if buffered.len() < self.config.max_buffered {
+                                buffered.push((s, p));
+                            } else {
+                                overflow = true;
+                            }
                         }
                     }
-                }
+                    // Do not spin on a failing socket while the replay runs.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                },
                 ev = monitor.next() => if let Some(ev) = ev { self.on_socket_event(&ev) },
             }
         };

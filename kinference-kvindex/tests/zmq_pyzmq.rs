@@ -317,6 +317,9 @@ async fn a_late_joiner_back_fills_by_replay() {
         {"op": "wait_stdin"},
     ]});
     let mut publ = Publisher::start(&dir, &plan).await;
+    // Subscribe only once both went out unseen.
+    publ.expect_line("DONE send").await;
+    publ.expect_line("DONE send").await;
     let (ix, w) = setup();
     let h = sub::spawn(
         SubscriberConfig::new(publ.endpoint()).with_replay(publ.replay()),

@@ -1,80 +1,78 @@
-//! The set of workers holding one block key, packed for memory.
+//! The set of workers holding one block key, packed for memory and for
+//! one cache line per key.
 //!
-//! A holder is one `u64`: worker id (bits 0..32), tier mask (bits 32..40),
+//! A holder is one `u32`: worker id (bits 0..20), tier mask (bits 20..24)
 //! and the number of that worker's held blocks whose parent is this block
-//! (bits 40..64, saturating), which the index needs to keep its hole
-//! count exact. Holders are kept sorted by worker id. Up to two live
-//! inline; more go to a boxed slice that grows four slots at a time.
+//! (bits 24..32; [`SPILL`] means "255 or more, see the worker's side
+//! table"), which the index needs to keep its hole count exact. Holders
+//! are kept sorted by worker id. Up to [`INLINE`] live inline, so a key
+//! and its holders fill one 64-byte hash-table bucket and a lookup probe
+//! costs no extra pointer chase; more go to a heap vector.
 
-pub(crate) const EMPTY: u64 = u64::MAX;
-const WORKER_MASK: u64 = 0xffff_ffff;
-const TIER_SHIFT: u32 = 32;
-const CHILD_SHIFT: u32 = 40;
-const CHILD_MAX: u64 = (1 << 24) - 1;
+/// Largest worker id + 1.
+pub(crate) const MAX_WORKERS: u32 = 1 << 20;
+/// Holders stored inline.
+pub(crate) const INLINE: usize = 13;
+/// Children count meaning "in the side table".
+pub(crate) const SPILL: u32 = 255;
+const WORKER_MASK: u32 = MAX_WORKERS - 1;
+const TIER_SHIFT: u32 = 20;
+const CHILD_SHIFT: u32 = 24;
 
 #[inline]
-pub(crate) fn pack(worker: u32, tiers: u8, children: u32) -> u64 {
-    u64::from(worker)
-        | (u64::from(tiers) << TIER_SHIFT)
-        | (u64::from(children).min(CHILD_MAX) << CHILD_SHIFT)
+pub(crate) fn pack(worker: u32, tiers: u8, children: u32) -> u32 {
+    (worker & WORKER_MASK)
+        | (u32::from(tiers & 0xf) << TIER_SHIFT)
+        | (children.min(SPILL) << CHILD_SHIFT)
 }
 #[inline]
-pub(crate) fn worker(h: u64) -> u32 {
-    (h & WORKER_MASK) as u32
+pub(crate) fn worker(h: u32) -> u32 {
+    h & WORKER_MASK
 }
 #[inline]
-pub(crate) fn tiers(h: u64) -> u8 {
-    (h >> TIER_SHIFT) as u8
+pub(crate) fn tiers(h: u32) -> u8 {
+    ((h >> TIER_SHIFT) & 0xf) as u8
+}
+/// The inline children field (0..=[`SPILL`]).
+#[inline]
+pub(crate) fn children(h: u32) -> u32 {
+    h >> CHILD_SHIFT
 }
 #[inline]
-pub(crate) fn children(h: u64) -> u32 {
-    (h >> CHILD_SHIFT) as u32
+pub(crate) fn with_tiers(h: u32, t: u8) -> u32 {
+    (h & !(0xf << TIER_SHIFT)) | (u32::from(t & 0xf) << TIER_SHIFT)
 }
 #[inline]
-pub(crate) fn with_tiers(h: u64, t: u8) -> u64 {
-    (h & !(0xff << TIER_SHIFT)) | (u64::from(t) << TIER_SHIFT)
-}
-#[inline]
-pub(crate) fn with_children(h: u64, c: u32) -> u64 {
-    (h & ((1 << CHILD_SHIFT) - 1)) | (u64::from(c).min(CHILD_MAX) << CHILD_SHIFT)
+pub(crate) fn with_children(h: u32, c: u32) -> u32 {
+    (h & ((1 << CHILD_SHIFT) - 1)) | (c.min(SPILL) << CHILD_SHIFT)
 }
 
 #[derive(Debug, Clone)]
 pub(crate) enum Holders {
-    Inline {
-        len: u8,
-        items: [u64; 2],
-    },
-    /// `buf[..len]` live; capacity grows by 4 slots at a time (10 holders
-    /// cost 12 slots, not 16).
-    Heap {
-        len: u32,
-        buf: Box<[u64]>,
-    },
+    Inline { len: u8, items: [u32; INLINE] },
+    Heap(Vec<u32>),
 }
-
-const GROW: usize = 4;
 
 impl Holders {
     pub(crate) fn new() -> Self {
         Holders::Inline {
             len: 0,
-            items: [EMPTY; 2],
+            items: [0; INLINE],
         }
     }
 
     #[inline]
-    pub(crate) fn as_slice(&self) -> &[u64] {
+    pub(crate) fn as_slice(&self) -> &[u32] {
         match self {
             Holders::Inline { len, items } => &items[..usize::from(*len)],
-            Holders::Heap { len, buf } => &buf[..*len as usize],
+            Holders::Heap(v) => v,
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [u64] {
+    fn as_mut_slice(&mut self) -> &mut [u32] {
         match self {
             Holders::Inline { len, items } => &mut items[..usize::from(*len)],
-            Holders::Heap { len, buf } => &mut buf[..*len as usize],
+            Holders::Heap(v) => v,
         }
     }
 
@@ -82,12 +80,11 @@ impl Holders {
         self.as_slice().is_empty()
     }
 
-    /// Heap words owned.
-    #[cfg(test)]
+    /// Heap words (u32) owned.
     pub(crate) fn heap_words(&self) -> usize {
         match self {
             Holders::Inline { .. } => 0,
-            Holders::Heap { buf, .. } => buf.len(),
+            Holders::Heap(v) => v.capacity(),
         }
     }
 
@@ -103,89 +100,64 @@ impl Holders {
     }
 
     #[inline]
-    pub(crate) fn get(&self, w: u32) -> Option<u64> {
+    pub(crate) fn get(&self, w: u32) -> Option<u32> {
         self.find(w).map(|i| self.as_slice()[i])
     }
 
-    pub(crate) fn set(&mut self, i: usize, h: u64) {
+    pub(crate) fn set(&mut self, i: usize, h: u32) {
         self.as_mut_slice()[i] = h;
     }
 
     /// Inserts a holder for a worker not yet present; returns the change in
     /// heap words.
-    #[allow(clippy::many_single_char_names)]
-    pub(crate) fn insert(&mut self, h: u64) -> isize {
+    pub(crate) fn insert(&mut self, h: u32) -> isize {
         let w = worker(h);
-        let s = self.as_slice();
-        let at = s.partition_point(|x| worker(*x) < w);
-        let n = s.len();
+        let at = self.as_slice().partition_point(|x| worker(*x) < w);
+        let before = self.heap_words() as isize;
         match self {
-            Holders::Inline { len, items } if n < 2 => {
+            Holders::Inline { len, items } if usize::from(*len) < INLINE => {
+                let n = usize::from(*len);
                 items.copy_within(at..n, at + 1);
                 items[at] = h;
                 *len += 1;
-                0
             }
             Holders::Inline { items, .. } => {
-                let mut b = vec![EMPTY; GROW].into_boxed_slice();
-                b[..at].copy_from_slice(&items[..at]);
-                b[at] = h;
-                b[at + 1..=n].copy_from_slice(&items[at..n]);
-                *self = Holders::Heap { len: 3, buf: b };
-                GROW as isize
+                let mut v = Vec::with_capacity(INLINE * 2);
+                v.extend_from_slice(&items[..at]);
+                v.push(h);
+                v.extend_from_slice(&items[at..]);
+                *self = Holders::Heap(v);
             }
-            Holders::Heap { len, buf } => {
-                *len += 1;
-                if n < buf.len() {
-                    buf.copy_within(at..n, at + 1);
-                    buf[at] = h;
-                    0
-                } else {
-                    let mut nb = vec![EMPTY; buf.len() + GROW].into_boxed_slice();
-                    nb[..at].copy_from_slice(&buf[..at]);
-                    nb[at] = h;
-                    nb[at + 1..=n].copy_from_slice(&buf[at..n]);
-                    *buf = nb;
-                    GROW as isize
-                }
-            }
+            Holders::Heap(v) => v.insert(at, h),
         }
+        self.heap_words() as isize - before
     }
 
     /// Removes the holder at `i`; returns the change in heap words.
     pub(crate) fn remove(&mut self, i: usize) -> isize {
-        let n = self.as_slice().len();
+        let before = self.heap_words() as isize;
         match self {
             Holders::Inline { len, items } => {
+                let n = usize::from(*len);
                 items.copy_within(i + 1..n, i);
-                items[n - 1] = EMPTY;
+                items[n - 1] = 0;
                 *len -= 1;
-                0
             }
-            Holders::Heap { len, buf } => {
-                buf.copy_within(i + 1..n, i);
-                buf[n - 1] = EMPTY;
-                let left = n - 1;
-                *len = left as u32;
-                if left <= 2 {
-                    let mut items = [EMPTY; 2];
-                    items[..left].copy_from_slice(&buf[..left]);
-                    let freed = buf.len() as isize;
+            Holders::Heap(v) => {
+                v.remove(i);
+                if v.len() <= INLINE {
+                    let mut items = [0; INLINE];
+                    items[..v.len()].copy_from_slice(v);
                     *self = Holders::Inline {
-                        len: left as u8,
+                        len: v.len() as u8,
                         items,
                     };
-                    -freed
-                } else if left + 2 * GROW <= buf.len() {
-                    let nb: Box<[u64]> = buf[..left + GROW].into();
-                    let shrink = buf.len() - nb.len();
-                    *buf = nb;
-                    -(shrink as isize)
-                } else {
-                    0
+                } else if v.len() * 4 <= v.capacity() {
+                    v.shrink_to(v.len() * 2);
                 }
             }
         }
+        self.heap_words() as isize - before
     }
 }
 
@@ -194,26 +166,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_key_and_its_inline_holders_fill_one_cache_line() {
+        assert_eq!(std::mem::size_of::<(u64, Holders)>(), 64);
+    }
+
+    #[test]
     fn insert_remove_keeps_sorted_and_returns_memory() {
         let mut h = Holders::new();
         let mut words = 0isize;
-        for w in [5u32, 1, 9, 3, 7, 2, 8] {
-            assert!(h.find(w).is_none());
-            words += h.insert(pack(w, 1, 0));
+        let ids: Vec<u32> = (0..40).map(|i| (i * 7919) % 1000).collect();
+        for w in &ids {
+            assert!(h.find(*w).is_none());
+            words += h.insert(pack(*w, 1, 0));
         }
         let ws: Vec<u32> = h.as_slice().iter().map(|x| worker(*x)).collect();
-        assert_eq!(ws, vec![1, 2, 3, 5, 7, 8, 9]);
+        let mut sorted = ids.clone();
+        sorted.sort_unstable();
+        assert_eq!(ws, sorted);
         assert_eq!(words, h.heap_words() as isize);
-        for w in [9u32, 1, 5, 3, 7] {
-            let i = h.find(w).expect("present");
+        for w in &ids[..30] {
+            let i = h.find(*w).expect("present");
             words += h.remove(i);
         }
-        assert_eq!(h.as_slice().len(), 2);
+        assert_eq!(h.as_slice().len(), 10);
         assert_eq!(words, 0);
         assert_eq!(h.heap_words(), 0);
-        let i = h.find(8).expect("present");
+        let i = h.find(ids[35]).expect("present");
         h.set(i, with_children(with_tiers(h.as_slice()[i], 3), 7));
-        let x = h.get(8).expect("present");
-        assert_eq!((worker(x), tiers(x), children(x)), (8, 3, 7));
+        let x = h.get(ids[35]).expect("present");
+        assert_eq!((worker(x), tiers(x), children(x)), (ids[35], 3, 7));
+        assert_eq!(children(with_children(x, 10_000)), SPILL);
     }
 }

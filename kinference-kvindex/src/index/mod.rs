@@ -68,8 +68,12 @@ pub struct IndexConfig {
     /// it, the worker holding the most entries is cleared first (see the
     /// crate docs, "Memory budget").
     pub max_entries: u64,
-    /// Most workers registered at once.
+    /// Most workers registered at once (at most 2²⁰).
     pub max_workers: u32,
+    /// Probe points per bracket per round of a lookup's search (2..=32):
+    /// more points mean fewer rounds (dependent memory latencies) but more
+    /// probes and membership walks.
+    pub fanout: u32,
     /// The KV-cache group indexed (events of other groups are counted, not
     /// indexed); `group_idx` nil counts as 0.
     pub group: u32,
@@ -82,6 +86,7 @@ impl Default for IndexConfig {
             segment: 64,
             max_entries: 200_000_000,
             max_workers: 65_536,
+            fanout: 4,
             group: 0,
         }
     }
@@ -172,6 +177,8 @@ struct WorkerState {
     no_gpu: u64,
     /// Held keys whose parent key is not held → number of such children.
     orphan_parents: HashMap<u64, u32, foldhash::fast::FixedState>,
+    /// Children counts of 255 and more (the holder says [`holders::SPILL`]).
+    big_children: HashMap<u64, u32, foldhash::fast::FixedState>,
     /// Engine hashes whose block differs from the shared record.
     overrides: EngineMap<Rec>,
 }
@@ -288,8 +295,6 @@ impl Matches {
 
 const FLAG_HOLES: u8 = 1;
 const FLAG_NO_GPU: u8 = 2;
-/// Probe points per bracket per round of the lookup search.
-const FANOUT: u32 = 8;
 /// Brackets probed in one round.
 const MAX_BRACKETS: usize = 4;
 
@@ -318,6 +323,32 @@ fn write<T>(m: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     m.write().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// The true children count of holder `h` (of a worker) of block `key`.
+#[inline]
+fn children_of(ws: &WorkerState, key: u64, h: u32) -> u32 {
+    let c = holders::children(h);
+    if c == holders::SPILL {
+        ws.big_children.get(&key).copied().unwrap_or(c)
+    } else {
+        c
+    }
+}
+
+/// `h` with children count `c`; counts of [`holders::SPILL`] and more go to
+/// the worker's side table.
+#[inline]
+fn with_children_count(ws: &mut WorkerState, key: u64, h: u32, c: u32) -> u32 {
+    if c >= holders::SPILL {
+        ws.big_children.insert(key, c);
+        holders::with_children(h, holders::SPILL)
+    } else {
+        if holders::children(h) == holders::SPILL {
+            ws.big_children.remove(&key);
+        }
+        holders::with_children(h, c)
+    }
+}
+
 #[inline]
 fn lookup_rec(writer: &Writer, w: usize, h: u64) -> Option<Rec> {
     let ws = writer.workers.get(w)?.as_ref()?;
@@ -339,10 +370,14 @@ impl KvIndex {
     /// An empty index.
     pub fn new(config: IndexConfig) -> Self {
         let shards = config.shards.clamp(1, 65_536).next_power_of_two();
+        let max_workers = config.max_workers.clamp(1, holders::MAX_WORKERS);
+        let fanout = config.fanout.clamp(2, 32);
         let segment = config.segment.clamp(1, 1 << 20).next_power_of_two();
         let config = IndexConfig {
             shards,
             segment,
+            max_workers,
+            fanout,
             ..config
         };
         KvIndex {
@@ -532,6 +567,7 @@ impl KvIndex {
             ws.stats.clears += 1;
             ws.no_gpu = 0;
             ws.orphan_parents = HashMap::default();
+            ws.big_children = HashMap::default();
             ws.overrides = HashMap::default();
         }
         self.flags[w].store(0, Ordering::Relaxed);
@@ -603,7 +639,7 @@ impl KvIndex {
     pub fn stats(&self) -> IndexStats {
         let wr = lock(&self.writer);
         let slot = std::mem::size_of::<(u64, Holders)>() as u64 + 1;
-        let mut bytes = self.heap_words.load(Ordering::Relaxed) * 8;
+        let mut bytes = self.heap_words.load(Ordering::Relaxed) * 4;
         for s in &self.shards {
             bytes += read(&s.0).map.capacity() as u64 * slot;
         }
@@ -934,11 +970,11 @@ impl KvIndex {
             }
             let first_new = child_new;
             drop(sh);
+            let ws = wr.workers[w].as_mut().expect("checked");
             if external
                 && first_new
-                && !self.touch_parent(w, first.parent_shard, first.parent_key, 1)
+                && !self.touch_parent(ws, w, first.parent_shard, first.parent_key, 1)
             {
-                let ws = wr.workers[w].as_mut().expect("checked");
                 ws.stats.holes += 1;
                 *ws.orphan_parents.entry(first.parent_key).or_insert(0) += 1;
             }
@@ -957,14 +993,21 @@ impl KvIndex {
 
     /// For a new child in another shard: adjusts the parent's child count
     /// by `delta` if the worker holds it; returns whether it does.
-    fn touch_parent(&self, w: usize, shard: u16, parent_key: u64, delta: i32) -> bool {
+    fn touch_parent(
+        &self,
+        ws: &mut WorkerState,
+        w: usize,
+        shard: u16,
+        parent_key: u64,
+        delta: i32,
+    ) -> bool {
         let mut sh = write(&self.shards[shard as usize].0);
         if let Some(hs) = sh.map.get_mut(&parent_key)
             && let Some(i) = hs.find(w as u32)
         {
             let h = hs.as_slice()[i];
-            let c = (i64::from(holders::children(h)) + i64::from(delta)).max(0) as u32;
-            hs.set(i, holders::with_children(h, c));
+            let c = (i64::from(children_of(ws, parent_key, h)) + i64::from(delta)).max(0) as u32;
+            hs.set(i, with_children_count(ws, parent_key, h, c));
             return true;
         }
         false
@@ -1001,7 +1044,8 @@ impl KvIndex {
                 }
             }
             if new_children > 0 {
-                h = holders::with_children(h, holders::children(h) + new_children);
+                let c = children_of(ws, r.key, h) + new_children;
+                h = with_children_count(ws, r.key, h, c);
             }
             hs.set(i, h);
             return false;
@@ -1013,7 +1057,8 @@ impl KvIndex {
                 ws.orphan_parents.remove(&r.key).unwrap_or(0)
             };
         ws.stats.holes -= u64::from(children - new_children);
-        d.heap += hs.insert(holders::pack(w, bit, children));
+        let packed = with_children_count(ws, r.key, holders::pack(w, bit, 0), children);
+        d.heap += hs.insert(packed);
         d.entries += 1;
         ws.stats.blocks_held += 1;
         if bit != gpu {
@@ -1024,7 +1069,8 @@ impl KvIndex {
                 && let Some(i) = ph.find(w)
             {
                 let h = ph.as_slice()[i];
-                ph.set(i, holders::with_children(h, holders::children(h) + 1));
+                let c = children_of(ws, r.parent_key, h) + 1;
+                ph.set(i, with_children_count(ws, r.parent_key, h, c));
                 true
             } else {
                 false
@@ -1089,7 +1135,7 @@ impl KvIndex {
                 continue;
             };
             let sh = read(&self.shards[shard as usize].0);
-            let mut acc = 0u64;
+            let mut acc = 0u32;
             while i < found.len() && found[i].1.is_some_and(|r| r.shard == shard) {
                 if let Some(r) = found[i].1
                     && let Some(hs) = sh.map.get(&r.key)
@@ -1208,7 +1254,10 @@ impl KvIndex {
         if t & gpu == 0 {
             ws.no_gpu -= 1;
         }
-        let c = holders::children(h);
+        let c = children_of(ws, r.key, h);
+        if holders::children(h) == holders::SPILL {
+            ws.big_children.remove(&r.key);
+        }
         if c > 0 {
             ws.stats.holes += u64::from(c);
             *ws.orphan_parents.entry(r.key).or_insert(0) += c;
@@ -1219,17 +1268,15 @@ impl KvIndex {
                     && let Some(j) = ph.find(wid)
                 {
                     let x = ph.as_slice()[j];
-                    ph.set(
-                        j,
-                        holders::with_children(x, holders::children(x).saturating_sub(1)),
-                    );
+                    let c = children_of(ws, r.parent_key, x).saturating_sub(1);
+                    ph.set(j, with_children_count(ws, r.parent_key, x, c));
                     true
                 } else {
                     false
                 }
             } else {
                 *cur = None;
-                self.touch_parent(w, r.parent_shard, r.parent_key, -1)
+                self.touch_parent(ws, w, r.parent_shard, r.parent_key, -1)
             };
             if !held {
                 let ws = wr.workers[w].as_mut().expect("checked");
@@ -1323,11 +1370,12 @@ impl KvIndex {
                         let (lo, hi) = (c.lo, c.hi);
                         let start = points.len();
                         let span = hi - lo - 1;
-                        if span <= FANOUT {
+                        let fanout = self.config.fanout;
+                        if span <= fanout {
                             points.extend(lo + 1..hi);
                         } else {
-                            for j in 1..=FANOUT {
-                                points.push(lo + (span * j).div_ceil(FANOUT));
+                            for j in 1..=fanout {
+                                points.push(lo + (span * j).div_ceil(fanout));
                             }
                         }
                         c.bracket = brackets.len() as u8;
@@ -1373,12 +1421,23 @@ impl KvIndex {
             // first hit. Candidates and holders are both sorted by worker
             // id, so each point costs one merge walk.
             for (b, &(_, _, start, end)) in brackets.iter().enumerate() {
+                let mut open = 0usize;
                 for c in &mut out.cand {
                     c.open = usize::from(c.bracket) == b;
+                    open += usize::from(c.open);
                 }
                 for idx in (start..end).rev() {
+                    if open == 0 {
+                        break;
+                    }
                     let p = points[idx];
-                    let hs = found[idx].map_or(&[][..], Holders::as_slice);
+                    let Some(hs) = found[idx].map(Holders::as_slice) else {
+                        // Nobody holds this block: every open candidate ends below.
+                        for c in out.cand.iter_mut().filter(|c| c.open) {
+                            c.hi = p;
+                        }
+                        continue;
+                    };
                     let mut k = 0;
                     for c in out.cand.iter_mut().filter(|c| c.open) {
                         while k < hs.len() && holders::worker(hs[k]) < c.worker {
@@ -1387,6 +1446,7 @@ impl KvIndex {
                         if k < hs.len() && holders::worker(hs[k]) == c.worker {
                             c.lo = p;
                             c.open = false;
+                            open -= 1;
                         } else {
                             c.hi = p;
                         }

@@ -280,3 +280,33 @@ fn segments_double_in_length() {
     let starts: Vec<u32> = (0..600).filter(|p| ix.seg_start_at(*p)).collect();
     assert_eq!(starts, vec![0, 64, 128, 256, 512]);
 }
+
+#[test]
+fn many_children_spill_to_the_side_table_and_stay_exact() {
+    let ix = idx();
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    let seed = key::seed_for_lora(None);
+    ix.store_hashed(w, None, seed, &[1], &[10], Tier::Gpu)
+        .expect("stores");
+    for c in 0..300u64 {
+        ix.store_hashed(w, Some(1), seed, &[100 + c], &[1000 + c], Tier::Gpu)
+            .expect("stores");
+    }
+    assert_eq!(ix.entries(), 301);
+    ix.remove_hashed(w, &[1], Tier::Gpu).expect("removes");
+    assert_eq!(ix.worker_stats(w).expect("stats").holes, 300);
+    ix.store_hashed(w, None, seed, &[1], &[10], Tier::Gpu)
+        .expect("stores");
+    assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
+    let children: Vec<u64> = (0..300u64).map(|c| 100 + c).collect();
+    ix.remove_hashed(w, &children[..200], Tier::Gpu)
+        .expect("removes");
+    ix.remove_hashed(w, &[1], Tier::Gpu).expect("removes");
+    assert_eq!(ix.worker_stats(w).expect("stats").holes, 100);
+    ix.remove_hashed(w, &children[200..], Tier::Gpu)
+        .expect("removes");
+    let st = ix.worker_stats(w).expect("stats");
+    assert_eq!((st.holes, st.blocks_held, ix.entries()), (0, 0, 0));
+}
