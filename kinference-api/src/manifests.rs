@@ -58,7 +58,7 @@ impl Object {
 pub enum ManifestError {
     /// The text is not YAML.
     #[error("not valid YAML")]
-    Yaml(#[source] serde_saphyr::Error),
+    Yaml(#[source] Box<serde_saphyr::Error>),
     /// A document is not a mapping with `apiVersion` and `kind`.
     #[error("document {doc}: {message}")]
     Shape {
@@ -99,7 +99,8 @@ pub enum ManifestError {
 /// The first document that cannot be parsed or is invalid; documents are
 /// numbered from 1.
 pub fn parse(text: &str) -> Result<Vec<Object>, ManifestError> {
-    let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(ManifestError::Yaml)?;
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(text).map_err(|e| ManifestError::Yaml(Box::new(e)))?;
     let mut out = Vec::with_capacity(docs.len());
     for (i, doc) in docs.into_iter().enumerate() {
         if doc.is_null() {

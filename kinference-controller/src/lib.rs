@@ -1,6 +1,159 @@
-//! The kinference controller.
+//! The kinference controller: status people can act on, with diagnoses.
 //!
-//! **Status: skeleton.** This crate will hold the controller binary and its
-//! library: reconciling worker sets and pools, writing status with
-//! server-side apply, probing endpoints for models and KV events, and
-//! diagnoses. It exports nothing and builds no binary yet.
+//! It watches InferenceWorkerSets, InferencePools, RoutingProfiles and the
+//! EndpointSlices of the worker sets' Services, and writes the status that
+//! `kubectl get iws` and `kubectl describe` show:
+//!
+//! ```text
+//! NAME               READY   STATE                            AGE
+//! qwen-3-6-35b-a3b   3       Accepted                         7d
+//! gemma-4-12b        0       Accepted,NotReady                7d
+//! orphan             0       Accepted,NotReady,Unreferenced   19s
+//! no-such-profile    0       UnknownProfile                   2m
+//! ```
+//!
+//! # Data model
+//!
+//! | module | what | I/O |
+//! |---|---|---|
+//! | [`endpoints`] | what the controller judges from kinference-api's reading of EndpointSlices (ports that do not resolve, KV port missing on some endpoints) | none |
+//! | [`status`] | worker-set and pool status from a namespace's objects, probe results and the previous status | none |
+//! | [`diagnose`] | diagnoses from the spec, endpoints and a [`probe::ProbeResult`] | none |
+//! | [`events`] | which status changes become Kubernetes Events; the [`events::EventSink`] seam | Events |
+//! | [`probe`] | the [`probe::Prober`] seam; `GET /v1/models` over HTTP | engines |
+//! | [`triggers`] | which objects to reconcile when a related one changes | none |
+//! | [`reconcile`] | the two kube-runtime controllers, caches, status writes | API server |
+//! | [`leader`] | leader election on a Lease, behind a seam | API server |
+//! | [`metrics`], [`admin`] | Prometheus metrics; `/metrics`, `/healthz`, `/readyz` | HTTP |
+//! | [`args`] | flags and environment, wiring, graceful shutdown | all |
+//!
+//! # Invariants
+//!
+//! - Status is a pure function of (spec, slices, pools, profiles, probe
+//!   result, previous status, now); an unchanged world recomputes to the
+//!   status already written, and the reconciler writes only a status that
+//!   differs. There are no write loops: a write's own watch event leads to
+//!   one reconcile that writes nothing.
+//! - Status is written with server-side apply under one field manager,
+//!   [`FIELD_MANAGER`], on the status subresource only. The controller never
+//!   creates, changes or deletes CRDs, specs or other objects (Events and
+//!   its Lease aside).
+//! - Condition `lastTransitionTime`s move only when a condition flips; each
+//!   diagnosis keeps its `since` while its reason persists.
+//! - Only the leader reconciles; every instance keeps its caches warm.
+//! - What a probe could not learn is said so ([`probe::KvProbe::NotProbed`])
+//!   and makes no diagnosis; in this release the KV-event stream is not
+//!   probed yet.
+//!
+//! # Complexity
+//!
+//! A reconcile reads its namespace from the caches: O(worker sets + pools +
+//! slices of the namespace) plus the conflict check (see [`status`]). A
+//! probe round asks each ready endpoint once (16 at a time) and happens at
+//! most once per probe interval per worker set, sooner when its endpoints
+//! change.
+
+pub mod admin;
+pub mod args;
+pub mod diagnose;
+pub mod endpoints;
+pub mod events;
+pub mod leader;
+pub mod metrics;
+pub mod probe;
+pub mod rbac;
+pub mod reconcile;
+pub mod status;
+pub mod triggers;
+
+pub use args::{Args, RunError};
+pub use reconcile::{Context, ObjectStats, Runtime, Seams, Settings};
+
+/// The field manager of every status write (and the reporting controller of
+/// Events).
+pub const FIELD_MANAGER: &str = "kinference-controller";
+
+#[cfg(test)]
+pub(crate) mod tests {
+    //! Builders for unit tests.
+
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+    use k8s_openapi::jiff::Timestamp;
+    use kinference_api::v1alpha1::{KvEventsRef, ModelSpec, ServiceRef, WorkerSetRef};
+    use kinference_api::{
+        InferencePool, InferencePoolSpec, InferenceWorkerSet, InferenceWorkerSetSpec,
+    };
+    use kube::core::ObjectMeta;
+
+    /// A time `secs` seconds after the epoch.
+    pub(crate) fn at(secs: i64) -> Time {
+        Time(Timestamp::from_second(secs).expect("a valid time"))
+    }
+
+    fn port(p: &str) -> IntOrString {
+        match p.parse::<i32>() {
+            Ok(n) => IntOrString::Int(n),
+            Err(_) => IntOrString::String(p.to_owned()),
+        }
+    }
+
+    /// A spec with profile `default`, kvBlockSize 16, the Service and ports
+    /// given, and `models` as (name, aliases).
+    pub(crate) fn mk_spec(
+        service: &str,
+        http: &str,
+        kv: Option<&str>,
+        models: &[(&str, &[&str])],
+    ) -> InferenceWorkerSetSpec {
+        InferenceWorkerSetSpec {
+            profile: "default".into(),
+            kv_block_size: 16,
+            service_ref: ServiceRef {
+                name: service.into(),
+                port: port(http),
+            },
+            kv_events: kv.map(|k| KvEventsRef { port: port(k) }),
+            models: models
+                .iter()
+                .map(|(name, aliases)| ModelSpec {
+                    name: (*name).into(),
+                    aliases: aliases.iter().map(|a| (*a).to_owned()).collect(),
+                })
+                .collect(),
+        }
+    }
+
+    /// A worker set in namespace `ns`, created at `created` (seconds), generation 1.
+    pub(crate) fn mk_ws(
+        name: &str,
+        created: i64,
+        spec: InferenceWorkerSetSpec,
+    ) -> InferenceWorkerSet {
+        let mut ws = InferenceWorkerSet::new(name, spec);
+        ws.metadata = ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("ns".into()),
+            generation: Some(1),
+            creation_timestamp: Some(at(created)),
+            ..Default::default()
+        };
+        ws
+    }
+
+    /// A pool in namespace `ns` naming `sets`, generation 1.
+    pub(crate) fn mk_pool(name: &str, sets: &[&str]) -> InferencePool {
+        let mut pool = InferencePool::new(
+            name,
+            InferencePoolSpec {
+                worker_sets: sets
+                    .iter()
+                    .map(|s| WorkerSetRef { name: (*s).into() })
+                    .collect(),
+            },
+        );
+        pool.metadata.namespace = Some("ns".into());
+        pool.metadata.generation = Some(1);
+        pool
+    }
+}

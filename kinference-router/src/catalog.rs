@@ -44,9 +44,7 @@ impl PoolRef {
             None => ("default", s),
         };
         if namespace.is_empty() || name.is_empty() || name.contains('/') {
-            return Err(format!(
-                "pool {s:?}: expected NAME or NAMESPACE/NAME"
-            ));
+            return Err(format!("pool {s:?}: expected NAME or NAMESPACE/NAME"));
         }
         Ok(Self {
             namespace: namespace.to_owned(),
@@ -76,7 +74,12 @@ pub enum Kind {
 
 impl Kind {
     /// Every kind.
-    pub const ALL: [Kind; 4] = [Kind::Pool, Kind::WorkerSet, Kind::Profile, Kind::EndpointSlice];
+    pub const ALL: [Kind; 4] = [
+        Kind::Pool,
+        Kind::WorkerSet,
+        Kind::Profile,
+        Kind::EndpointSlice,
+    ];
 }
 
 /// What the data plane routes on, recomputed after every change.
@@ -346,10 +349,10 @@ impl Catalog {
 mod tests {
     use super::*;
     use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
     use kinference_api::v1alpha1::{
         InferencePoolSpec, InferenceWorkerSetSpec, KvEventsRef, ServiceRef, WorkerSetRef,
     };
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
     fn mk_pool(name: &str, sets: &[&str]) -> InferencePool {
         let mut p = InferencePool::new(
@@ -415,9 +418,8 @@ mod tests {
         };
         s.metadata.name = Some(name.into());
         s.metadata.namespace = Some("default".into());
-        s.metadata.labels = Some(
-            [(endpoints::SERVICE_NAME_LABEL.to_owned(), service.to_owned())].into(),
-        );
+        s.metadata.labels =
+            Some([(endpoints::SERVICE_NAME_LABEL.to_owned(), service.to_owned())].into());
         s
     }
 

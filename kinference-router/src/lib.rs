@@ -7,4 +7,9 @@
 //! admin endpoints are not built yet.
 
 pub mod catalog;
+pub mod endpoint;
+pub mod openai;
+pub mod probe;
+pub mod proxy;
 pub mod source;
+pub mod view;

@@ -12,8 +12,8 @@ use futures::StreamExt;
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kinference_api::manifests::{self, Object};
 use kinference_api::{InferencePool, InferenceWorkerSet, RoutingProfile};
-use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use tokio::sync::Mutex;
@@ -151,9 +151,11 @@ pub async fn watch_manifests(
     stop: CancellationToken,
 ) -> Result<tokio::task::JoinHandle<()>, ManifestsError> {
     let d = dir.clone();
-    let (first, print) = tokio::task::spawn_blocking(move || Ok::<_, ManifestsError>((load_manifests(&d)?, fingerprint(&d)?)))
-        .await
-        .expect("manifest loading does not panic")?;
+    let (first, print) = tokio::task::spawn_blocking(move || {
+        Ok::<_, ManifestsError>((load_manifests(&d)?, fingerprint(&d)?))
+    })
+    .await
+    .expect("manifest loading does not panic")?;
     if !first.ignored.is_empty() {
         tracing::info!(dir = %dir.display(), ignored = ?first.ignored, "objects of other kinds are ignored");
     }
@@ -168,13 +170,14 @@ pub async fn watch_manifests(
             }
             let d = dir.clone();
             let seen = last.clone();
-            let reload = tokio::task::spawn_blocking(move || -> Result<Option<_>, ManifestsError> {
-                let now = fingerprint(&d)?;
-                if now == seen {
-                    return Ok(None);
-                }
-                Ok(Some((load_manifests(&d)?, now)))
-            });
+            let reload =
+                tokio::task::spawn_blocking(move || -> Result<Option<_>, ManifestsError> {
+                    let now = fingerprint(&d)?;
+                    if now == seen {
+                        return Ok(None);
+                    }
+                    Ok(Some((load_manifests(&d)?, now)))
+                });
             match reload.await.expect("manifest loading does not panic") {
                 Ok(None) => {}
                 Ok(Some((m, now))) => {
@@ -207,7 +210,9 @@ pub fn watch_kubernetes(
     let ns = {
         // The pool never changes; reading it without awaiting the lock keeps
         // this function synchronous.
-        let c = catalog.try_lock().expect("the catalog is not in use at start-up");
+        let c = catalog
+            .try_lock()
+            .expect("the catalog is not in use at start-up");
         c.pool().namespace.clone()
     };
     let slice_cfg =
@@ -245,7 +250,9 @@ pub fn watch_kubernetes(
 }
 
 /// Objects the catalog can take, by kind.
-trait Catalogued: Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static {
+trait Catalogued:
+    Resource + Clone + DeserializeOwned + std::fmt::Debug + Send + Sync + 'static
+{
     fn apply(self, c: &mut Catalog);
     fn delete(name: &str, c: &mut Catalog);
     fn reset(all: Vec<Self>, c: &mut Catalog);
@@ -267,8 +274,18 @@ macro_rules! catalogued {
     };
 }
 catalogued!(InferencePool, apply_pool, delete_pool, reset_pools);
-catalogued!(InferenceWorkerSet, apply_worker_set, delete_worker_set, reset_worker_sets);
-catalogued!(RoutingProfile, apply_profile, delete_profile, reset_profiles);
+catalogued!(
+    InferenceWorkerSet,
+    apply_worker_set,
+    delete_worker_set,
+    reset_worker_sets
+);
+catalogued!(
+    RoutingProfile,
+    apply_profile,
+    delete_profile,
+    reset_profiles
+);
 catalogued!(EndpointSlice, apply_slice, delete_slice, reset_slices);
 
 fn spawn_watch<K>(

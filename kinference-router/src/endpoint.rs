@@ -1,0 +1,488 @@
+//! Per-endpoint state: the router's own load accounting, health, and what
+//! the engine told us (models, scraped metrics).
+//!
+//! An endpoint is one engine's OpenAI API address (`ip:port`). Its state
+//! lives as long as some worker set of the pool lists it as ready; the
+//! [`Registry`] creates and drops states as snapshots change, and the tasks
+//! that poll the engine stop with it.
+//!
+//! Load accounting is the main load signal (scraped metrics are slow): a
+//! request counts as *prefilling* from when it is sent until its first token
+//! (or, for non-streaming responses, until its predicted first-token time has
+//! passed), then as *decoding* until its response ends or the client goes
+//! away. [`InFlight`] guards make the release happen exactly once, on every
+//! path.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+use serde::Serialize;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// A compact endpoint id, stable while the endpoint exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct EndpointId(pub u32);
+
+/// An endpoint's address.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointKey {
+    /// IP address or host name.
+    pub address: String,
+    /// OpenAI API port.
+    pub http_port: u16,
+}
+
+impl EndpointKey {
+    /// `address:port`, with brackets around IPv6 addresses.
+    pub fn authority(&self) -> String {
+        if self.address.contains(':') {
+            format!("[{}]:{}", self.address, self.http_port)
+        } else {
+            format!("{}:{}", self.address, self.http_port)
+        }
+    }
+}
+
+/// A model an engine serves, from its `/v1/models`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct DiscoveredModel {
+    /// The served name.
+    pub id: String,
+    /// Context length, on base-model cards.
+    pub max_model_len: Option<u64>,
+    /// Base model of a LoRA adapter card.
+    pub parent: Option<String>,
+}
+
+/// Figures scraped from the engine's `/metrics`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Scraped {
+    /// `vllm:num_requests_running`.
+    pub running: f64,
+    /// `vllm:num_requests_waiting`.
+    pub waiting: f64,
+    /// `vllm:kv_cache_usage_perc` (0..1).
+    pub kv_usage: f64,
+    /// `vllm:cache_config_info{block_size}`.
+    pub block_size: Option<u32>,
+    /// When they were read.
+    #[serde(skip)]
+    pub at: Instant,
+}
+
+/// The router's own count of work it has sent to an endpoint.
+#[derive(Debug, Default)]
+pub struct Load {
+    /// Requests sent and not finished.
+    pub requests: AtomicU32,
+    /// Requests whose first token has not arrived.
+    pub prefilling: AtomicU32,
+    /// Uncached prompt tokens of the prefilling requests.
+    pub prefill_tokens: AtomicU64,
+    /// Requests past their first token and not finished.
+    pub decoding: AtomicU32,
+}
+
+/// A point-in-time copy of [`Load`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LoadSnapshot {
+    /// Requests in flight.
+    pub requests: u32,
+    /// Of which before their first token.
+    pub prefilling: u32,
+    /// Their uncached prompt tokens.
+    pub prefill_tokens: u64,
+    /// Requests decoding.
+    pub decoding: u32,
+}
+
+impl Load {
+    /// Reads the counters.
+    pub fn snapshot(&self) -> LoadSnapshot {
+        LoadSnapshot {
+            requests: self.requests.load(Ordering::Relaxed),
+            prefilling: self.prefilling.load(Ordering::Relaxed),
+            prefill_tokens: self.prefill_tokens.load(Ordering::Relaxed),
+            decoding: self.decoding.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// Health: consecutive failures and an ejection deadline.
+#[derive(Debug, Default)]
+struct Health {
+    failures: u32,
+    ejected_until: Option<Instant>,
+}
+
+/// The longest an endpoint is ejected after failures.
+const MAX_EJECTION: Duration = Duration::from_secs(30);
+
+/// One endpoint.
+#[derive(Debug)]
+pub struct Endpoint {
+    /// Its id.
+    pub id: EndpointId,
+    /// Its address.
+    pub key: EndpointKey,
+    /// `address:port` for requests.
+    pub authority: String,
+    /// Load sent by this router.
+    pub load: Load,
+    health: RwLock<Health>,
+    models: RwLock<Vec<DiscoveredModel>>,
+    models_error: RwLock<Option<String>>,
+    scraped: RwLock<Option<Scraped>>,
+    /// Set while the endpoint is in the pool; cleared when it leaves.
+    live: AtomicBool,
+    /// Cancelled when the endpoint leaves: stops its tasks.
+    pub stop: CancellationToken,
+}
+
+impl Endpoint {
+    fn new(id: EndpointId, key: EndpointKey, stop: CancellationToken) -> Self {
+        Self {
+            id,
+            authority: key.authority(),
+            key,
+            load: Load::default(),
+            health: RwLock::default(),
+            models: RwLock::default(),
+            models_error: RwLock::default(),
+            scraped: RwLock::default(),
+            live: AtomicBool::new(true),
+            stop,
+        }
+    }
+
+    /// Whether requests may go here at `now` (not ejected).
+    pub fn healthy(&self, now: Instant) -> bool {
+        self.health.read().ejected_until.is_none_or(|t| now >= t)
+    }
+
+    /// Records a failure to connect or a refusal: ejects the endpoint for a
+    /// time that doubles with consecutive failures (0.5 s up to 30 s).
+    pub fn record_failure(&self, now: Instant) {
+        let mut h = self.health.write();
+        h.failures = h.failures.saturating_add(1);
+        let backoff = Duration::from_millis(500)
+            .saturating_mul(1 << (h.failures - 1).min(6))
+            .min(MAX_EJECTION);
+        h.ejected_until = Some(now + backoff);
+    }
+
+    /// Records a success: the endpoint is healthy again.
+    pub fn record_success(&self) {
+        let mut h = self.health.write();
+        if h.failures != 0 || h.ejected_until.is_some() {
+            *h = Health::default();
+        }
+    }
+
+    /// Consecutive failures so far.
+    pub fn failures(&self) -> u32 {
+        self.health.read().failures
+    }
+
+    /// Models from the last successful `/v1/models`.
+    pub fn models(&self) -> Vec<DiscoveredModel> {
+        self.models.read().clone()
+    }
+
+    /// Whether this endpoint serves `model` (per its last `/v1/models`).
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.read().iter().any(|m| m.id == model)
+    }
+
+    /// Stores the result of a `/v1/models` call.
+    pub fn set_models(&self, result: Result<Vec<DiscoveredModel>, String>) {
+        match result {
+            Ok(models) => {
+                *self.models.write() = models;
+                *self.models_error.write() = None;
+            }
+            Err(e) => *self.models_error.write() = Some(e),
+        }
+    }
+
+    /// The last `/v1/models` error, if the last call failed.
+    pub fn models_error(&self) -> Option<String> {
+        self.models_error.read().clone()
+    }
+
+    /// The last scraped metrics.
+    pub fn scraped(&self) -> Option<Scraped> {
+        *self.scraped.read()
+    }
+
+    /// Stores scraped metrics.
+    pub fn set_scraped(&self, s: Scraped) {
+        *self.scraped.write() = Some(s);
+    }
+
+    /// Whether the endpoint is still in the pool.
+    pub fn is_live(&self) -> bool {
+        self.live.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request as sent: prefilling `prefill_tokens` uncached tokens.
+    pub fn begin(self: &Arc<Self>, prefill_tokens: u64) -> InFlight {
+        self.load.requests.fetch_add(1, Ordering::Relaxed);
+        self.load.prefilling.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .prefill_tokens
+            .fetch_add(prefill_tokens, Ordering::Relaxed);
+        InFlight {
+            endpoint: self.clone(),
+            prefill_tokens,
+            phase: Phase::Prefilling,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Prefilling,
+    Decoding,
+}
+
+/// One request's share of an endpoint's load; releases it when dropped.
+#[derive(Debug)]
+pub struct InFlight {
+    endpoint: Arc<Endpoint>,
+    prefill_tokens: u64,
+    phase: Phase,
+}
+
+impl InFlight {
+    /// The endpoint this request went to.
+    pub fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.endpoint
+    }
+
+    /// The first token arrived (or is assumed to have): prefill work is done.
+    /// Idempotent.
+    pub fn first_token(&mut self) {
+        if self.phase == Phase::Prefilling {
+            let l = &self.endpoint.load;
+            l.prefilling.fetch_sub(1, Ordering::Relaxed);
+            l.prefill_tokens
+                .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            l.decoding.fetch_add(1, Ordering::Relaxed);
+            self.phase = Phase::Decoding;
+        }
+    }
+
+    /// Whether the first token has been seen.
+    pub fn past_first_token(&self) -> bool {
+        self.phase == Phase::Decoding
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let l = &self.endpoint.load;
+        match self.phase {
+            Phase::Prefilling => {
+                l.prefilling.fetch_sub(1, Ordering::Relaxed);
+                l.prefill_tokens
+                    .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            }
+            Phase::Decoding => {
+                l.decoding.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        l.requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Every endpoint of the pool, by address.
+///
+/// Ids are dense: an id freed when an endpoint leaves is given to the next
+/// one that joins (per-endpoint scoring state is indexed by id), so users of
+/// ids must forget a removed endpoint's id before the next `sync`.
+#[derive(Debug, Default)]
+pub struct Registry {
+    by_key: HashMap<EndpointKey, Arc<Endpoint>>,
+    next_id: u32,
+    free: Vec<u32>,
+}
+
+/// What [`Registry::sync`] changed.
+#[derive(Debug, Default)]
+pub struct Changes {
+    /// Endpoints that joined: start their tasks.
+    pub added: Vec<Arc<Endpoint>>,
+    /// Endpoints that left: their tasks are stopped; drop their KV state.
+    pub removed: Vec<Arc<Endpoint>>,
+}
+
+impl Registry {
+    /// Makes the registry hold exactly `keys`: new ones get fresh state (and
+    /// a new id), missing ones are stopped and removed. State of endpoints
+    /// that stay is kept.
+    pub fn sync(
+        &mut self,
+        keys: impl IntoIterator<Item = EndpointKey>,
+        parent: &CancellationToken,
+    ) -> Changes {
+        let wanted: std::collections::HashSet<EndpointKey> = keys.into_iter().collect();
+        let mut changes = Changes::default();
+        let free = &mut self.free;
+        self.by_key.retain(|k, e| {
+            if wanted.contains(k) {
+                true
+            } else {
+                e.live.store(false, Ordering::Relaxed);
+                e.stop.cancel();
+                free.push(e.id.0);
+                changes.removed.push(e.clone());
+                false
+            }
+        });
+        // Lowest free ids first, so ids stay small.
+        self.free.sort_unstable_by(|a, b| b.cmp(a));
+        let mut new: Vec<EndpointKey> = wanted
+            .into_iter()
+            .filter(|k| !self.by_key.contains_key(k))
+            .collect();
+        new.sort();
+        for k in new {
+            {
+                let id = EndpointId(self.free.pop().unwrap_or_else(|| {
+                    self.next_id += 1;
+                    self.next_id - 1
+                }));
+                let e = Arc::new(Endpoint::new(id, k.clone(), parent.child_token()));
+                self.by_key.insert(k, e.clone());
+                changes.added.push(e);
+            }
+        }
+        changes
+    }
+
+    /// The endpoint at `key`.
+    pub fn get(&self, key: &EndpointKey) -> Option<&Arc<Endpoint>> {
+        self.by_key.get(key)
+    }
+
+    /// Every endpoint.
+    pub fn all(&self) -> impl Iterator<Item = &Arc<Endpoint>> {
+        self.by_key.values()
+    }
+
+    /// Number of endpoints.
+    pub fn len(&self) -> usize {
+        self.by_key.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.by_key.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(a: &str) -> EndpointKey {
+        EndpointKey {
+            address: a.into(),
+            http_port: 8000,
+        }
+    }
+
+    #[test]
+    fn in_flight_is_released_exactly_once_on_every_path() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        {
+            let mut a = e.begin(1000);
+            let _b = e.begin(500);
+            assert_eq!(
+                e.load.snapshot(),
+                LoadSnapshot {
+                    requests: 2,
+                    prefilling: 2,
+                    prefill_tokens: 1500,
+                    decoding: 0
+                }
+            );
+            a.first_token();
+            a.first_token();
+            assert_eq!(
+                e.load.snapshot(),
+                LoadSnapshot {
+                    requests: 2,
+                    prefilling: 1,
+                    prefill_tokens: 500,
+                    decoding: 1
+                }
+            );
+        }
+        assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn failures_eject_with_growing_backoff_and_success_heals() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let t0 = Instant::now();
+        assert!(e.healthy(t0));
+        e.record_failure(t0);
+        assert!(!e.healthy(t0));
+        assert!(e.healthy(t0 + Duration::from_millis(500)));
+        e.record_failure(t0);
+        assert!(!e.healthy(t0 + Duration::from_millis(999)));
+        for _ in 0..20 {
+            e.record_failure(t0);
+        }
+        assert!(!e.healthy(t0 + Duration::from_secs(29)));
+        assert!(e.healthy(t0 + MAX_EJECTION));
+        e.record_success();
+        assert!(e.healthy(t0));
+        assert_eq!(e.failures(), 0);
+    }
+
+    #[test]
+    fn sync_keeps_survivors_and_stops_leavers() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let c = reg.sync([key("a"), key("b")], &stop);
+        assert_eq!(c.added.len(), 2);
+        let b = reg.get(&key("b")).unwrap().clone();
+        let _guard = b.begin(10);
+        let c = reg.sync([key("b"), key("c")], &stop);
+        assert_eq!(c.added.len(), 1);
+        assert_eq!(c.removed.len(), 1);
+        assert!(c.removed[0].stop.is_cancelled());
+        assert!(!c.removed[0].is_live());
+        // b kept its state and id.
+        let b2 = reg.get(&key("b")).unwrap();
+        assert!(Arc::ptr_eq(&b, b2));
+        assert_eq!(b2.load.snapshot().requests, 1);
+        assert_eq!(reg.len(), 2);
+        assert_ne!(c.added[0].id, b.id);
+        // The id "a" freed went to "c".
+        assert_eq!(c.added[0].id, c.removed[0].id);
+    }
+
+    #[test]
+    fn ipv6_authority_has_brackets() {
+        assert_eq!(
+            EndpointKey {
+                address: "fd00::1".into(),
+                http_port: 80
+            }
+            .authority(),
+            "[fd00::1]:80"
+        );
+    }
+}

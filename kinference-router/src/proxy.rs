@@ -1,0 +1,258 @@
+//! Forwarding a request to an engine and streaming its answer back.
+//!
+//! The request body is already in memory (the router parsed it to route), so
+//! a request that fails to *connect*, or that an engine refuses with 503
+//! before sending anything, is retried on the next candidate. Once an engine
+//! has answered, its response is streamed back unchanged, chunk by chunk, and
+//! the request's [`InFlight`] guard travels with the body: the load it holds
+//! is released when the body ends, fails, or is dropped because the client
+//! went away.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use tokio::time::Instant;
+
+use crate::endpoint::InFlight;
+
+/// The upstream client: pooled keep-alive connections to every engine.
+pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// An upstream client with a connect timeout and keep-alive pooling.
+pub fn client(connect_timeout: Duration) -> UpstreamClient {
+    let mut http = HttpConnector::new();
+    http.set_connect_timeout(Some(connect_timeout));
+    http.set_nodelay(true);
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(1024)
+        .build(http)
+}
+
+/// Headers that belong to one connection and are never forwarded.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers, including those named in `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for h in HOP_BY_HOP.iter().chain(&named) {
+        headers.remove(h);
+    }
+}
+
+/// Builds the request to send to `authority`.
+///
+/// # Errors
+/// When the path does not make a valid URI with the authority.
+pub fn upstream_request(
+    authority: &str,
+    path_and_query: &str,
+    mut headers: HeaderMap,
+    body: Bytes,
+) -> Result<Request<Full<Bytes>>, http::Error> {
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+    let mut req =
+        Request::post(format!("http://{authority}{path_and_query}")).body(Full::new(body))?;
+    *req.headers_mut() = headers;
+    if let Ok(v) = HeaderValue::from_str(authority) {
+        req.headers_mut().insert(header::HOST, v);
+    }
+    Ok(req)
+}
+
+/// What happened when sending to one endpoint.
+#[derive(Debug)]
+pub enum Sent {
+    /// The engine answered: stream this back.
+    Answered(Response<Incoming>),
+    /// Could not connect, or the engine refused before answering (503):
+    /// safe to try another endpoint.
+    Retry(String),
+    /// Failed after the request may have reached the engine: not retried.
+    Failed(String),
+}
+
+/// Sends one request, moving `inflight` past prefill at `assume_first_token`
+/// if the response headers have not come by then (non-streaming responses
+/// only send headers at the end).
+pub async fn send(
+    client: &UpstreamClient,
+    req: Request<Full<Bytes>>,
+    inflight: &mut InFlight,
+    assume_first_token: Option<Instant>,
+    timeout: Duration,
+) -> Sent {
+    let call = client.request(req);
+    tokio::pin!(call);
+    let deadline = Instant::now() + timeout;
+    let mut assume = assume_first_token;
+    let result = loop {
+        tokio::select! {
+            r = &mut call => break r,
+            () = async { tokio::time::sleep_until(assume.unwrap_or(deadline)).await }, if assume.is_some() => {
+                inflight.first_token();
+                assume = None;
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                return Sent::Failed(format!("no response within {timeout:?}"));
+            }
+        }
+    };
+    match result {
+        Ok(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
+            Sent::Retry("the engine answered 503".into())
+        }
+        Ok(resp) => Sent::Answered(resp),
+        Err(e) if e.is_connect() => Sent::Retry(format!("connect: {e}")),
+        Err(e) => Sent::Failed(e.to_string()),
+    }
+}
+
+/// Called once, with the time from sending to the first body bytes.
+pub type OnFirstByte = Box<dyn FnOnce(Duration) + Send + Sync>;
+
+/// A proxied response body: passes frames through and keeps the request's
+/// load accounted until it ends.
+pub struct TrackedBody {
+    inner: Incoming,
+    inflight: Option<InFlight>,
+    sent_at: Instant,
+    on_first_byte: Option<OnFirstByte>,
+}
+
+impl std::fmt::Debug for TrackedBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrackedBody")
+            .field("inflight", &self.inflight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TrackedBody {
+    /// Wraps an engine's response body.
+    pub fn new(
+        inner: Incoming,
+        inflight: InFlight,
+        sent_at: Instant,
+        on_first_byte: Option<OnFirstByte>,
+    ) -> Self {
+        Self {
+            inner,
+            inflight: Some(inflight),
+            sent_at,
+            on_first_byte,
+        }
+    }
+}
+
+impl Body for TrackedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if frame.data_ref().is_some_and(|d| !d.is_empty()) {
+                    if let Some(f) = this.on_first_byte.take() {
+                        f(this.sent_at.elapsed());
+                    }
+                    if let Some(g) = &mut this.inflight {
+                        g.first_token();
+                    }
+                }
+            }
+            Poll::Ready(None | Some(Err(_))) => {
+                // The end, or a failure: release the load now rather than
+                // when hyper drops the body.
+                this.inflight = None;
+            }
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_removed() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-private"),
+        );
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer t"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        strip_hop_by_hop(&mut h);
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["authorization", "content-type"]);
+    }
+
+    #[test]
+    fn upstream_requests_carry_the_new_body_length_and_host() {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, HeaderValue::from_static("router:8080"));
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("999"));
+        let req = upstream_request(
+            "10.0.0.1:8000",
+            "/v1/completions?x=1",
+            h,
+            Bytes::from_static(b"{}"),
+        )
+        .unwrap();
+        assert_eq!(req.uri(), "http://10.0.0.1:8000/v1/completions?x=1");
+        assert_eq!(req.headers()[header::HOST], "10.0.0.1:8000");
+        assert_eq!(req.headers()[header::CONTENT_LENGTH], "2");
+    }
+}

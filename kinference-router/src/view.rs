@@ -1,0 +1,241 @@
+//! The routing view: what a request is resolved against.
+//!
+//! Rebuilt (never mutated) whenever the catalog publishes a snapshot or an
+//! endpoint's discovered models change; requests read the current
+//! `Arc<View>` without waiting on anything.
+//!
+//! A name a client sends resolves to *targets*: a worker set and the model
+//! name its engines serve (an alias is rewritten to it). Names come from the
+//! worker sets' `spec.models` (names and aliases) and from what the engines
+//! list in `/v1/models`. A worker set whose profile is unknown is left out.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use crate::catalog::{Snapshot, WorkerSetRoute};
+use crate::endpoint::{Endpoint, EndpointKey, Registry};
+
+/// One worker set, with its live endpoints.
+#[derive(Debug)]
+pub struct WorkerSetView {
+    /// The catalog's view of it.
+    pub route: WorkerSetRoute,
+    /// Its endpoints' states, in the catalog's order.
+    pub endpoints: Vec<Arc<Endpoint>>,
+}
+
+/// Where a requested name can go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Target {
+    /// Index into [`View::worker_sets`].
+    pub worker_set: usize,
+    /// The model name to send to the engines.
+    pub model: String,
+}
+
+/// A model card for the router's own `/v1/models`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Card {
+    /// The name clients send.
+    pub id: String,
+    /// The model it maps to on the engines.
+    pub root: String,
+    /// The context length the engines report.
+    pub max_model_len: Option<u64>,
+    /// Worker sets serving it.
+    pub worker_sets: Vec<String>,
+}
+
+/// The routing view.
+#[derive(Debug, Default)]
+pub struct View {
+    /// The pool's routable worker sets.
+    pub worker_sets: Vec<WorkerSetView>,
+    names: HashMap<String, Vec<Target>>,
+    /// Cards for `/v1/models`, sorted by id.
+    pub cards: Vec<Card>,
+}
+
+impl View {
+    /// Builds the view of `snapshot` with the endpoint states in `registry`.
+    pub fn build(snapshot: &Snapshot, registry: &Registry) -> Self {
+        let mut worker_sets = Vec::new();
+        for route in &snapshot.worker_sets {
+            if !route.profile_known() {
+                continue;
+            }
+            let endpoints = route
+                .endpoints
+                .iter()
+                .filter_map(|e| {
+                    registry
+                        .get(&EndpointKey {
+                            address: e.address.clone(),
+                            http_port: e.http_port,
+                        })
+                        .cloned()
+                })
+                .collect();
+            worker_sets.push(WorkerSetView {
+                route: route.clone(),
+                endpoints,
+            });
+        }
+
+        // name -> (target, context length)
+        let mut names: BTreeMap<String, Vec<(Target, Option<u64>)>> = BTreeMap::new();
+        let mut add = |name: &str, t: Target, len: Option<u64>| {
+            let v = names.entry(name.to_owned()).or_default();
+            if !v.iter().any(|(x, _)| *x == t) {
+                v.push((t, len));
+            }
+        };
+        for (i, ws) in worker_sets.iter().enumerate() {
+            let discovered: Vec<_> = ws.endpoints.iter().flat_map(|e| e.models()).collect();
+            let len_of = |model: &str| {
+                discovered
+                    .iter()
+                    .filter(|m| m.id == model)
+                    .find_map(|m| m.max_model_len)
+            };
+            for m in &ws.route.models {
+                let t = Target {
+                    worker_set: i,
+                    model: m.name.clone(),
+                };
+                add(&m.name, t.clone(), len_of(&m.name));
+                for a in &m.aliases {
+                    add(a, t.clone(), len_of(&m.name));
+                }
+            }
+            for m in &discovered {
+                let t = Target {
+                    worker_set: i,
+                    model: m.id.clone(),
+                };
+                add(&m.id, t, m.max_model_len);
+            }
+        }
+        let cards = names
+            .iter()
+            .map(|(id, ts)| Card {
+                id: id.clone(),
+                root: ts[0].0.model.clone(),
+                max_model_len: ts.iter().find_map(|(_, l)| *l),
+                worker_sets: ts
+                    .iter()
+                    .map(|(t, _)| worker_sets[t.worker_set].route.name.clone())
+                    .collect(),
+            })
+            .collect();
+        let names = names
+            .into_iter()
+            .map(|(k, v)| (k, v.into_iter().map(|(t, _)| t).collect()))
+            .collect();
+        Self {
+            worker_sets,
+            names,
+            cards,
+        }
+    }
+
+    /// The targets of a requested model name or alias.
+    pub fn resolve(&self, name: &str) -> Option<&[Target]> {
+        self.names.get(name).map(Vec::as_slice)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::DiscoveredModel;
+    use kinference_api::endpoints::ReadyEndpoint;
+    use kinference_api::v1alpha1::ModelSpec;
+    use tokio_util::sync::CancellationToken;
+
+    fn route(name: &str, models: Vec<ModelSpec>, addrs: &[&str], profile: &str) -> WorkerSetRoute {
+        WorkerSetRoute {
+            name: name.into(),
+            kv_block_size: 16,
+            profile_name: profile.into(),
+            profile: None,
+            models,
+            kv_events: true,
+            endpoints: addrs
+                .iter()
+                .map(|a| ReadyEndpoint {
+                    address: (*a).into(),
+                    http_port: 8000,
+                    kv_port: Some(5557),
+                    target: None,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn names_aliases_and_discovered_models_resolve() {
+        let snap = Snapshot {
+            synced: true,
+            pool_found: true,
+            worker_sets: vec![
+                route(
+                    "qwen",
+                    vec![ModelSpec {
+                        name: "Qwen/Qwen3-8B".into(),
+                        aliases: vec!["qwen".into(), "q".into()],
+                    }],
+                    &["10.0.0.1", "10.0.0.2"],
+                    "default",
+                ),
+                route("gemma", vec![], &["10.0.0.3"], "default"),
+                route("broken", vec![], &["10.0.0.4"], "no-such-profile"),
+            ],
+            problems: vec![],
+        };
+        let mut reg = Registry::default();
+        let stop = CancellationToken::new();
+        reg.sync(
+            snap.endpoints().map(|(_, e)| EndpointKey {
+                address: e.address.clone(),
+                http_port: e.http_port,
+            }),
+            &stop,
+        );
+        for e in reg.all() {
+            if e.key.address == "10.0.0.3" {
+                e.set_models(Ok(vec![DiscoveredModel {
+                    id: "google/gemma".into(),
+                    max_model_len: Some(8192),
+                    parent: None,
+                }]));
+            }
+        }
+        let view = View::build(&snap, &reg);
+        assert_eq!(
+            view.worker_sets.len(),
+            2,
+            "the unknown-profile set is left out"
+        );
+        assert_eq!(view.worker_sets[0].endpoints.len(), 2);
+
+        let q = view.resolve("qwen").unwrap();
+        assert_eq!(
+            q,
+            [Target {
+                worker_set: 0,
+                model: "Qwen/Qwen3-8B".into()
+            }]
+        );
+        assert_eq!(view.resolve("q").unwrap()[0].model, "Qwen/Qwen3-8B");
+        assert_eq!(view.resolve("google/gemma").unwrap()[0].worker_set, 1);
+        assert!(view.resolve("nope").is_none());
+
+        let ids: Vec<&str> = view.cards.iter().map(|c| c.id.as_str()).collect();
+        assert_eq!(ids, ["Qwen/Qwen3-8B", "google/gemma", "q", "qwen"]);
+        assert_eq!(view.cards[1].max_model_len, Some(8192));
+        assert_eq!(view.cards[3].root, "Qwen/Qwen3-8B");
+    }
+}
