@@ -57,9 +57,11 @@
 //!   successful reset. Batches are published in engine order, one per step
 //!   that produced events, `seq` counting from 0 per publisher (restart).
 //! * [`SimHandle::cache_truth`] (`GET /debug/cache`) is the set of blocks the
-//!   engine would hit right now; applying every published event to an empty
-//!   index yields exactly its digests (modulo faults that drop batches, and
-//!   vLLM's own duplicate-digest quirk, which the truth reports as `copies`).
+//!   engine would hit right now. Replaying every published event onto a
+//!   multiset (`BlockStored` +1 per hash, `BlockRemoved` −1,
+//!   `AllBlocksCleared` empties it) yields exactly each digest's number of
+//!   `copies` (vLLM can cache one digest in two blocks, and then reports
+//!   each eviction), unless a fault dropped batches.
 //! * Same seed, same prompt ⇒ same output tokens on every engine.
 //!
 //! # Complexity and cost
