@@ -1,6 +1,896 @@
-//! A vLLM-compatible engine simulator.
+//! A vLLM-compatible engine simulator that behaves like a loaded GPU.
 //!
-//! **Status: skeleton.** This crate will serve the OpenAI API, `/metrics`,
-//! `/tokenize` and KV events byte-compatible with vLLM, with a prefix cache,
-//! continuous batching and a latency model, so routing can be tested and
-//! measured without GPUs. It exports nothing yet.
+//! It answers vLLM's HTTP API (OpenAI completions and chat, streaming or
+//! not, `/tokenize`, `/metrics` with vLLM's names, `/v1/models`,
+//! `/kv_event_sources`, `/health`), publishes KV-cache events on ZeroMQ
+//! byte-compatible with vLLM 0.33 (and a replay ROUTER), and takes as long as
+//! an engine with a prefix cache and continuous batching would: time to
+//! first token depends on cache hits and queueing. Routers and benchmarks
+//! run fleets of them in one process, cheaply.
+//!
+//! # Start engines in-process
+//!
+//! ```no_run
+//! use kinference_sim::{SimConfig, SimEngine};
+//!
+//! # async fn demo() -> Result<(), kinference_sim::SimError> {
+//! let engine = SimEngine::spawn(SimConfig::default()).await?;
+//! println!("OpenAI API on {}, KV events on {:?}", engine.base_url(), engine.kv_addr());
+//! // … send requests, subscribe to events, read engine.cache_truth() …
+//! engine.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
+//! [`SimFleet::spawn`] starts N engines on consecutive ports (or ephemeral
+//! ones) sharing one tokenizer; the binary `kinference-sim --engines N`
+//! does the same from the command line.
+//!
+//! # Data model
+//!
+//! One [`SimEngine`] is one vLLM server: an HTTP listener in front of
+//! `dp_size` *engine cores* (DP ranks). Each core ([`engine::EngineCore`])
+//! has its own block pool (prefix cache), scheduler, clock task and KV-event
+//! publisher (PUB on base port + rank). Requests go to the least loaded rank
+//! (`4 × waiting + running`, vLLM's DP balancer) or to the rank named by the
+//! `X-data-parallel-rank` header.
+//!
+//! * Prefix cache: vLLM V1's `BlockPool` ([`pool`]): full blocks keyed by a
+//!   SHA-256 chain identical to vLLM's `sha256_cbor` ([`hash`]), LRU
+//!   eviction of unreferenced blocks (a request's tail first), duplicates
+//!   and all.
+//! * Scheduler: running requests first, then waiting ones, under a token
+//!   budget (chunked prefill) and `max_num_seqs`; recompute preemption when
+//!   blocks run out ([`engine`]).
+//! * Time: a step lasts `a + b·prefill tokens + c·decoding sequences`
+//!   ([`LatencyModel`], calibration in its docs); the clock task sleeps until
+//!   the step is due (one tokio task per core), so idle and busy engines cost no CPU
+//!   between steps.
+//! * Output: lengths from `max_tokens` or a seeded distribution
+//!   ([`OutputLen`]); tokens from a fixed plain-word table, so no
+//!   detokenization ([`textgen`]).
+//!
+//! # Invariants
+//!
+//! * A `BlockStored` is published for every block the moment vLLM would
+//!   cache it (at scheduling), with its parent; a `BlockRemoved` for every
+//!   cached block that allocation reuses; `AllBlocksCleared` after a
+//!   successful reset. Batches are published in engine order, one per step
+//!   that produced events, `seq` counting from 0 per publisher (restart).
+//! * [`SimHandle::cache_truth`] (`GET /debug/cache`) is the set of blocks the
+//!   engine would hit right now. Replaying every published event onto a
+//!   multiset (`BlockStored` +1 per hash, `BlockRemoved` −1,
+//!   `AllBlocksCleared` empties it) yields exactly each digest's number of
+//!   `copies` (vLLM can cache one digest in two blocks, and then reports
+//!   each eviction), unless a fault dropped batches.
+//! * Same seed, same prompt ⇒ same output tokens on every engine.
+//!
+//! # Complexity and cost
+//!
+//! Per step: O(scheduled requests + blocks touched); per request: one
+//! SHA-256 per full prompt block, one JSON parse, one tokenization (on the
+//! blocking pool), one small channel message and (streaming) one SSE chunk
+//! per output token. See the `sim` bench for measured figures.
+//!
+//! # Endpoints beyond vLLM's
+//!
+//! | endpoint | what |
+//! |---|---|
+//! | `GET /debug/cache[?rank=R&tokens=1&digests=1&summary=1]` | true cached blocks, counters, queues, publisher state |
+//! | `GET /debug/requests[?limit=N]` | timings of recent requests (engine seconds) |
+//! | `POST /debug/prefix_match` | cached prefix tokens per rank for `{"tokens": […]}`, a prompt or messages |
+//! | `GET/POST /admin/faults` | fault state / inject faults ([`FaultRequest`]) |
+//! | `POST /reset_prefix_cache` | vLLM's dev endpoint: `AllBlocksCleared` (409 while requests hold blocks) |
+
+pub mod config;
+mod driver;
+pub mod engine;
+pub mod hash;
+pub mod pool;
+pub mod textgen;
+
+mod api;
+mod events;
+mod http;
+mod metrics;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+pub use config::{
+    EngineConfig, EventForm, FaultConfig, HashRepr, KvEventsConfig, LatencyModel, OutputLen,
+    SimConfig,
+};
+pub use engine::{CoreStats, RequestRecord};
+pub use hash::{BlockHasher, Digest};
+pub use kinference_kvindex::codec::frames::ReplayLayout;
+pub use textgen::SimTokenizer;
+
+use crate::api::ApiError;
+use crate::driver::Rank;
+use crate::engine::EngineCore;
+use crate::events::Publisher;
+
+/// The vLLM release whose wire formats the simulator reproduces.
+pub const VLLM_VERSION: &str = "0.33.0";
+
+/// Why an engine could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A port could not be bound.
+    #[error("cannot bind {addr}: {reason}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The error.
+        reason: String,
+    },
+    /// The tokenizer could not be loaded.
+    #[error("cannot load the tokenizer")]
+    Tokenizer(#[from] kinference_tokenize::LoadError),
+}
+
+/// What the HTTP handlers share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) cfg: SimConfig,
+    pub(crate) tok: Arc<SimTokenizer>,
+    pub(crate) ranks: Vec<Arc<Rank>>,
+    id_salt: u64,
+    id_seq: AtomicU64,
+}
+
+/// KV-event endpoints of one DP rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct KvEndpoint {
+    /// DP rank.
+    pub rank: u32,
+    /// PUB socket.
+    pub pub_addr: SocketAddr,
+    /// Replay ROUTER socket.
+    pub replay_addr: Option<SocketAddr>,
+}
+
+/// One cached block as the engine holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BlockTruth {
+    /// vLLM's int form of the digest (what int-mode events carry).
+    pub hash: u64,
+    /// The parent's int form (`None`: first block of a sequence).
+    pub parent: Option<u64>,
+    /// The whole digest, hex (`digests=1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    /// Physical copies (vLLM may cache one digest twice).
+    pub copies: usize,
+    /// Held by a running request.
+    pub in_use: bool,
+    /// Token ids (`tokens=1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<Vec<u32>>,
+}
+
+/// The truth about one engine core, for oracles and reliability checks.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankTruth {
+    /// DP rank.
+    pub rank: u32,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks including the null block.
+    pub num_gpu_blocks: usize,
+    /// Unreferenced blocks (cached or not).
+    pub free_blocks: usize,
+    /// `vllm:kv_cache_usage_perc`.
+    pub kv_cache_usage_perc: f64,
+    /// Distinct cached digests.
+    pub cached_hashes: usize,
+    /// Blocks carrying a digest.
+    pub cached_blocks: usize,
+    /// The cached blocks, sorted by digest (omitted with `summary=1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<Vec<BlockTruth>>,
+    /// Counters.
+    pub counters: Counters,
+    /// Request ids running, in batch order.
+    pub running: Vec<u64>,
+    /// Request ids waiting, in queue order.
+    pub waiting: Vec<u64>,
+    /// Publisher state.
+    pub publisher: Option<PublisherTruth>,
+    /// Remaining stall, in ms.
+    pub stalled_ms: u64,
+    /// Step-time multiplier.
+    pub slowdown: f64,
+}
+
+/// Counters of one core (the same numbers `/metrics` shows).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Counters {
+    /// `vllm:prompt_tokens_total`.
+    pub prompt_tokens: u64,
+    /// `vllm:generation_tokens_total`.
+    pub generation_tokens: u64,
+    /// `vllm:prefix_cache_queries_total`.
+    pub prefix_cache_queries: u64,
+    /// `vllm:prefix_cache_hits_total`.
+    pub prefix_cache_hits: u64,
+    /// `vllm:num_preemptions_total`.
+    pub preemptions: u64,
+    /// Requests finished (stop + length).
+    pub finished: u64,
+    /// Requests aborted.
+    pub aborted: u64,
+    /// Engine steps.
+    pub steps: u64,
+    /// Simulated busy seconds.
+    pub busy_seconds: f64,
+    /// Blocks announced by `BlockStored`.
+    pub blocks_stored: u64,
+    /// `BlockRemoved` events.
+    pub blocks_removed: u64,
+    /// Successful resets.
+    pub cache_resets: u64,
+}
+
+impl From<&CoreStats> for Counters {
+    fn from(s: &CoreStats) -> Self {
+        Counters {
+            prompt_tokens: s.prompt_tokens,
+            generation_tokens: s.generation_tokens,
+            prefix_cache_queries: s.prefix_cache_queries,
+            prefix_cache_hits: s.prefix_cache_hits,
+            preemptions: s.preemptions,
+            finished: s.finished_stop + s.finished_length,
+            aborted: s.finished_abort,
+            steps: s.steps,
+            busy_seconds: s.busy_seconds,
+            blocks_stored: s.blocks_stored,
+            blocks_removed: s.blocks_removed,
+            cache_resets: s.cache_resets,
+        }
+    }
+}
+
+/// A publisher's state.
+#[derive(Debug, Clone, Serialize)]
+pub struct PublisherTruth {
+    /// PUB endpoint.
+    pub endpoint: String,
+    /// Replay endpoint.
+    pub replay_endpoint: Option<String>,
+    /// Next sequence number.
+    pub next_seq: u64,
+    /// Batches sent.
+    pub sent: u64,
+    /// Batches dropped from PUB (kept for replay).
+    pub dropped: u64,
+    /// Batches lost.
+    pub lost: u64,
+    /// Restarts.
+    pub restarts: u64,
+    /// Replay requests answered.
+    pub replays: u64,
+    /// Drop every n-th batch.
+    pub drop_every: u64,
+    /// Drops still pending.
+    pub drop_pending: u64,
+    /// Losses still pending.
+    pub lose_pending: u64,
+}
+
+/// The whole engine's truth (`GET /debug/cache`).
+#[derive(Debug, Clone, Serialize)]
+pub struct CacheTruth {
+    /// Served model name.
+    pub model: String,
+    /// One entry per DP rank.
+    pub engines: Vec<RankTruth>,
+}
+
+/// Faults to inject (`POST /admin/faults`, or [`SimHandle::inject`]). All
+/// fields are optional; `rank` limits them to one DP rank.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FaultRequest {
+    /// Only this DP rank (default: all).
+    pub rank: Option<u32>,
+    /// Multiply step times by this (1.0 = normal).
+    pub slowdown: Option<f64>,
+    /// Stop stepping for this long (0 ends a stall).
+    pub stall_ms: Option<u64>,
+    /// Do not send the next n batches (seq used, kept for replay): a gap.
+    pub drop_batches: Option<u64>,
+    /// Lose the next n batches (seq used, not kept): an unrecoverable gap.
+    pub lose_batches: Option<u64>,
+    /// Drop every n-th batch from now on (0 = never).
+    pub drop_every: Option<u64>,
+    /// Restart the publisher (seq back to 0, replay ring cleared).
+    pub restart_publisher: Option<bool>,
+    /// How long the restarted publisher stays down, ms (default 0).
+    pub restart_down_ms: Option<u64>,
+    /// End every in-flight request abruptly (connections cut).
+    pub kill_streams: Option<bool>,
+    /// Reset the prefix cache (`AllBlocksCleared`) if idle.
+    pub reset_prefix_cache: Option<bool>,
+}
+
+/// What [`SimHandle::inject`] did.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct FaultReport {
+    /// Requests killed.
+    pub killed: usize,
+    /// Publishers restarted.
+    pub restarted: usize,
+    /// Whether the requested reset succeeded on every rank.
+    pub reset: Option<bool>,
+}
+
+impl Shared {
+    fn next_id_hex(&self) -> String {
+        let n = self.id_seq.fetch_add(1, Ordering::Relaxed);
+        format!("{:016x}{:016x}", self.id_salt, n)
+    }
+
+    /// The requested model name, checked; the served name when absent.
+    pub(crate) fn check_model(&self, model: Option<&Value>) -> Result<String, ApiError> {
+        match model {
+            None | Some(Value::Null) => Ok(self.cfg.model.clone()),
+            Some(Value::String(m)) if self.cfg.served_names().any(|n| n == m) => Ok(m.clone()),
+            Some(Value::String(m)) => Err(ApiError::not_found(format!(
+                "The model `{m}` does not exist."
+            ))),
+            Some(v) => Err(ApiError::bad_param(
+                "model",
+                format!("`model` must be a string, got {v}"),
+            )),
+        }
+    }
+
+    fn pick_rank(&self, headers: &axum::http::HeaderMap) -> Result<Arc<Rank>, ApiError> {
+        if let Some(v) = headers.get("x-data-parallel-rank") {
+            let r = v
+                .to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .filter(|r| *r < self.ranks.len())
+                .ok_or_else(|| {
+                    ApiError::bad(format!(
+                        "X-data-parallel-rank must be a rank below {}",
+                        self.ranks.len()
+                    ))
+                })?;
+            return Ok(self.ranks[r].clone());
+        }
+        self.ranks
+            .iter()
+            .min_by_key(|r| r.load_score())
+            .cloned()
+            .ok_or_else(|| ApiError::internal("no engine core"))
+    }
+
+    fn in_flight(&self) -> usize {
+        self.ranks
+            .iter()
+            .map(|r| {
+                let st = r.lock();
+                st.core.num_running() + st.core.num_waiting()
+            })
+            .sum()
+    }
+
+    fn render_metrics(&self) -> String {
+        let e = &self.cfg.engine;
+        let cache_info: Vec<(&str, String)> = vec![
+            ("block_size", e.block_size.to_string()),
+            ("cache_dtype", "auto".to_owned()),
+            ("enable_prefix_caching", py_bool(e.enable_prefix_caching)),
+            ("gpu_memory_utilization", "0.9".to_owned()),
+            ("hash_block_size", e.block_size.to_string()),
+            (
+                "kv_cache_size_tokens",
+                ((e.num_gpu_blocks - 1) * e.block_size).to_string(),
+            ),
+            ("num_cpu_blocks", "None".to_owned()),
+            ("num_gpu_blocks", e.num_gpu_blocks.to_string()),
+            ("prefix_caching_hash_algo", "sha256_cbor".to_owned()),
+        ];
+        let guards: Vec<_> = self.ranks.iter().map(|r| (r.index, r.lock())).collect();
+        let ranks: Vec<metrics::RankMetrics<'_>> = guards
+            .iter()
+            .map(|(rank, st)| metrics::RankMetrics {
+                rank: *rank,
+                running: st.core.num_running(),
+                waiting: st.core.num_waiting(),
+                usage: st.core.kv_usage(),
+                stats: st.core.stats(),
+            })
+            .collect();
+        metrics::render(&self.cfg.model, &cache_info, &ranks)
+    }
+
+    fn kv_event_sources(&self) -> Value {
+        let Some(kv) = &self.cfg.kv_events else {
+            return json!({});
+        };
+        let mut out = serde_json::Map::new();
+        for r in &self.ranks {
+            let Some(p) = &r.publisher else { continue };
+            out.insert(
+                r.index.to_string(),
+                json!({
+                    "enable_kv_cache_events": true,
+                    "publisher": "zmq",
+                    "endpoint": endpoint_str(p.info.pub_addr),
+                    "replay_endpoint": p.info.replay_addr.map(endpoint_str),
+                    "buffer_steps": kv.buffer_steps,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": kv.topic,
+                }),
+            );
+        }
+        Value::Object(out)
+    }
+
+    fn reset_prefix_cache(&self) -> bool {
+        // Every rank is tried; the answer is whether all succeeded.
+        let results: Vec<bool> = self.ranks.iter().map(|r| r.reset_prefix_cache()).collect();
+        results.into_iter().all(|ok| ok)
+    }
+
+    fn cached_prefix_tokens(&self, tokens: &[u32]) -> Vec<usize> {
+        self.ranks
+            .iter()
+            .map(|r| r.lock().core.cached_prefix_tokens(tokens))
+            .collect()
+    }
+
+    fn cache_truth(
+        &self,
+        only: Option<u32>,
+        tokens: bool,
+        digests: bool,
+        blocks: bool,
+    ) -> CacheTruth {
+        let engines = self
+            .ranks
+            .iter()
+            .filter(|r| only.is_none_or(|o| o == r.index))
+            .map(|r| {
+                let (running, waiting, counters, free, usage, (hashes, cached), list) = {
+                    let st = r.lock();
+                    let (running, waiting) = st.core.queue();
+                    let list = blocks.then(|| {
+                        st.core
+                            .cache_snapshot(tokens)
+                            .into_iter()
+                            .map(|b| BlockTruth {
+                                hash: b.digest.id(),
+                                parent: b.parent.map(|p| p.id()),
+                                digest: digests.then(|| b.digest.hex()),
+                                copies: b.copies,
+                                in_use: b.in_use,
+                                tokens: b.tokens,
+                            })
+                            .collect()
+                    });
+                    (
+                        running,
+                        waiting,
+                        Counters::from(st.core.stats()),
+                        st.core.free_blocks(),
+                        st.core.kv_usage(),
+                        st.core.cached_counts(),
+                        list,
+                    )
+                };
+                RankTruth {
+                    rank: r.index,
+                    block_size: self.cfg.engine.block_size,
+                    num_gpu_blocks: self.cfg.engine.num_gpu_blocks,
+                    free_blocks: free,
+                    kv_cache_usage_perc: usage,
+                    cached_hashes: hashes,
+                    cached_blocks: cached,
+                    blocks: list,
+                    counters,
+                    running,
+                    waiting,
+                    publisher: r.publisher.as_ref().map(|p| publisher_truth(&p.info)),
+                    stalled_ms: r.stalled_until().map_or(0, |u| {
+                        u.saturating_duration_since(tokio::time::Instant::now())
+                            .as_millis() as u64
+                    }),
+                    slowdown: r.slowdown(),
+                }
+            })
+            .collect();
+        CacheTruth {
+            model: self.cfg.model.clone(),
+            engines,
+        }
+    }
+
+    fn fault_state(&self) -> Value {
+        let ranks: Vec<Value> = self
+            .ranks
+            .iter()
+            .map(|r| {
+                json!({
+                    "rank": r.index,
+                    "slowdown": r.slowdown(),
+                    "stalled_ms": r.stalled_until().map_or(0, |u| {
+                        u.saturating_duration_since(tokio::time::Instant::now()).as_millis() as u64
+                    }),
+                    "publisher": r.publisher.as_ref().map(|p| publisher_truth(&p.info)),
+                })
+            })
+            .collect();
+        json!({"engines": ranks})
+    }
+
+    async fn apply_faults(&self, f: &FaultRequest) -> Result<FaultReport, String> {
+        if let Some(r) = f.rank
+            && r as usize >= self.ranks.len()
+        {
+            return Err(format!(
+                "rank {r} does not exist (dp_size {})",
+                self.ranks.len()
+            ));
+        }
+        if let Some(s) = f.slowdown
+            && !(s.is_finite() && s > 0.0)
+        {
+            return Err("slowdown must be a positive number".to_owned());
+        }
+        let targets: Vec<&Arc<Rank>> = self
+            .ranks
+            .iter()
+            .filter(|r| f.rank.is_none_or(|o| o == r.index))
+            .collect();
+        let mut report = FaultReport {
+            killed: 0,
+            restarted: 0,
+            reset: None,
+        };
+        for r in &targets {
+            if let Some(s) = f.slowdown {
+                r.set_slowdown(s);
+            }
+            if let Some(ms) = f.stall_ms {
+                r.stall(Duration::from_millis(ms));
+            }
+            if let Some(p) = &r.publisher {
+                if let Some(n) = f.drop_batches {
+                    p.info.drop_pending.fetch_add(n, Ordering::Relaxed);
+                }
+                if let Some(n) = f.lose_batches {
+                    p.info.lose_pending.fetch_add(n, Ordering::Relaxed);
+                }
+                if let Some(n) = f.drop_every {
+                    p.info.drop_every.store(n, Ordering::Relaxed);
+                }
+            }
+            if f.kill_streams == Some(true) {
+                report.killed += r.kill_all();
+            }
+            if f.reset_prefix_cache == Some(true) {
+                let ok = r.reset_prefix_cache();
+                report.reset = Some(report.reset.unwrap_or(true) && ok);
+            }
+        }
+        if f.restart_publisher == Some(true) {
+            let down = Duration::from_millis(f.restart_down_ms.unwrap_or(0));
+            let restarts = targets
+                .iter()
+                .filter_map(|r| r.publisher.clone())
+                .map(|p| async move { p.restart(down).await });
+            report.restarted = futures::future::join_all(restarts).await.len();
+        }
+        Ok(report)
+    }
+}
+
+fn py_bool(b: bool) -> String {
+    if b { "True" } else { "False" }.to_owned()
+}
+
+fn endpoint_str(addr: SocketAddr) -> String {
+    if addr.ip().is_unspecified() {
+        format!("tcp://*:{}", addr.port())
+    } else {
+        format!("tcp://{addr}")
+    }
+}
+
+fn publisher_truth(i: &events::PublisherInfo) -> PublisherTruth {
+    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    PublisherTruth {
+        endpoint: endpoint_str(i.pub_addr),
+        replay_endpoint: i.replay_addr.map(endpoint_str),
+        next_seq: l(&i.next_seq),
+        sent: l(&i.sent),
+        dropped: l(&i.dropped),
+        lost: l(&i.lost),
+        restarts: l(&i.restarts),
+        replays: l(&i.replays),
+        drop_every: l(&i.drop_every),
+        drop_pending: l(&i.drop_pending),
+        lose_pending: l(&i.lose_pending),
+    }
+}
+
+/// Starts simulated engines.
+#[derive(Debug, Clone, Copy)]
+pub struct SimEngine;
+
+impl SimEngine {
+    /// Starts one engine (HTTP server, `dp_size` cores with their clock tasks
+    /// and publishers) on the current tokio runtime.
+    ///
+    /// # Errors
+    /// [`SimError`] for an invalid configuration or a port in use.
+    pub async fn spawn(cfg: SimConfig) -> Result<SimHandle, SimError> {
+        cfg.validate()?;
+        let tok = cfg
+            .tokenizer
+            .clone()
+            .unwrap_or_else(SimTokenizer::word_level);
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let epoch = tokio::time::Instant::now();
+        let mut ranks = Vec::with_capacity(cfg.dp_size as usize);
+        let mut tasks = Vec::new();
+        for rank in 0..cfg.dp_size {
+            let core = EngineCore::new(
+                cfg.engine.clone(),
+                cfg.latency,
+                cfg.output,
+                cfg.max_model_len,
+                cfg.seed,
+                tok.clone(),
+            );
+            let publisher = match &cfg.kv_events {
+                Some(kv) => Some(
+                    Publisher::start(
+                        kv,
+                        rank,
+                        rank as u16,
+                        cfg.engine.block_size,
+                        shutdown_rx.clone(),
+                    )
+                    .await?,
+                ),
+                None => None,
+            };
+            if let Some(p) = &publisher {
+                p.info
+                    .drop_every
+                    .store(cfg.faults.drop_every, Ordering::Relaxed);
+            }
+            let rank = Arc::new(Rank::new(rank, core, publisher, epoch, cfg.faults.slowdown));
+            tasks.push(tokio::spawn(rank.clone().drive(shutdown_rx.clone())));
+            ranks.push(rank);
+        }
+        let listener = tokio::net::TcpListener::bind(cfg.http_addr)
+            .await
+            .map_err(|e| SimError::Bind {
+                addr: cfg.http_addr,
+                reason: e.to_string(),
+            })?;
+        let http_addr = listener.local_addr().map_err(|e| SimError::Bind {
+            addr: cfg.http_addr,
+            reason: e.to_string(),
+        })?;
+        let shared = Arc::new(Shared {
+            id_salt: xxhash_rust::xxh3::xxh3_64(format!("{http_addr}/{}", cfg.seed).as_bytes()),
+            cfg,
+            tok,
+            ranks,
+            id_seq: AtomicU64::new(0),
+        });
+        let app = http::router(shared.clone());
+        let mut stop = shutdown_rx.clone();
+        let server = tokio::spawn(async move {
+            let serve = axum::serve(listener, app).with_graceful_shutdown(async move {
+                let _ = stop.wait_for(|s| *s).await;
+            });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "http server failed");
+            }
+        });
+        tracing::info!(%http_addr, model = %shared.cfg.model, dp_size = shared.ranks.len(), "simulated engine up");
+        tasks.push(server);
+        Ok(SimHandle {
+            http_addr,
+            shared,
+            shutdown,
+            tasks,
+        })
+    }
+}
+
+/// A running engine. Dropping it signals the engine to stop (in-flight
+/// requests end abruptly); [`SimHandle::shutdown`] also waits until it has.
+#[derive(Debug)]
+pub struct SimHandle {
+    http_addr: SocketAddr,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl SimHandle {
+    /// The HTTP address.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// `http://<addr>` (the OpenAI base URL is this plus `/v1`).
+    pub fn base_url(&self) -> String {
+        format!("http://{}", self.http_addr)
+    }
+
+    /// The served model name.
+    pub fn model(&self) -> &str {
+        &self.shared.cfg.model
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &SimConfig {
+        &self.shared.cfg
+    }
+
+    /// The tokenizer it serves with.
+    pub fn tokenizer(&self) -> &Arc<SimTokenizer> {
+        &self.shared.tok
+    }
+
+    /// Rank 0's KV-event PUB address.
+    pub fn kv_addr(&self) -> Option<SocketAddr> {
+        self.kv_endpoints().first().map(|e| e.pub_addr)
+    }
+
+    /// Rank 0's replay ROUTER address.
+    pub fn replay_addr(&self) -> Option<SocketAddr> {
+        self.kv_endpoints().first().and_then(|e| e.replay_addr)
+    }
+
+    /// Every rank's KV-event endpoints.
+    pub fn kv_endpoints(&self) -> Vec<KvEndpoint> {
+        self.shared
+            .ranks
+            .iter()
+            .filter_map(|r| {
+                r.publisher.as_ref().map(|p| KvEndpoint {
+                    rank: r.index,
+                    pub_addr: p.info.pub_addr,
+                    replay_addr: p.info.replay_addr,
+                })
+            })
+            .collect()
+    }
+
+    /// The true cache contents and counters of every rank (`with_tokens`
+    /// adds each block's token ids).
+    pub fn cache_truth(&self, with_tokens: bool) -> CacheTruth {
+        self.shared.cache_truth(None, with_tokens, false, true)
+    }
+
+    /// Prompt tokens of `tokens` each rank would serve from its cache now.
+    pub fn cached_prefix_tokens(&self, tokens: &[u32]) -> Vec<usize> {
+        self.shared.cached_prefix_tokens(tokens)
+    }
+
+    /// Timings of recently finished requests, per rank (engine seconds).
+    pub fn recent_requests(&self) -> Vec<Vec<RequestRecord>> {
+        self.shared
+            .ranks
+            .iter()
+            .map(|r| r.lock().core.recent().copied().collect())
+            .collect()
+    }
+
+    /// Resets every rank's prefix cache (true if all were idle).
+    pub fn reset_prefix_cache(&self) -> bool {
+        self.shared.reset_prefix_cache()
+    }
+
+    /// Injects faults, as `POST /admin/faults` does.
+    ///
+    /// # Errors
+    /// A message for an unknown rank or a bad slowdown.
+    pub async fn inject(&self, faults: &FaultRequest) -> Result<FaultReport, String> {
+        self.shared.apply_faults(faults).await
+    }
+
+    /// Stops the engine and waits for it: in-flight requests end
+    /// abruptly, sockets close.
+    pub async fn shutdown(mut self) {
+        for r in &self.shared.ranks {
+            r.kill_all();
+        }
+        let _ = self.shutdown.send(true);
+        for t in std::mem::take(&mut self.tasks) {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        let _ = self.shutdown.send(true);
+    }
+}
+
+/// Many engines in one process, on consecutive ports.
+#[derive(Debug)]
+pub struct SimFleet {
+    engines: Vec<SimHandle>,
+}
+
+impl SimFleet {
+    /// Starts `n` engines from `template`. Engine i listens on HTTP port
+    /// `template.http_addr.port() + i` and publishes rank r on KV port
+    /// `kv.port + i·dp_size + r` (replay likewise from `kv.replay_port`);
+    /// ports that are 0 stay ephemeral. All engines share one tokenizer
+    /// (loaded once) and the seed, so they answer the same prompt alike.
+    ///
+    /// # Errors
+    /// As [`SimEngine::spawn`]; engines already started are shut down.
+    pub async fn spawn(template: SimConfig, n: usize) -> Result<SimFleet, SimError> {
+        let mut template = template;
+        if template.tokenizer.is_none() {
+            template.tokenizer = Some(SimTokenizer::word_level());
+        }
+        let mut engines = Vec::with_capacity(n);
+        let dp = template.dp_size;
+        for i in 0..n {
+            let mut cfg = template.clone();
+            let shift = |port: u16, by: u32| -> Result<u16, SimError> {
+                if port == 0 {
+                    return Ok(0);
+                }
+                u16::try_from(u32::from(port) + by)
+                    .map_err(|_| SimError::Config(format!("port {port} + {by} overflows")))
+            };
+            cfg.http_addr
+                .set_port(shift(template.http_addr.port(), i as u32)?);
+            if let Some(kv) = &mut cfg.kv_events {
+                kv.port = shift(kv.port, i as u32 * dp)?;
+                if let Some(rp) = kv.replay_port {
+                    kv.replay_port = Some(shift(rp, i as u32 * dp)?);
+                }
+            }
+            match SimEngine::spawn(cfg).await {
+                Ok(h) => engines.push(h),
+                Err(e) => {
+                    for h in engines {
+                        h.shutdown().await;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(SimFleet { engines })
+    }
+
+    /// The engines, in port order.
+    pub fn engines(&self) -> &[SimHandle] {
+        &self.engines
+    }
+
+    /// Stops every engine.
+    pub async fn shutdown(self) {
+        futures::future::join_all(self.engines.into_iter().map(SimHandle::shutdown)).await;
+    }
+}

@@ -1,0 +1,844 @@
+//! One engine core: vLLM V1's scheduler over a [`crate::pool`] block pool, with simulated
+//! time passed in (no clock, no I/O, no async), so it is deterministic and
+//! testable step by step.
+//!
+//! # A step
+//!
+//! [`EngineCore::schedule`] is vLLM's `Scheduler.schedule()`:
+//!
+//! 1. Pending aborts are applied (blocks freed).
+//! 2. Running requests, in order, get their remaining tokens (a prompt
+//!    chunk, or one token when decoding), limited by the step's token budget
+//!    (`max_num_batched_tokens`). If their blocks cannot be allocated, the
+//!    last running request is preempted (blocks freed, back to the front of
+//!    the queue, recomputed later), as vLLM's recompute preemption does.
+//! 3. If nothing was preempted, waiting requests are admitted in order while
+//!    budget, `max_num_seqs` and free blocks allow. Admission looks up the
+//!    longest cached prefix of full blocks (at most `len - 1` tokens: the
+//!    last token is always computed to get logits), takes references on
+//!    those blocks and counts the prefix-cache query and hits.
+//! 4. Allocation evicts free cached blocks in LRU order (`BlockRemoved`) and
+//!    caches every block that the step's tokens fill (`BlockStored`, parent
+//!    = the request's previous block), exactly when vLLM does: at
+//!    scheduling, before the forward pass.
+//!
+//! The step lasts `a + b·(prompt tokens) + c·(decoding sequences)`
+//! ([`crate::LatencyModel`]). [`EngineCore::finish_step`] is
+//! `update_from_output()`: every request whose known tokens are all computed
+//! samples one token (the first one ends its prefill: TTFT); requests that
+//! reach their length finish and free their blocks last-first. The events
+//! of the step are then taken with [`EngineCore::take_events`] and published
+//! as one batch.
+//!
+//! # Determinism
+//!
+//! Output lengths and token ids come from a SplitMix64 stream seeded by the
+//! engine seed, the prompt's token ids and the request's `seed`, so the same
+//! prompt gets the same answer on every engine of a fleet whatever the
+//! routing, and a run is reproducible given its arrival times.
+//!
+//! # Complexity
+//!
+//! Scheduling is O(scheduled requests + blocks allocated or hit); admission
+//! hashes each full prompt block once (SHA-256 over ~100 bytes) and probes a
+//! hash map per block.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use hashbrown::HashMap;
+
+use crate::config::{EngineConfig, LatencyModel, OutputLen};
+use crate::hash::{BlockHasher, Digest};
+use crate::metrics::{Histogram, ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS};
+use crate::pool::{BlockId, BlockPool, CachedBlock};
+use crate::textgen::{Rng, SimTokenizer};
+
+/// A request id, unique per engine core.
+pub type ReqId = u64;
+
+/// How many finished requests [`EngineCore::recent`] remembers.
+const RECENT: usize = 4096;
+
+/// A KV event, before it is given its wire form.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SimEvent {
+    /// Full blocks cached, in prefix order.
+    Stored {
+        /// Their digests.
+        digests: Vec<Digest>,
+        /// Digest of the block before the first (`None`: sequence start).
+        parent: Option<Digest>,
+        /// Their token ids, concatenated.
+        tokens: Vec<u32>,
+    },
+    /// One block evicted.
+    Removed(Digest),
+    /// The prefix cache was reset.
+    Cleared,
+}
+
+/// Why a request stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// Its sampled length was reached before `max_tokens` (an EOS).
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+    /// Aborted (client gone, or a fault).
+    Abort,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What a new request asks for.
+#[derive(Clone, Debug, Default)]
+pub struct NewRequest {
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// `max_tokens`, already checked against the context length.
+    pub max_tokens: Option<usize>,
+    /// `min_tokens`.
+    pub min_tokens: usize,
+    /// `ignore_eos`: always generate `max_tokens`.
+    pub ignore_eos: bool,
+    /// The request's `seed`.
+    pub seed: Option<u64>,
+}
+
+/// One request's progress, reported after a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepOut {
+    /// The request.
+    pub id: ReqId,
+    /// The token it sampled in this step.
+    pub token: u32,
+    /// Set when the request finished in this step.
+    pub finished: Option<Finished>,
+}
+
+/// A finished request's accounting.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Finished {
+    /// Why it stopped.
+    pub reason: FinishReason,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache at admission.
+    pub cached_tokens: usize,
+}
+
+/// Timings of a finished request, in engine seconds.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct RequestRecord {
+    /// Engine-local id.
+    pub id: ReqId,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens that hit the cache at (first) admission.
+    pub cached_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// `stop`, `length` or `abort`.
+    pub finish_reason: &'static str,
+    /// Arrival.
+    pub arrival: f64,
+    /// First admission into the running batch.
+    pub scheduled: Option<f64>,
+    /// End of the step that produced the first token.
+    pub first_token: Option<f64>,
+    /// End of the last step.
+    pub finished: f64,
+    /// Times it was preempted.
+    pub preemptions: u32,
+}
+
+/// Counters and histograms of one core (what `/metrics` reports).
+#[derive(Clone, Debug)]
+pub struct CoreStats {
+    /// Prompt tokens of requests that finished their prefill.
+    pub prompt_tokens: u64,
+    /// Tokens generated.
+    pub generation_tokens: u64,
+    /// Prompt tokens looked up in the prefix cache at admission.
+    pub prefix_cache_queries: u64,
+    /// Of those, tokens found.
+    pub prefix_cache_hits: u64,
+    /// Requests preempted.
+    pub preemptions: u64,
+    /// Requests finished with `stop`.
+    pub finished_stop: u64,
+    /// Requests finished with `length`.
+    pub finished_length: u64,
+    /// Requests aborted.
+    pub finished_abort: u64,
+    /// Steps run.
+    pub steps: u64,
+    /// Simulated seconds spent in steps (before the slow-down fault).
+    pub busy_seconds: f64,
+    /// Blocks reported in `BlockStored` events.
+    pub blocks_stored: u64,
+    /// Blocks evicted (`BlockRemoved`).
+    pub blocks_removed: u64,
+    /// Successful prefix-cache resets.
+    pub cache_resets: u64,
+    /// Time to first token.
+    pub ttft: Histogram,
+    /// Gap between consecutive tokens of a request.
+    pub itl: Histogram,
+    /// Arrival to finish.
+    pub e2e: Histogram,
+    /// Arrival to first admission.
+    pub queue: Histogram,
+}
+
+impl Default for CoreStats {
+    fn default() -> Self {
+        CoreStats {
+            prompt_tokens: 0,
+            generation_tokens: 0,
+            prefix_cache_queries: 0,
+            prefix_cache_hits: 0,
+            preemptions: 0,
+            finished_stop: 0,
+            finished_length: 0,
+            finished_abort: 0,
+            steps: 0,
+            busy_seconds: 0.0,
+            blocks_stored: 0,
+            blocks_removed: 0,
+            cache_resets: 0,
+            ttft: Histogram::new(TTFT_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            e2e: Histogram::new(REQUEST_BUCKETS),
+            queue: Histogram::new(REQUEST_BUCKETS),
+        }
+    }
+}
+
+/// The work of one step, between [`EngineCore::schedule`] and
+/// [`EngineCore::finish_step`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Scheduled {
+    /// `(request, tokens computed in this step)`, in batch order.
+    pub entries: Vec<(ReqId, usize)>,
+    /// Prompt (or recomputed) tokens in the step.
+    pub prefill_tokens: usize,
+    /// Sequences decoding one token.
+    pub decode_seqs: usize,
+    /// Step duration in seconds, from the latency model.
+    pub duration: f64,
+}
+
+#[derive(Debug)]
+struct Req {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    target: usize,
+    finish_on_target: FinishReason,
+    generated: usize,
+    rng: Rng,
+    num_computed: usize,
+    blocks: Vec<BlockId>,
+    digests: Vec<Digest>,
+    num_cached_blocks: usize,
+    cached_tokens: Option<usize>,
+    arrival: f64,
+    scheduled: Option<f64>,
+    first_token: Option<f64>,
+    last_token: Option<f64>,
+    preemptions: u32,
+}
+
+/// Why a request was refused (vLLM's messages, HTTP 400).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum AdmitError {
+    /// Empty prompt.
+    #[error("The prompt cannot be empty.")]
+    EmptyPrompt,
+    /// The prompt alone fills the context.
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt} input tokens. Please reduce the length of the input messages."
+    )]
+    PromptTooLong {
+        /// Context length.
+        max_model_len: usize,
+        /// Prompt tokens.
+        prompt: usize,
+    },
+    /// Prompt plus `max_tokens` exceed the context.
+    #[error(
+        "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context length is {max_model_len} tokens and your request has {prompt} input tokens ({max_tokens} > {max_model_len} - {prompt})."
+    )]
+    MaxTokensTooLarge {
+        /// Context length.
+        max_model_len: usize,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested output tokens.
+        max_tokens: usize,
+    },
+}
+
+/// One engine core. See the module docs.
+#[derive(Debug)]
+pub struct EngineCore {
+    cfg: EngineConfig,
+    latency: LatencyModel,
+    output: OutputLen,
+    max_model_len: usize,
+    seed: u64,
+    vocab: Arc<SimTokenizer>,
+    pool: BlockPool,
+    hasher: BlockHasher,
+    reqs: HashMap<ReqId, Req>,
+    waiting: VecDeque<ReqId>,
+    running: Vec<ReqId>,
+    aborts: Vec<ReqId>,
+    events: Vec<SimEvent>,
+    next_id: ReqId,
+    stats: CoreStats,
+    recent: VecDeque<RequestRecord>,
+}
+
+impl EngineCore {
+    /// A core with an empty cache.
+    pub fn new(
+        cfg: EngineConfig,
+        latency: LatencyModel,
+        output: OutputLen,
+        max_model_len: usize,
+        seed: u64,
+        vocab: Arc<SimTokenizer>,
+    ) -> Self {
+        EngineCore {
+            pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
+            hasher: BlockHasher::new(cfg.block_size, &cfg.hash_seed),
+            cfg,
+            latency,
+            output,
+            max_model_len,
+            seed,
+            vocab,
+            reqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            aborts: Vec::new(),
+            events: Vec::new(),
+            next_id: 0,
+            stats: CoreStats::default(),
+            recent: VecDeque::new(),
+        }
+    }
+
+    /// Queues a request arriving at `now` (engine seconds).
+    ///
+    /// # Errors
+    /// [`AdmitError`] for an empty prompt or one that cannot fit the context.
+    pub fn add_request(&mut self, req: NewRequest, now: f64) -> Result<ReqId, AdmitError> {
+        let prompt_len = req.prompt.len();
+        if prompt_len == 0 {
+            return Err(AdmitError::EmptyPrompt);
+        }
+        let room = self.max_model_len.saturating_sub(prompt_len);
+        if room == 0 {
+            return Err(AdmitError::PromptTooLong {
+                max_model_len: self.max_model_len,
+                prompt: prompt_len,
+            });
+        }
+        let max_tokens = req.max_tokens.unwrap_or(room);
+        if max_tokens > room {
+            return Err(AdmitError::MaxTokensTooLarge {
+                max_model_len: self.max_model_len,
+                prompt: prompt_len,
+                max_tokens,
+            });
+        }
+        let prompt_hash = xxhash_rust::xxh3::xxh3_64_with_seed(
+            &req.prompt
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+            self.seed,
+        );
+        let mut rng = Rng::new(prompt_hash ^ req.seed.unwrap_or(0).rotate_left(17));
+        let (target, reason) = self.output_len(&req, max_tokens, &mut rng);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.reqs.insert(
+            id,
+            Req {
+                tokens: req.prompt,
+                prompt_len,
+                target,
+                finish_on_target: reason,
+                generated: 0,
+                rng,
+                num_computed: 0,
+                blocks: Vec::new(),
+                digests: Vec::new(),
+                num_cached_blocks: 0,
+                cached_tokens: None,
+                arrival: now,
+                scheduled: None,
+                first_token: None,
+                last_token: None,
+                preemptions: 0,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    fn output_len(
+        &self,
+        req: &NewRequest,
+        max_tokens: usize,
+        rng: &mut Rng,
+    ) -> (usize, FinishReason) {
+        let explicit = req.max_tokens.is_some();
+        let sampled = match self.output {
+            OutputLen::MaxTokens { default } => {
+                let n = if explicit {
+                    max_tokens
+                } else {
+                    default.min(max_tokens)
+                };
+                return (n.max(1), FinishReason::Length);
+            }
+            OutputLen::Fixed(n) => n,
+            OutputLen::Uniform { min, max } => {
+                min + (rng.next_u64() % (max - min + 1) as u64) as usize
+            }
+            OutputLen::Geometric { mean } => {
+                // Inverse CDF of a geometric distribution on 1, 2, …
+                let p = 1.0 / mean;
+                let u = rng.next_f64();
+                if p >= 1.0 {
+                    1
+                } else {
+                    ((1.0 - u).ln() / (1.0 - p).ln()).floor() as usize + 1
+                }
+            }
+        };
+        if req.ignore_eos && explicit {
+            return (max_tokens.max(1), FinishReason::Length);
+        }
+        let n = sampled.max(req.min_tokens).max(1);
+        if n >= max_tokens {
+            (max_tokens.max(1), FinishReason::Length)
+        } else {
+            (n, FinishReason::Stop)
+        }
+    }
+
+    /// Asks for a request to be aborted; applied at the next
+    /// [`EngineCore::schedule`] (never in the middle of a step).
+    pub fn abort(&mut self, id: ReqId) {
+        if self.reqs.contains_key(&id) {
+            self.aborts.push(id);
+        }
+    }
+
+    /// Aborts every request now (between steps only). Returns their ids.
+    pub fn abort_all(&mut self, now: f64) -> Vec<ReqId> {
+        let ids: Vec<ReqId> = self
+            .running
+            .iter()
+            .chain(self.waiting.iter())
+            .copied()
+            .collect();
+        for id in &ids {
+            self.finish(*id, FinishReason::Abort, now);
+        }
+        self.aborts.clear();
+        ids
+    }
+
+    /// Whether anything is queued or running.
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.waiting.is_empty() || !self.aborts.is_empty()
+    }
+
+    /// Plans the next step at `now`; `None` when there is nothing to run.
+    pub fn schedule(&mut self, now: f64) -> Option<Scheduled> {
+        for id in std::mem::take(&mut self.aborts) {
+            if self.reqs.contains_key(&id) {
+                self.finish(id, FinishReason::Abort, now);
+            }
+        }
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut entries = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let want = {
+                let r = &self.reqs[&id];
+                (r.tokens.len() - r.num_computed).min(budget)
+            };
+            let mut scheduled = true;
+            while !self.allocate(id, want, &[]) {
+                let Some(victim) = self.running.pop() else {
+                    scheduled = false;
+                    break;
+                };
+                self.preempt(victim);
+                preempted = true;
+                if victim == id {
+                    scheduled = false;
+                    break;
+                }
+            }
+            if !scheduled {
+                break;
+            }
+            entries.push((id, want));
+            budget -= want;
+            i += 1;
+        }
+        if !preempted {
+            while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                let (hits, hit_tokens) = self.lookup_prefix(id);
+                let want = (self.reqs[&id].tokens.len() - hit_tokens).min(budget);
+                self.reqs
+                    .get_mut(&id)
+                    .expect("waiting request exists")
+                    .num_computed = hit_tokens;
+                if !self.allocate(id, want, &hits) {
+                    self.reqs
+                        .get_mut(&id)
+                        .expect("waiting request exists")
+                        .num_computed = 0;
+                    break;
+                }
+                self.waiting.pop_front();
+                self.running.push(id);
+                let r = self.reqs.get_mut(&id).expect("admitted request exists");
+                if r.cached_tokens.is_none() {
+                    r.cached_tokens = Some(hit_tokens);
+                    r.scheduled = Some(now);
+                    self.stats.queue.observe(now - r.arrival);
+                }
+                self.stats.prefix_cache_queries += r.tokens.len() as u64;
+                self.stats.prefix_cache_hits += hit_tokens as u64;
+                entries.push((id, want));
+                budget -= want;
+            }
+        }
+        if entries.is_empty() {
+            return None;
+        }
+        let (mut prefill_tokens, mut decode_seqs) = (0, 0);
+        for (id, n) in &entries {
+            let r = &self.reqs[id];
+            if *n == 1 && r.num_computed >= r.prompt_len && r.num_computed + 1 == r.tokens.len() {
+                decode_seqs += 1;
+            } else {
+                prefill_tokens += n;
+            }
+        }
+        let duration = self.latency.step_seconds(prefill_tokens, decode_seqs);
+        Some(Scheduled {
+            entries,
+            prefill_tokens,
+            decode_seqs,
+            duration,
+        })
+    }
+
+    /// Applies a step's results at its end time `now`: samples tokens,
+    /// finishes requests. Returns one entry per request that sampled a token.
+    pub fn finish_step(&mut self, step: &Scheduled, now: f64) -> Vec<StepOut> {
+        self.stats.steps += 1;
+        self.stats.busy_seconds += step.duration;
+        let mut out = Vec::with_capacity(step.entries.len());
+        for &(id, n) in &step.entries {
+            let Some(r) = self.reqs.get_mut(&id) else {
+                continue;
+            };
+            r.num_computed += n;
+            if r.num_computed < r.tokens.len() {
+                continue; // a chunk of the prompt: nothing sampled
+            }
+            let token = self.vocab.token(r.rng.next_u64());
+            r.tokens.push(token);
+            r.generated += 1;
+            self.stats.generation_tokens += 1;
+            match r.last_token {
+                None => {
+                    self.stats.prompt_tokens += r.prompt_len as u64;
+                    if r.first_token.is_none() {
+                        r.first_token = Some(now);
+                        self.stats.ttft.observe(now - r.arrival);
+                    }
+                }
+                Some(t) => self.stats.itl.observe(now - t),
+            }
+            r.last_token = Some(now);
+            let done = if r.generated >= r.target {
+                Some(r.finish_on_target)
+            } else if r.tokens.len() >= self.max_model_len {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            let finished = done.map(|reason| Finished {
+                reason,
+                prompt_tokens: r.prompt_len,
+                completion_tokens: r.generated,
+                cached_tokens: r.cached_tokens.unwrap_or(0),
+            });
+            out.push(StepOut {
+                id,
+                token,
+                finished,
+            });
+            if let Some(reason) = done {
+                self.finish(id, reason, now);
+            }
+        }
+        out
+    }
+
+    /// The events since the last call (one published batch).
+    pub fn take_events(&mut self) -> Vec<SimEvent> {
+        std::mem::take(&mut self.events)
+    }
+
+    /// vLLM's `reset_prefix_cache`: succeeds only when no request holds a
+    /// block; then queues `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if !self.pool.reset() {
+            return false;
+        }
+        self.events.push(SimEvent::Cleared);
+        self.stats.cache_resets += 1;
+        true
+    }
+
+    /// Prompt tokens of `tokens` that a request would find cached now
+    /// (whole blocks, at most `len - 1` tokens, as at admission).
+    pub fn cached_prefix_tokens(&self, tokens: &[u32]) -> usize {
+        if !self.cfg.enable_prefix_caching || tokens.is_empty() {
+            return 0;
+        }
+        let max_blocks = (tokens.len() - 1) / self.cfg.block_size;
+        let mut parent: Option<Digest> = None;
+        let mut n = 0;
+        for block in tokens.chunks_exact(self.cfg.block_size).take(max_blocks) {
+            let d = self.hasher.hash_block(parent.as_ref(), block);
+            if self.pool.lookup(&d).is_none() {
+                break;
+            }
+            parent = Some(d);
+            n += 1;
+        }
+        n * self.cfg.block_size
+    }
+
+    /// Requests running.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Ids running and waiting, in order.
+    pub fn queue(&self) -> (Vec<ReqId>, Vec<ReqId>) {
+        (self.running.clone(), self.waiting.iter().copied().collect())
+    }
+
+    /// KV usage, 0–1.
+    pub fn kv_usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Free blocks (cached or not).
+    pub fn free_blocks(&self) -> usize {
+        self.pool.num_free()
+    }
+
+    /// Blocks that can hold tokens.
+    pub fn capacity_blocks(&self) -> usize {
+        self.pool.capacity()
+    }
+
+    /// Distinct cached digests and blocks carrying one.
+    pub fn cached_counts(&self) -> (usize, usize) {
+        (
+            self.pool.num_cached_digests(),
+            self.pool.num_cached_blocks(),
+        )
+    }
+
+    /// The true cache contents.
+    pub fn cache_snapshot(&self, with_tokens: bool) -> Vec<CachedBlock> {
+        self.pool.snapshot(with_tokens)
+    }
+
+    /// Counters and histograms.
+    pub fn stats(&self) -> &CoreStats {
+        &self.stats
+    }
+
+    /// The last finished requests, oldest first.
+    pub fn recent(&self) -> impl Iterator<Item = &RequestRecord> {
+        self.recent.iter()
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    /// Finds the cached prefix of a waiting request: the blocks and the
+    /// number of tokens they hold.
+    fn lookup_prefix(&mut self, id: ReqId) -> (Vec<BlockId>, usize) {
+        if !self.cfg.enable_prefix_caching {
+            return (Vec::new(), 0);
+        }
+        let bs = self.cfg.block_size;
+        let r = self.reqs.get_mut(&id).expect("waiting request exists");
+        self.hasher.extend(&r.tokens, &mut r.digests);
+        let max_blocks = (r.tokens.len() - 1) / bs;
+        let mut hits = Vec::new();
+        for d in r.digests.iter().take(max_blocks) {
+            match self.pool.lookup(d) {
+                Some(b) => hits.push(b),
+                None => break,
+            }
+        }
+        let n = hits.len() * bs;
+        (hits, n)
+    }
+
+    /// vLLM's `allocate_slots`: blocks for `num_new` more tokens after
+    /// `num_computed` (which includes the `hits`), then caches the blocks
+    /// those tokens fill. False (and nothing changed) if blocks run out.
+    fn allocate(&mut self, id: ReqId, num_new: usize, hits: &[BlockId]) -> bool {
+        let bs = self.cfg.block_size;
+        let EngineCore {
+            reqs,
+            pool,
+            hasher,
+            events,
+            stats,
+            cfg,
+            ..
+        } = self;
+        let r = reqs.get_mut(&id).expect("scheduled request exists");
+        let total = r.num_computed + num_new;
+        let need = total.div_ceil(bs);
+        let have = r.blocks.len() + hits.len();
+        let new_blocks = need.saturating_sub(have);
+        let evictable_hits = hits.iter().filter(|b| pool.ref_cnt(**b) == 0).count();
+        if new_blocks + evictable_hits > pool.num_free() {
+            return false;
+        }
+        for &b in hits {
+            pool.touch(b);
+            r.blocks.push(b);
+        }
+        if !hits.is_empty() {
+            r.num_cached_blocks = r.blocks.len();
+        }
+        for _ in 0..new_blocks {
+            let (b, evicted) = pool.allocate().expect("free blocks were counted");
+            if let Some(d) = evicted {
+                events.push(SimEvent::Removed(d));
+                stats.blocks_removed += 1;
+            }
+            r.blocks.push(b);
+        }
+        if cfg.enable_prefix_caching {
+            let full = total.min(r.tokens.len()) / bs;
+            if full > r.num_cached_blocks {
+                let from = r.num_cached_blocks;
+                hasher.extend(&r.tokens[..full * bs], &mut r.digests);
+                let parent = from.checked_sub(1).map(|p| r.digests[p]);
+                for i in from..full {
+                    let p = i.checked_sub(1).map(|p| r.digests[p]);
+                    pool.cache(
+                        r.blocks[i],
+                        r.digests[i],
+                        p,
+                        &r.tokens[i * bs..(i + 1) * bs],
+                    );
+                }
+                events.push(SimEvent::Stored {
+                    digests: r.digests[from..full].to_vec(),
+                    parent,
+                    tokens: r.tokens[from * bs..full * bs].to_vec(),
+                });
+                stats.blocks_stored += (full - from) as u64;
+                r.num_cached_blocks = full;
+            }
+        }
+        true
+    }
+
+    /// Recompute preemption: free the blocks, back to the queue's front.
+    fn preempt(&mut self, id: ReqId) {
+        let r = self.reqs.get_mut(&id).expect("running request exists");
+        self.pool.free(r.blocks.drain(..).rev());
+        r.num_computed = 0;
+        r.num_cached_blocks = 0;
+        r.preemptions += 1;
+        self.stats.preemptions += 1;
+        self.waiting.push_front(id);
+    }
+
+    fn finish(&mut self, id: ReqId, reason: FinishReason, now: f64) {
+        let Some(mut r) = self.reqs.remove(&id) else {
+            return;
+        };
+        self.pool.free(r.blocks.drain(..).rev());
+        self.running.retain(|x| *x != id);
+        self.waiting.retain(|x| *x != id);
+        match reason {
+            FinishReason::Stop => self.stats.finished_stop += 1,
+            FinishReason::Length => self.stats.finished_length += 1,
+            FinishReason::Abort => self.stats.finished_abort += 1,
+        }
+        if reason != FinishReason::Abort {
+            self.stats.e2e.observe(now - r.arrival);
+        }
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(RequestRecord {
+            id,
+            prompt_tokens: r.prompt_len,
+            cached_tokens: r.cached_tokens.unwrap_or(0),
+            completion_tokens: r.generated,
+            finish_reason: reason.as_str(),
+            arrival: r.arrival,
+            scheduled: r.scheduled,
+            first_token: r.first_token,
+            finished: now,
+            preemptions: r.preemptions,
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,312 @@
+//! `kinference-sim`: N simulated vLLM engines in one process.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+use clap::{Parser, ValueEnum};
+use kinference_sim::{
+    EngineConfig, EventForm, FaultConfig, FaultRequest, HashRepr, KvEventsConfig, LatencyModel,
+    OutputLen, ReplayLayout, SimConfig, SimFleet, SimTokenizer,
+};
+
+/// Simulated vLLM engines: OpenAI API, /metrics, KV events with replay, a
+/// prefix cache and a latency model. Engine i serves HTTP on PORT+i and
+/// publishes DP rank r on KV_PORT + i·DP_SIZE + r.
+#[derive(Debug, Parser)]
+#[command(name = "kinference-sim", version)]
+struct Args {
+    /// Engines to run.
+    #[arg(long, default_value_t = 1)]
+    engines: usize,
+    /// HTTP listen address.
+    #[arg(long, default_value = "0.0.0.0")]
+    host: IpAddr,
+    /// HTTP port of engine 0 (0: ephemeral).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// KV-event PUB port of engine 0, rank 0 (0: ephemeral).
+    #[arg(long, default_value_t = 5557)]
+    kv_port: u16,
+    /// Replay ROUTER port of engine 0, rank 0 (off when unset).
+    #[arg(long)]
+    replay_port: Option<u16>,
+    /// Address the KV sockets bind (default: --host).
+    #[arg(long)]
+    kv_host: Option<IpAddr>,
+    /// Publish no KV events.
+    #[arg(long)]
+    no_kv_events: bool,
+    /// Topic frame of every KV message.
+    #[arg(long, default_value = "")]
+    topic: String,
+    /// Event encoding: vLLM ≥ 0.24 maps, or 0.22–0.23 positional arrays.
+    #[arg(long, value_enum, default_value_t = FormArg::Map)]
+    event_form: FormArg,
+    /// Block hashes as u64 (vLLM's default) or 32 raw bytes.
+    #[arg(long, value_enum, default_value_t = HashArg::Int)]
+    hash_repr: HashArg,
+    /// Replay replies: [topic, seq, payload] (vLLM ≥ 0.26) or [seq, payload].
+    #[arg(long, value_enum, default_value_t = LayoutArg::TopicSeqPayload)]
+    replay_layout: LayoutArg,
+    /// Batches kept for replay.
+    #[arg(long, default_value_t = 10_000)]
+    buffer_steps: usize,
+    /// Engine cores per engine (DP ranks).
+    #[arg(long, default_value_t = 1)]
+    dp_size: u32,
+    /// Served model name.
+    #[arg(
+        long = "served-model-name",
+        alias = "model",
+        default_value = "kinference/sim"
+    )]
+    model: String,
+    /// Further names for the model (repeatable).
+    #[arg(long = "alias")]
+    aliases: Vec<String>,
+    /// The cards' `root` (vLLM's --model).
+    #[arg(long)]
+    root: Option<String>,
+    /// Context length.
+    #[arg(long, default_value_t = 32_768)]
+    max_model_len: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// KV capacity in blocks (including vLLM's null block).
+    #[arg(long, default_value_t = 8192)]
+    num_gpu_blocks: usize,
+    /// Token budget of a step.
+    #[arg(long, default_value_t = 2048)]
+    max_num_batched_tokens: usize,
+    /// Most running requests.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Disable the prefix cache.
+    #[arg(long)]
+    no_prefix_caching: bool,
+    /// NONE_HASH seed (vLLM's PYTHONHASHSEED).
+    #[arg(long, default_value = kinference_sim::hash::DEFAULT_HASH_SEED)]
+    hash_seed: String,
+    /// Step time: fixed part, ms.
+    #[arg(long, default_value_t = LatencyModel::default().base_ms)]
+    step_base_ms: f64,
+    /// Step time per prompt token, ms.
+    #[arg(long, default_value_t = LatencyModel::default().prefill_ms_per_token)]
+    prefill_ms_per_token: f64,
+    /// Step time per decoding sequence, ms.
+    #[arg(long, default_value_t = LatencyModel::default().decode_ms_per_seq)]
+    decode_ms_per_seq: f64,
+    /// Output lengths: max-tokens[:DEFAULT], fixed:N, uniform:MIN-MAX, geometric:MEAN.
+    #[arg(long, default_value = "max-tokens:128")]
+    output_len: OutputLen,
+    /// Seed of output lengths and tokens.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Directory with tokenizer.json (default: the built-in word-level tokenizer).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Report usage.prompt_tokens_details.cached_tokens.
+    #[arg(long)]
+    enable_prompt_tokens_details: bool,
+    /// Fault: multiply step times.
+    #[arg(long, default_value_t = 1.0)]
+    slowdown: f64,
+    /// Fault: drop every n-th KV batch from the PUB socket (0: never).
+    #[arg(long, default_value_t = 0)]
+    drop_every: u64,
+    /// Fault: restart every engine's publishers every SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    restart_publisher_every: Option<f64>,
+    /// Fault: how long a restarted publisher stays down, ms.
+    #[arg(long, default_value_t = 0)]
+    restart_down_ms: u64,
+    /// Fault: stall every engine for --stall-ms every SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    stall_every: Option<f64>,
+    /// Fault: length of a periodic stall, ms.
+    #[arg(long, default_value_t = 1000)]
+    stall_ms: u64,
+    /// Fault: cut every in-flight response every SECS seconds.
+    #[arg(long, value_name = "SECS")]
+    kill_streams_every: Option<f64>,
+    /// Tokio worker threads (default: one per core).
+    #[arg(long)]
+    worker_threads: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum FormArg {
+    Map,
+    Array,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum HashArg {
+    Int,
+    Bytes,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LayoutArg {
+    TopicSeqPayload,
+    SeqPayload,
+}
+
+fn config(args: &Args) -> anyhow::Result<SimConfig> {
+    let tokenizer = match &args.tokenizer {
+        Some(dir) => std::sync::Arc::new(
+            SimTokenizer::from_dir(dir)
+                .with_context(|| format!("loading the tokenizer in {}", dir.display()))?,
+        ),
+        None => SimTokenizer::word_level(),
+    };
+    let kv_events = (!args.no_kv_events).then(|| KvEventsConfig {
+        host: args.kv_host.unwrap_or(args.host),
+        port: args.kv_port,
+        replay_port: args.replay_port,
+        topic: args.topic.clone(),
+        form: match args.event_form {
+            FormArg::Map => EventForm::Map,
+            FormArg::Array => EventForm::Array,
+        },
+        hash_repr: match args.hash_repr {
+            HashArg::Int => HashRepr::Int,
+            HashArg::Bytes => HashRepr::Bytes,
+        },
+        replay_layout: match args.replay_layout {
+            LayoutArg::TopicSeqPayload => ReplayLayout::TopicSeqPayload,
+            LayoutArg::SeqPayload => ReplayLayout::SeqPayload,
+        },
+        buffer_steps: args.buffer_steps,
+        fixed_ts: None,
+    });
+    Ok(SimConfig {
+        model: args.model.clone(),
+        aliases: args.aliases.clone(),
+        root: args.root.clone(),
+        max_model_len: args.max_model_len,
+        http_addr: SocketAddr::new(args.host, args.port),
+        dp_size: args.dp_size,
+        engine: EngineConfig {
+            block_size: args.block_size,
+            num_gpu_blocks: args.num_gpu_blocks,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs: args.max_num_seqs,
+            enable_prefix_caching: !args.no_prefix_caching,
+            hash_seed: args.hash_seed.clone(),
+        },
+        latency: LatencyModel {
+            base_ms: args.step_base_ms,
+            prefill_ms_per_token: args.prefill_ms_per_token,
+            decode_ms_per_seq: args.decode_ms_per_seq,
+        },
+        output: args.output_len,
+        seed: args.seed,
+        kv_events,
+        tokenizer: Some(tokenizer),
+        enable_prompt_tokens_details: args.enable_prompt_tokens_details,
+        faults: FaultConfig {
+            slowdown: args.slowdown,
+            drop_every: args.drop_every,
+        },
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    let args = Args::parse();
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = args.worker_threads {
+        rt.worker_threads(n);
+    }
+    rt.enable_all().build()?.block_on(run(args))
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let cfg = config(&args)?;
+    let fleet = SimFleet::spawn(cfg, args.engines).await?;
+    for e in fleet.engines() {
+        let kv: Vec<String> = e
+            .kv_endpoints()
+            .iter()
+            .map(|k| match k.replay_addr {
+                Some(r) => format!("rank {}: pub {} replay {r}", k.rank, k.pub_addr),
+                None => format!("rank {}: pub {}", k.rank, k.pub_addr),
+            })
+            .collect();
+        println!(
+            "engine {} model {} kv [{}]",
+            e.base_url(),
+            e.model(),
+            kv.join("; ")
+        );
+    }
+    let fleet = std::sync::Arc::new(fleet);
+    let periodic = [
+        (
+            args.restart_publisher_every,
+            FaultRequest {
+                restart_publisher: Some(true),
+                restart_down_ms: Some(args.restart_down_ms),
+                ..FaultRequest::default()
+            },
+        ),
+        (
+            args.stall_every,
+            FaultRequest {
+                stall_ms: Some(args.stall_ms),
+                ..FaultRequest::default()
+            },
+        ),
+        (
+            args.kill_streams_every,
+            FaultRequest {
+                kill_streams: Some(true),
+                ..FaultRequest::default()
+            },
+        ),
+    ];
+    let mut tasks = Vec::new();
+    for (every, fault) in periodic {
+        let Some(secs) = every else { continue };
+        anyhow::ensure!(
+            secs.is_finite() && secs > 0.0,
+            "fault periods must be positive"
+        );
+        let fleet = fleet.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs_f64(secs));
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                for e in fleet.engines() {
+                    if let Err(err) = e.inject(&fault).await {
+                        tracing::warn!(error = %err, "periodic fault failed");
+                    }
+                }
+                tracing::info!(?fault, "periodic fault injected");
+            }
+        }));
+    }
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for ctrl-c")?;
+    for t in &tasks {
+        t.abort();
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    if let Ok(fleet) = std::sync::Arc::try_unwrap(fleet) {
+        fleet.shutdown().await;
+    }
+    Ok(())
+}
