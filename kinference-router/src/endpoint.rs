@@ -85,6 +85,8 @@ pub struct Load {
     pub prefill_tokens: AtomicU64,
     /// Requests past their first token and not finished.
     pub decoding: AtomicU32,
+    /// Prompt tokens of all requests in flight (their context size).
+    pub context_tokens: AtomicU64,
 }
 
 /// A point-in-time copy of [`Load`].
@@ -98,6 +100,8 @@ pub struct LoadSnapshot {
     pub prefill_tokens: u64,
     /// Requests decoding.
     pub decoding: u32,
+    /// Prompt tokens of the requests in flight.
+    pub context_tokens: u64,
 }
 
 impl Load {
@@ -108,6 +112,7 @@ impl Load {
             prefilling: self.prefilling.load(Ordering::Relaxed),
             prefill_tokens: self.prefill_tokens.load(Ordering::Relaxed),
             decoding: self.decoding.load(Ordering::Relaxed),
+            context_tokens: self.context_tokens.load(Ordering::Relaxed),
         }
     }
 }
@@ -229,9 +234,13 @@ impl Endpoint {
         self.live.load(Ordering::Relaxed)
     }
 
-    /// Counts a request as sent: prefilling `prefill_tokens` uncached tokens.
-    pub fn begin(self: &Arc<Self>, prefill_tokens: u64) -> InFlight {
+    /// Counts a request as sent: prefilling `prefill_tokens` uncached tokens
+    /// of a `context_tokens`-token prompt.
+    pub fn begin(self: &Arc<Self>, prefill_tokens: u64, context_tokens: u64) -> InFlight {
         self.load.requests.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .context_tokens
+            .fetch_add(context_tokens, Ordering::Relaxed);
         self.load.prefilling.fetch_add(1, Ordering::Relaxed);
         self.load
             .prefill_tokens
@@ -239,6 +248,7 @@ impl Endpoint {
         InFlight {
             endpoint: self.clone(),
             prefill_tokens,
+            context_tokens,
             phase: Phase::Prefilling,
         }
     }
@@ -255,6 +265,7 @@ enum Phase {
 pub struct InFlight {
     endpoint: Arc<Endpoint>,
     prefill_tokens: u64,
+    context_tokens: u64,
     phase: Phase,
 }
 
@@ -296,6 +307,8 @@ impl Drop for InFlight {
                 l.decoding.fetch_sub(1, Ordering::Relaxed);
             }
         }
+        l.context_tokens
+            .fetch_sub(self.context_tokens, Ordering::Relaxed);
         l.requests.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -403,15 +416,16 @@ mod tests {
         let mut reg = Registry::default();
         let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
         {
-            let mut a = e.begin(1000);
-            let _b = e.begin(500);
+            let mut a = e.begin(1000, 1200);
+            let _b = e.begin(500, 600);
             assert_eq!(
                 e.load.snapshot(),
                 LoadSnapshot {
                     requests: 2,
                     prefilling: 2,
                     prefill_tokens: 1500,
-                    decoding: 0
+                    decoding: 0,
+                    context_tokens: 1800,
                 }
             );
             a.first_token();
@@ -422,7 +436,8 @@ mod tests {
                     requests: 2,
                     prefilling: 1,
                     prefill_tokens: 500,
-                    decoding: 1
+                    decoding: 1,
+                    context_tokens: 1800,
                 }
             );
         }
@@ -458,7 +473,7 @@ mod tests {
         let c = reg.sync([key("a"), key("b")], &stop);
         assert_eq!(c.added.len(), 2);
         let b = reg.get(&key("b")).unwrap().clone();
-        let _guard = b.begin(10);
+        let _guard = b.begin(10, 10);
         let c = reg.sync([key("b"), key("c")], &stop);
         assert_eq!(c.added.len(), 1);
         assert_eq!(c.removed.len(), 1);

@@ -16,6 +16,7 @@ use serde::Serialize;
 
 use crate::catalog::{Snapshot, WorkerSetRoute};
 use crate::endpoint::{Endpoint, EndpointKey, Registry};
+use crate::state::WsRuntime;
 
 /// One worker set, with its live endpoints.
 #[derive(Debug)]
@@ -24,6 +25,8 @@ pub struct WorkerSetView {
     pub route: WorkerSetRoute,
     /// Its endpoints' states, in the catalog's order.
     pub endpoints: Vec<Arc<Endpoint>>,
+    /// Its policy, tokenizer and prefix record.
+    pub runtime: Arc<WsRuntime>,
 }
 
 /// Where a requested name can go.
@@ -59,8 +62,13 @@ pub struct View {
 }
 
 impl View {
-    /// Builds the view of `snapshot` with the endpoint states in `registry`.
-    pub fn build(snapshot: &Snapshot, registry: &Registry) -> Self {
+    /// Builds the view of `snapshot` with the endpoint states in `registry`
+    /// and each worker set's runtime from `runtime`.
+    pub fn build(
+        snapshot: &Snapshot,
+        registry: &Registry,
+        runtime: &dyn Fn(&WorkerSetRoute) -> Arc<WsRuntime>,
+    ) -> Self {
         let mut worker_sets = Vec::new();
         for route in &snapshot.worker_sets {
             if !route.profile_known() {
@@ -81,6 +89,7 @@ impl View {
             worker_sets.push(WorkerSetView {
                 route: route.clone(),
                 endpoints,
+                runtime: runtime(route),
             });
         }
 
@@ -213,7 +222,14 @@ mod tests {
                 }]));
             }
         }
-        let view = View::build(&snap, &reg);
+        let rt = Arc::new(WsRuntime::new(
+            String::new(),
+            kinference_scoring::LatencyParams::default(),
+            kinference_api::v1alpha1::TokenizationMode::Engine,
+            kinference_scoring::PolicyName::Kinference,
+            std::time::Duration::from_secs(30),
+        ));
+        let view = View::build(&snap, &reg, &|_| rt.clone());
         assert_eq!(
             view.worker_sets.len(),
             2,

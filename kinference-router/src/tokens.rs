@@ -1,0 +1,398 @@
+//! Token ids for routing, per the worker set's tokenization mode, and the
+//! tokenizer self-check.
+//!
+//! - `local`: the worker set's tokenizer, in-process, on the blocking pool
+//!   under a timeout.
+//! - `engine`: the engine's own `POST /tokenize` (one round trip).
+//! - `approximate`: no ids; the caller keys the prompt text instead.
+//!
+//! A failure or timeout is not an error for the client: the request is routed
+//! on load alone and the miss is counted.
+//!
+//! **Self-check.** A local tokenizer that gives different ids than the
+//! engine would route every request on wrong keys, silently. So when a
+//! worker set's local tokenizer is loaded and it has an endpoint, a few canary
+//! requests (plain text, a chat, a chat with tools) are tokenized both ways;
+//! any difference switches the worker set to `engine` tokenization, logs the
+//! first differing position, and shows up in `/debug/endpoints` and the
+//! `kinference_router_tokenizer_mismatch` metric.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use kinference_api::v1alpha1::TokenizationMode;
+use kinference_tokenize::{Endpoint as TokEndpoint, ModelTokenizer};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use crate::endpoint::Endpoint;
+use crate::metrics::TokenizeLabels;
+use crate::openai;
+use crate::state::{Shared, TokenizerState, WsRuntime};
+
+/// How a request's ids were obtained.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// In-process tokenizer.
+    Local,
+    /// The engine's `/tokenize`.
+    Engine,
+    /// Not available: route on load (or approximate keys).
+    None,
+}
+
+impl Source {
+    /// Label for records.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Local => "local",
+            Source::Engine => "engine",
+            Source::None => "none",
+        }
+    }
+}
+
+fn tok_endpoint(api: openai::Endpoint) -> TokEndpoint {
+    match api {
+        openai::Endpoint::Chat => TokEndpoint::ChatCompletions,
+        openai::Endpoint::Completions => TokEndpoint::Completions,
+    }
+}
+
+/// The ids of a request's (first) prompt for a worker set, or `None` when
+/// they cannot be had in time.
+pub async fn ids(
+    shared: &Arc<Shared>,
+    rt: &Arc<WsRuntime>,
+    api: openai::Endpoint,
+    body: &Arc<Value>,
+    ask: Option<&Arc<Endpoint>>,
+) -> (Option<Vec<u32>>, Source) {
+    let started = Instant::now();
+    let timeout = shared.config.tokenize_timeout;
+    let (mode, result) = match rt.effective_mode() {
+        TokenizationMode::Local => {
+            let tokenizer = rt.tokenizer.read().clone();
+            let Some(t) = tokenizer else {
+                observe(shared, "local", "unavailable", started);
+                return (None, Source::None);
+            };
+            let body = body.clone();
+            let call = tokio::task::spawn_blocking(move || t.tokenize(tok_endpoint(api), &body));
+            let r = match tokio::time::timeout(timeout, call).await {
+                Err(_) => Err("timeout"),
+                Ok(Err(_) | Ok(Err(_))) => Err("error"),
+                Ok(Ok(Ok(t))) => Ok(t.token_ids.into_iter().next().unwrap_or_default()),
+            };
+            ("local", r.map(|ids| (ids, Source::Local)))
+        }
+        TokenizationMode::Engine => {
+            let Some(e) = ask else {
+                observe(shared, "engine", "unavailable", started);
+                return (None, Source::None);
+            };
+            let r = match tokio::time::timeout(timeout, engine_tokenize(shared, e, api, body)).await
+            {
+                Err(_) => Err("timeout"),
+                Ok(Err(err)) => {
+                    tracing::debug!(endpoint = %e.authority, error = %err, "engine /tokenize failed");
+                    Err("error")
+                }
+                Ok(Ok(ids)) => Ok(ids),
+            };
+            ("engine", r.map(|ids| (ids, Source::Engine)))
+        }
+        TokenizationMode::Approximate => return (None, Source::None),
+    };
+    match result {
+        Ok((ids, source)) => {
+            observe(shared, mode, "ok", started);
+            (Some(ids), source)
+        }
+        Err(outcome) => {
+            observe(shared, mode, outcome, started);
+            (None, Source::None)
+        }
+    }
+}
+
+fn observe(shared: &Shared, mode: &'static str, outcome: &'static str, started: Instant) {
+    shared
+        .metrics
+        .tokenize_duration
+        .get_or_create(&TokenizeLabels { mode, outcome })
+        .observe(started.elapsed().as_secs_f64());
+}
+
+/// The body vLLM's `/tokenize` takes for a chat or completions request: the
+/// fields that change the ids, copied as sent.
+pub fn tokenize_body(api: openai::Endpoint, body: &Value) -> Option<Value> {
+    let get = |k: &str| body.get(k).cloned();
+    match api {
+        openai::Endpoint::Chat => {
+            let mut out = serde_json::Map::new();
+            for k in [
+                "model",
+                "messages",
+                "tools",
+                "add_generation_prompt",
+                "continue_final_message",
+                "add_special_tokens",
+                "chat_template",
+                "chat_template_kwargs",
+                "documents",
+            ] {
+                if let Some(v) = get(k) {
+                    out.insert(k.to_owned(), v);
+                }
+            }
+            // vLLM passes reasoning_effort to the template as a kwarg.
+            if let Some(r) = get("reasoning_effort") {
+                let kw = out
+                    .entry("chat_template_kwargs")
+                    .or_insert_with(|| json!({}));
+                if let Some(m) = kw.as_object_mut() {
+                    m.entry("reasoning_effort").or_insert(r);
+                }
+            }
+            Some(Value::Object(out))
+        }
+        openai::Endpoint::Completions => {
+            let prompt = match body.get("prompt")? {
+                Value::String(s) => Value::String(s.clone()),
+                Value::Array(a) => match a.first()? {
+                    Value::String(s) => Value::String(s.clone()),
+                    // Token ids are already ids: no call needed (see `ids_in_body`).
+                    _ => return None,
+                },
+                _ => return None,
+            };
+            let mut out = serde_json::Map::new();
+            out.insert("prompt".into(), prompt);
+            for k in ["model", "add_special_tokens"] {
+                if let Some(v) = get(k) {
+                    out.insert(k.to_owned(), v);
+                }
+            }
+            Some(Value::Object(out))
+        }
+    }
+}
+
+/// Token ids given directly in a completions body (`prompt` as ids, or a
+/// list whose first prompt is ids).
+pub fn ids_in_body(body: &Value) -> Option<Vec<u32>> {
+    let p = body.get("prompt")?.as_array()?;
+    let ids = match p.first()? {
+        Value::Array(inner) => inner,
+        Value::Number(_) => p,
+        _ => return None,
+    };
+    ids.iter()
+        .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+        .collect()
+}
+
+async fn engine_tokenize(
+    shared: &Shared,
+    e: &Endpoint,
+    api: openai::Endpoint,
+    body: &Value,
+) -> Result<Vec<u32>, String> {
+    if let Some(ids) = ids_in_body(body) {
+        return Ok(ids);
+    }
+    let req = tokenize_body(api, body).ok_or("request has no prompt to tokenize")?;
+    post_tokenize(shared, &e.authority, &req).await
+}
+
+#[derive(serde::Deserialize)]
+struct TokenizeAnswer {
+    tokens: Vec<u32>,
+}
+
+async fn post_tokenize(shared: &Shared, authority: &str, req: &Value) -> Result<Vec<u32>, String> {
+    let bytes = Bytes::from(serde_json::to_vec(req).map_err(|e| e.to_string())?);
+    let http = http::Request::post(format!("http://{authority}/tokenize"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(bytes))
+        .map_err(|e| e.to_string())?;
+    let resp = shared
+        .upstream
+        .request(http)
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    if !status.is_success() {
+        return Err(format!("HTTP {status}: {}", String::from_utf8_lossy(&body)));
+    }
+    let t: TokenizeAnswer =
+        serde_json::from_slice(&body).map_err(|e| format!("/tokenize answer: {e}"))?;
+    Ok(t.tokens)
+}
+
+/// Canary requests: plain text, a multi-turn chat, and a chat with tools.
+pub fn canaries(model: &str) -> Vec<(openai::Endpoint, Value)> {
+    vec![
+        (
+            openai::Endpoint::Completions,
+            json!({"model": model, "prompt": "kinference tokenizer check: Hello, world! 123 déjà vu"}),
+        ),
+        (
+            openai::Endpoint::Chat,
+            json!({"model": model, "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Italy?"}
+            ]}),
+        ),
+        (
+            openai::Endpoint::Chat,
+            json!({"model": model, "messages": [{"role": "user", "content": "What's the weather in Paris?"}],
+                "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]}),
+        ),
+    ]
+}
+
+/// Compares a local tokenizer with an engine on the canaries. `Ok(None)`:
+/// they agree; `Ok(Some(why))`: they differ; `Err`: could not ask.
+pub async fn self_check(
+    shared: &Shared,
+    t: &Arc<ModelTokenizer>,
+    authority: &str,
+    model: &str,
+) -> Result<Option<String>, String> {
+    for (i, (api, body)) in canaries(model).into_iter().enumerate() {
+        let local = {
+            let (t, b) = (t.clone(), body.clone());
+            tokio::task::spawn_blocking(move || t.tokenize(tok_endpoint(api), &b))
+                .await
+                .map_err(|e| e.to_string())?
+        };
+        let req = tokenize_body(api, &body).ok_or("canary has no prompt")?;
+        let remote = post_tokenize(shared, authority, &req).await?;
+        let local = match local {
+            Ok(t) => t.token_ids.into_iter().next().unwrap_or_default(),
+            // A template that cannot render tools is not a mismatch by
+            // itself; the engine must have failed the same way.
+            Err(e) => {
+                return Ok(Some(format!(
+                    "canary {i}: the local tokenizer failed ({e}) where the engine did not"
+                )));
+            }
+        };
+        if local != remote {
+            let at = local
+                .iter()
+                .zip(&remote)
+                .position(|(a, b)| a != b)
+                .unwrap_or(local.len().min(remote.len()));
+            return Ok(Some(format!(
+                "canary {i}: local ids differ from the engine's /tokenize at position {at} (local {} ids, engine {})",
+                local.len(),
+                remote.len()
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// Starts the self-check of every worker set whose local tokenizer is loaded
+/// but not yet compared with its engines.
+pub fn spawn_self_checks(shared: &Arc<Shared>) {
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        let rt = &ws.runtime;
+        if !matches!(*rt.tokenizer_state.read(), TokenizerState::Unchecked) {
+            continue;
+        }
+        let Some(t) = rt.tokenizer.read().clone() else {
+            continue;
+        };
+        let Some(e) = ws.endpoints.first().cloned() else {
+            continue;
+        };
+        let model = ws
+            .route
+            .models
+            .first()
+            .map(|m| m.name.clone())
+            .or_else(|| e.models().first().map(|m| m.id.clone()));
+        let Some(model) = model else { continue };
+        let (shared, rt, name) = (shared.clone(), rt.clone(), ws.route.name.clone());
+        // Mark it so a rebuild does not start a second check.
+        *rt.tokenizer_state.write() = TokenizerState::Loading;
+        tokio::spawn(async move {
+            let r = tokio::time::timeout(
+                Duration::from_secs(10),
+                self_check(&shared, &t, &e.authority, &model),
+            )
+            .await;
+            let state = match r {
+                Ok(Ok(None)) => {
+                    tracing::info!(worker_set = %name, endpoint = %e.authority, "local tokenizer agrees with the engine");
+                    TokenizerState::Checked
+                }
+                Ok(Ok(Some(why))) => {
+                    tracing::error!(worker_set = %name, endpoint = %e.authority, %why, "local tokenizer disagrees with the engine; routing with the engine's /tokenize");
+                    TokenizerState::Mismatch(why)
+                }
+                Ok(Err(err)) => {
+                    tracing::warn!(worker_set = %name, endpoint = %e.authority, error = %err, "tokenizer self-check could not run; will retry");
+                    TokenizerState::Unchecked
+                }
+                Err(_) => TokenizerState::Unchecked,
+            };
+            let retry = matches!(state, TokenizerState::Unchecked);
+            *rt.tokenizer_state.write() = state;
+            if retry {
+                tokio::time::sleep(Duration::from_secs(5)).await;
+                shared.notify_models_changed();
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenize_bodies_keep_what_changes_ids() {
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2,
+            "add_generation_prompt": true, "reasoning_effort": "low", "stream": true});
+        let b = tokenize_body(openai::Endpoint::Chat, &chat).unwrap();
+        assert_eq!(b["messages"], chat["messages"]);
+        assert_eq!(b["chat_template_kwargs"]["reasoning_effort"], "low");
+        assert!(b.get("temperature").is_none() && b.get("stream").is_none());
+
+        let comp = json!({"model": "m", "prompt": ["a", "b"], "max_tokens": 3});
+        let b = tokenize_body(openai::Endpoint::Completions, &comp).unwrap();
+        assert_eq!(b["prompt"], "a");
+        assert!(b.get("max_tokens").is_none());
+    }
+
+    #[test]
+    fn ids_in_bodies_are_read_as_sent() {
+        assert_eq!(
+            ids_in_body(&json!({"prompt": [1, 2, 3]})),
+            Some(vec![1, 2, 3])
+        );
+        assert_eq!(
+            ids_in_body(&json!({"prompt": [[4, 5], [6]]})),
+            Some(vec![4, 5])
+        );
+        assert_eq!(ids_in_body(&json!({"prompt": "text"})), None);
+        assert_eq!(ids_in_body(&json!({"prompt": [-1]})), None);
+    }
+}

@@ -1,0 +1,352 @@
+//! The router in front of real simulated engines, on loopback.
+
+mod support;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use serde_json::json;
+use support::*;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_and_completions_stream_and_not() {
+    let sims = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 2, true).await;
+    let known: HashSet<String> = sims.iter().map(|s| s.http_addr().to_string()).collect();
+
+    for stream in [false, true] {
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(0, 40), stream, 8),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(
+            known.contains(&reply.endpoint()),
+            "x-kinference-endpoint {:?}",
+            reply.endpoint()
+        );
+        assert_eq!(reply.headers["x-kinference-worker-set"], "sim");
+        if stream {
+            let t = reply.text();
+            assert!(
+                t.contains("data: ") && t.trim_end().ends_with("data: [DONE]"),
+                "{t}"
+            );
+        } else {
+            let j = reply.json();
+            assert_eq!(j["object"], "chat.completion");
+            assert!(
+                j["choices"][0]["message"]["content"]
+                    .as_str()
+                    .is_some_and(|c| !c.is_empty())
+            );
+        }
+
+        let body =
+            json!({"model": MODEL, "prompt": words(100, 30), "max_tokens": 5, "stream": stream});
+        let reply = post(r.api(), "/v1/completions", &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert!(known.contains(&reply.endpoint()));
+        if stream {
+            assert!(reply.text().trim_end().ends_with("data: [DONE]"));
+        } else {
+            assert_eq!(reply.json()["object"], "text_completion");
+        }
+    }
+
+    // The router's own model list: the model and its alias.
+    let models = get(r.api(), "/v1/models").await.json();
+    let ids: HashSet<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(ids.contains(MODEL) && ids.contains(ALIAS), "{models}");
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliases_are_rewritten_and_unknown_models_are_404() {
+    let sims = engines(1, |_| {}).await;
+    let r = router(&[EngineAddr::of(&sims[0])], &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 1, true).await;
+
+    // The engine only knows its served name: success means the alias was rewritten.
+    let reply = post(
+        r.api(),
+        "/v1/chat/completions",
+        &chat(ALIAS, "w1 w2 w3", false, 4),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    assert_eq!(reply.json()["model"], MODEL);
+
+    let reply = post(
+        r.api(),
+        "/v1/chat/completions",
+        &chat("gpt-17", "hi", false, 4),
+    )
+    .await;
+    assert_eq!(reply.status, 404);
+    let j = reply.json();
+    assert_eq!(j["error"]["code"], "model_not_found");
+    assert_eq!(j["error"]["type"], "invalid_request_error");
+
+    // Malformed requests are refused by the router with OpenAI-shaped errors.
+    let reply = send(
+        r.api(),
+        "POST",
+        "/v1/chat/completions",
+        &[],
+        bytes::Bytes::from_static(b"{\"model\":"),
+    )
+    .await;
+    assert_eq!(reply.status, 400);
+    assert_eq!(reply.json()["error"]["type"], "invalid_request_error");
+    let reply = post(r.api(), "/v1/completions", &json!({"model": MODEL})).await;
+    assert_eq!(reply.status, 400);
+    assert!(
+        reply.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("prompt")
+    );
+    let reply = get(r.api(), "/v2/nothing").await;
+    assert_eq!(reply.status, 404);
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_prefix_follows_the_engine_that_cached_it() {
+    let sims = engines(4, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 4, true).await;
+
+    let system = words(1000, 1500);
+    let first = post(
+        r.api(),
+        "/v1/chat/completions",
+        &chat(MODEL, &format!("{system} w1"), false, 4),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let warm = first.endpoint();
+    // The engine reported the blocks: the index knows them.
+    eventually(
+        Duration::from_secs(10),
+        "the first prompt's blocks in the index",
+        || async {
+            let e = endpoints(&r).await;
+            let ep = e["endpoints"]
+                .as_array()?
+                .iter()
+                .find(|x| x["endpoint"] == warm.as_str())?
+                .clone();
+            (ep["kv"][0]["blocks_held"].as_u64()? >= 90).then_some(())
+        },
+    )
+    .await;
+    for i in 0..6 {
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(
+                MODEL,
+                &format!("{system} w{} w{}", 60_000 + i, 61_000 + i),
+                false,
+                4,
+            ),
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+        assert_eq!(reply.endpoint(), warm, "request {i} left the warm engine");
+    }
+    // Unrelated prompts are spread rather than piled on one engine.
+    let mut cold = HashSet::new();
+    for i in 0..8 {
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(20_000 + i * 500, 200), false, 2),
+        )
+        .await;
+        cold.insert(reply.endpoint());
+    }
+    assert!(cold.len() >= 3, "cold prompts went to {cold:?}");
+    // And the decision is explained on request.
+    let reply = send(
+        r.api(),
+        "POST",
+        "/v1/chat/completions",
+        &[("x-kinference-debug", "1")],
+        bytes::Bytes::from(
+            serde_json::to_vec(&chat(MODEL, &format!("{system} w9"), false, 2)).unwrap(),
+        ),
+    )
+    .await;
+    let decision = reply.headers["x-kinference-decision"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        decision.contains("ttft_ms=") && decision.contains("tokens=engine"),
+        "{decision}"
+    );
+    let explain: serde_json::Value =
+        serde_json::from_str(reply.headers["x-kinference-explain"].to_str().unwrap()).unwrap();
+    assert_eq!(explain["candidates"].as_array().unwrap().len(), 4);
+    assert!(
+        !get(r.admin(), "/debug/explain")
+            .await
+            .json()
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_fails_its_streams_clearly_and_is_avoided() {
+    let mut sims = engines(3, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 3, true).await;
+
+    // A long stream, then its engine dies.
+    let resp = post_streaming(
+        r.api(),
+        "/v1/chat/completions",
+        &chat(MODEL, &words(0, 50), true, 2000),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let victim = resp.headers()["x-kinference-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let i = sims
+        .iter()
+        .position(|s| s.http_addr().to_string() == victim)
+        .unwrap();
+    let mut body = resp.into_body();
+    let first = body
+        .frame()
+        .await
+        .expect("a first chunk")
+        .expect("first chunk ok");
+    assert!(first.data_ref().is_some());
+    let dead = sims.remove(i);
+    let killed_at = tokio::time::Instant::now();
+    dead.shutdown().await;
+
+    // The client sees an error, never a stream that ends as if complete.
+    let mut text = String::new();
+    let outcome = loop {
+        match tokio::time::timeout(Duration::from_secs(20), body.frame()).await {
+            Err(_) => break "hang",
+            Ok(None) => break "ended",
+            Ok(Some(Err(_))) => break "error",
+            Ok(Some(Ok(f))) => {
+                if let Some(d) = f.data_ref() {
+                    text.push_str(&String::from_utf8_lossy(d));
+                }
+            }
+        }
+    };
+    assert!(
+        !text.contains("[DONE]"),
+        "the stream claimed to be complete"
+    );
+    assert_ne!(outcome, "hang");
+    assert_eq!(outcome, "error", "a cut stream must surface as an error");
+
+    // New requests succeed and avoid the dead engine.
+    for k in 0..10 {
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(3000 + k * 100, 30), false, 2),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_ne!(reply.endpoint(), victim);
+    }
+    eprintln!(
+        "10 requests after the kill, all elsewhere, within {:?}",
+        killed_at.elapsed()
+    );
+    // Nothing leaked: in-flight accounting is back to zero everywhere.
+    eventually(Duration::from_secs(5), "in-flight back to zero", || async {
+        let e = endpoints(&r).await;
+        e["endpoints"]
+            .as_array()?
+            .iter()
+            .all(|ep| ep["load"]["requests"] == 0)
+            .then_some(())
+    })
+    .await;
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_added_to_the_manifests_is_used_without_restart() {
+    let sims = engines(2, |_| {}).await;
+    let r = router(&[EngineAddr::of(&sims[0])], &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 1, true).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    write_manifests(
+        r.dir.path(),
+        &manifests_yaml(&addrs, &WorkerSetOpts::default()),
+    );
+    wait_routable(&r, 2, true).await;
+    let new = sims[1].http_addr().to_string();
+    let mut seen = false;
+    for i in 0..6 {
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(40_000 + i * 300, 100), false, 2),
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+        seen |= reply.endpoint() == new;
+    }
+    assert!(seen, "the added engine took no request");
+
+    // And an engine made unready in its slice gets no more requests.
+    let mut addrs = addrs;
+    addrs[0].ready = false;
+    write_manifests(
+        r.dir.path(),
+        &manifests_yaml(&addrs, &WorkerSetOpts::default()),
+    );
+    wait_routable(&r, 1, true).await;
+    for i in 0..4 {
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(50_000 + i * 300, 100), false, 2),
+        )
+        .await;
+        assert_eq!(reply.endpoint(), new);
+    }
+    // A broken manifest is refused and the last good objects stay in use.
+    std::fs::write(r.dir.path().join("broken.yaml"), "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {name: x}\nspec: {kvBlockSize: 0, serviceRef: {name: s, port: 1}}\n").unwrap();
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let reply = post(
+        r.api(),
+        "/v1/chat/completions",
+        &chat(MODEL, "w1 w2", false, 2),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    r.shutdown().await;
+}

@@ -1,0 +1,339 @@
+//! Real engines (kinference-sim, in-process), a manifests directory that
+//! describes them, a router started on it, and a small HTTP client.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use clap::Parser as _;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use kinference_router::args::{Args, Command, Running};
+use kinference_sim::{SimConfig, SimEngine, SimHandle};
+use serde_json::Value;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+pub const MODEL: &str = "kinference/sim";
+pub const ALIAS: &str = "sim-alias";
+
+/// Starts `n` simulated engines with ephemeral ports.
+pub async fn engines(n: usize, tweak: impl Fn(&mut SimConfig)) -> Vec<SimHandle> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let mut cfg = SimConfig {
+            seed: i as u64,
+            ..SimConfig::default()
+        };
+        tweak(&mut cfg);
+        out.push(
+            SimEngine::spawn(cfg)
+                .await
+                .expect("simulated engine starts"),
+        );
+    }
+    out
+}
+
+/// How the worker set is described.
+#[derive(Clone, Debug)]
+pub struct WorkerSetOpts {
+    /// `spec.profile`.
+    pub profile: String,
+    /// A RoutingProfile object to write, if any (YAML of its spec).
+    pub profile_spec: Option<String>,
+    /// `spec.kvBlockSize`.
+    pub kv_block_size: u32,
+    /// Whether to set `kvEvents`.
+    pub kv_events: bool,
+}
+
+impl Default for WorkerSetOpts {
+    fn default() -> Self {
+        Self {
+            profile: "default".into(),
+            profile_spec: None,
+            kv_block_size: 16,
+            kv_events: true,
+        }
+    }
+}
+
+/// The engines' addresses as the manifests list them.
+#[derive(Clone, Debug)]
+pub struct EngineAddr {
+    pub http: SocketAddr,
+    pub kv: Option<SocketAddr>,
+    pub ready: bool,
+}
+
+impl EngineAddr {
+    pub fn of(e: &SimHandle) -> Self {
+        Self {
+            http: e.http_addr(),
+            kv: e.kv_addr(),
+            ready: true,
+        }
+    }
+}
+
+/// The YAML of a pool `test` with one worker set `sim` behind the Service
+/// `sim`, one EndpointSlice per engine (their ports differ).
+pub fn manifests_yaml(engines: &[EngineAddr], opts: &WorkerSetOpts) -> String {
+    let mut y = String::new();
+    y.push_str("apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferencePool\nmetadata: {name: test}\nspec:\n  workerSets: [{name: sim}]\n---\n");
+    let kv = if opts.kv_events {
+        "  kvEvents: {port: kv}\n"
+    } else {
+        ""
+    };
+    let _ = write!(
+        y,
+        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: sim}}\nspec:\n  profile: {}\n  kvBlockSize: {}\n  serviceRef: {{name: sim, port: http}}\n{kv}  models:\n    - name: {MODEL}\n      aliases: [{ALIAS}]\n---\n",
+        opts.profile, opts.kv_block_size
+    );
+    if let Some(spec) = &opts.profile_spec {
+        let _ = write!(
+            y,
+            "apiVersion: kinference.buoyant.io/v1alpha1\nkind: RoutingProfile\nmetadata: {{name: {}}}\nspec:\n{spec}---\n",
+            opts.profile
+        );
+    }
+    for (i, e) in engines.iter().enumerate() {
+        let kv_port = e.kv.map_or(String::new(), |k| {
+            format!(", {{name: kv, port: {}}}", k.port())
+        });
+        let _ = write!(
+            y,
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: sim-{i}\n  labels: {{kubernetes.io/service-name: sim}}\naddressType: IPv4\nports: [{{name: http, port: {}}}{kv_port}]\nendpoints:\n  - addresses: [\"{}\"]\n    conditions: {{ready: {}}}\n---\n",
+            e.http.port(),
+            e.http.ip(),
+            e.ready
+        );
+    }
+    y
+}
+
+/// Writes `text` to `dir/objects.yaml` atomically (the router never reads
+/// half a file).
+pub fn write_manifests(dir: &Path, text: &str) {
+    let tmp = dir.join(".objects.yaml.tmp");
+    std::fs::write(&tmp, text).expect("write manifests");
+    std::fs::rename(&tmp, dir.join("objects.yaml")).expect("rename manifests");
+}
+
+/// A router on a manifests directory, with its stop switch.
+pub struct Router {
+    pub running: Running,
+    pub stop: CancellationToken,
+    pub dir: tempfile::TempDir,
+}
+
+impl Router {
+    pub fn api(&self) -> SocketAddr {
+        self.running.api_addr
+    }
+
+    pub fn admin(&self) -> SocketAddr {
+        self.running.admin_addr
+    }
+
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.running.task).await;
+    }
+}
+
+/// Starts a router (flags as on the command line) on manifests for `engines`.
+pub async fn router(engines: &[EngineAddr], opts: &WorkerSetOpts, extra_flags: &[&str]) -> Router {
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_manifests(dir.path(), &manifests_yaml(engines, opts));
+    let mut argv: Vec<String> = [
+        "kinference-router",
+        "serve",
+        "--pool",
+        "test",
+        "--manifests",
+        dir.path().to_str().expect("utf-8 path"),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--scrape-interval-s",
+        "0.5",
+        "--discovery-interval-s",
+        "1",
+        "--drain-s",
+        "2",
+        "--tokenize-timeout-ms",
+        "2000",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    argv.extend(extra_flags.iter().map(|s| (*s).to_owned()));
+    let args = Args::try_parse_from(argv).expect("router flags");
+    let Command::Serve(serve) = args.command else {
+        unreachable!()
+    };
+    let stop = CancellationToken::new();
+    let running = kinference_router::args::start(*serve, stop.clone())
+        .await
+        .expect("router starts");
+    Router { running, stop, dir }
+}
+
+/// Polls `f` until it returns `Some`, or panics with `what` after `within`.
+pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// A finished response.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn endpoint(&self) -> String {
+        self.headers
+            .get("x-kinference-endpoint")
+            .map(|v| v.to_str().unwrap().to_owned())
+            .unwrap_or_default()
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+pub async fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Bytes,
+) -> Reply {
+    let mut req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = client()
+        .request(req.body(Full::new(body)).unwrap())
+        .await
+        .expect("HTTP request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp
+        .into_body()
+        .collect()
+        .await
+        .expect("HTTP body")
+        .to_bytes();
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+pub async fn post(addr: SocketAddr, path: &str, body: &Value) -> Reply {
+    send(
+        addr,
+        "POST",
+        path,
+        &[],
+        Bytes::from(serde_json::to_vec(body).unwrap()),
+    )
+    .await
+}
+
+pub async fn get(addr: SocketAddr, path: &str) -> Reply {
+    send(addr, "GET", path, &[], Bytes::new()).await
+}
+
+/// Starts a streaming request and returns the response with its body not read.
+pub async fn post_streaming(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+) -> http::Response<Incoming> {
+    let req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+        .unwrap();
+    client().request(req).await.expect("HTTP request")
+}
+
+/// A prompt of `words` word-level tokens: `w{start}..`.
+pub fn words(start: usize, n: usize) -> String {
+    (start..start + n)
+        .map(|i| format!("w{}", i % 65_536))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+pub fn chat(model: &str, content: &str, stream: bool, max_tokens: u32) -> Value {
+    serde_json::json!({
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "stream": stream,
+        "max_tokens": max_tokens,
+    })
+}
+
+/// The router's view of its endpoints (`/debug/endpoints`).
+pub async fn endpoints(r: &Router) -> Value {
+    get(r.admin(), "/debug/endpoints").await.json()
+}
+
+/// Waits until every engine is known, healthy, has its models, and (when
+/// `kv`) its KV-event stream connected.
+pub async fn wait_routable(r: &Router, n: usize, kv: bool) {
+    eventually(Duration::from_secs(20), "endpoints routable", || async {
+        let e = endpoints(r).await;
+        let eps = e["endpoints"].as_array()?;
+        let ok = eps.len() == n
+            && eps.iter().all(|ep| {
+                ep["healthy"] == true
+                    && !ep["models"].as_array().is_none_or(Vec::is_empty)
+                    && (!kv
+                        || ep["kv"].as_array().is_some_and(|k| {
+                            !k.is_empty() && k.iter().all(|s| s["connected"] == true)
+                        }))
+            });
+        (ok && e["ready"] == true).then_some(())
+    })
+    .await;
+}
