@@ -12,6 +12,8 @@ use clap::{Parser, Subcommand};
 
 mod demo;
 mod gen_crds;
+mod load;
+mod procs;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "kinference project automation")]
@@ -28,15 +30,23 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Show what kinference does, end to end, on this machine.
-    Demo,
+    /// Show what kinference does, end to end, on this machine: simulated
+    /// engines, the router, a shared-prefix workload, ours vs round robin.
+    Demo {
+        /// A ~15 s run instead of ~1 minute.
+        #[arg(long)]
+        quick: bool,
+        /// Build in release mode (slower to build, faster to run).
+        #[arg(long)]
+        release: bool,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::GenCrds { check } => gen_crds::run(&workspace_root(), check),
-        Command::Demo => demo::run(),
+        Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
     };
     match result {
         Ok(code) => code,
