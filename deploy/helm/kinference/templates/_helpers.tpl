@@ -44,7 +44,7 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* An image reference. Argument: dict "root" $ "image" .Values.X.image. */}}
+{{/* An image reference. Argument: dict "root" $ "image" (a component's image settings). */}}
 {{- define "kinference.image" -}}
 {{- $registry := .root.Values.image.registry | trimSuffix "/" -}}
 {{- $repo := .image.repository -}}
