@@ -1033,10 +1033,24 @@ fn workspace_rust_version(root: &Path) -> Result<String> {
 
 /// Runs hadolint on `files`.
 pub(crate) fn hadolint(files: &[PathBuf]) -> Result<()> {
-    let out = Command::new("hadolint")
-        .args(files)
-        .output()
-        .with_context(|| format!("running hadolint ({HADOLINT_ADVICE})"))?;
+    // On PATH, or where pip put it: the scripts directory of `python()`.
+    let out = match Command::new("hadolint").args(files).output() {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let scripts = Command::new(python())
+                .args([
+                    "-c",
+                    "import sysconfig; print(sysconfig.get_path('scripts'))",
+                ])
+                .output()
+                .with_context(|| format!("hadolint is not on PATH ({HADOLINT_ADVICE})"))?;
+            let dir = String::from_utf8_lossy(&scripts.stdout).trim().to_owned();
+            Command::new(Path::new(&dir).join("hadolint"))
+                .args(files)
+                .output()
+                .with_context(|| format!("running hadolint ({HADOLINT_ADVICE})"))?
+        }
+        other => other.with_context(|| format!("running hadolint ({HADOLINT_ADVICE})"))?,
+    };
     ensure!(
         out.status.success(),
         "hadolint found problems:\n{}{}",
