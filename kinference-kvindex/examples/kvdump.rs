@@ -83,7 +83,10 @@ async fn watch(endpoint: &str, replay: Option<&str>, topic: &str) -> Result<()> 
             let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
             match frames::parse_replay_reply(&parts)? {
                 ReplayReply::Batch { seq, payload, .. } => {
-                    print!("{}", dump::payload_lines(payload, Some("replay"), Some(seq)));
+                    print!(
+                        "{}",
+                        dump::payload_lines(payload, Some("replay"), Some(seq))
+                    );
                 }
                 ReplayReply::End => break,
             }
@@ -95,7 +98,10 @@ async fn watch(endpoint: &str, replay: Option<&str>, topic: &str) -> Result<()> 
         match frames::parse_live(&parts) {
             Ok(l) => {
                 let topic = String::from_utf8_lossy(l.topic);
-                print!("{}", dump::payload_lines(l.payload, Some(&topic), Some(l.seq)));
+                print!(
+                    "{}",
+                    dump::payload_lines(l.payload, Some(&topic), Some(l.seq))
+                );
             }
             Err(e) => eprintln!("kvdump: malformed message: {e}"),
         }

@@ -126,7 +126,10 @@ mod tests {
 pub fn payload_lines(payload: &[u8], worker: Option<&str>, seq: Option<u64>) -> String {
     match crate::codec::decode_batch(payload) {
         Ok(b) => batch_lines(&b, worker, seq),
-        Err(e) => format!("{}\n", json!({"worker": worker, "seq": seq, "error": e.to_string()})),
+        Err(e) => format!(
+            "{}\n",
+            json!({"worker": worker, "seq": seq, "error": e.to_string()})
+        ),
     }
 }
 
@@ -147,10 +150,18 @@ pub fn decode_file(name: &str, bytes: &[u8]) -> Result<String, crate::codec::fra
     let f = frames::read_frames_container(bytes)?;
     if let Ok(m) = frames::parse_live(&f) {
         let topic = String::from_utf8_lossy(m.topic);
-        return Ok(payload_lines(m.payload, (!topic.is_empty()).then_some(&*topic), Some(m.seq)));
+        return Ok(payload_lines(
+            m.payload,
+            (!topic.is_empty()).then_some(&*topic),
+            Some(m.seq),
+        ));
     }
     Ok(match frames::parse_replay_reply(&f)? {
-        ReplayReply::Batch { topic, seq, payload } => {
+        ReplayReply::Batch {
+            topic,
+            seq,
+            payload,
+        } => {
             let topic = topic.map(String::from_utf8_lossy).filter(|t| !t.is_empty());
             payload_lines(payload, topic.as_deref(), Some(seq))
         }

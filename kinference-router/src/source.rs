@@ -120,7 +120,25 @@ pub fn load_manifests(dir: &Path) -> Result<Manifests, ManifestsError> {
             match o {
                 Object::Pool(o) => out.pools.push(*o),
                 Object::WorkerSet(o) => out.worker_sets.push(*o),
-                Object::Profile(o) => out.profiles.push(*o),
+                Object::Profile(mut o) => {
+                    // A relative tokenizer path is relative to the file's directory.
+                    if let Some(p) = o
+                        .spec
+                        .tokenization
+                        .tokenizer
+                        .as_mut()
+                        .and_then(|t| t.path.as_mut())
+                        && Path::new(p.as_str()).is_relative()
+                    {
+                        *p = path
+                            .parent()
+                            .unwrap_or(dir)
+                            .join(p.as_str())
+                            .display()
+                            .to_string();
+                    }
+                    out.profiles.push(*o);
+                }
                 Object::EndpointSlice(o) => out.slices.push(*o),
                 other @ Object::Other { .. } => out.ignored.push(other.describe()),
             }

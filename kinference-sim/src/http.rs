@@ -434,6 +434,7 @@ fn stream_response(ctx: RespCtx, choices: Choices, params: &Params) -> Response 
     let mut stream = SseStream {
         ctx,
         choices,
+        opening: VecDeque::new(),
         pending: VecDeque::new(),
         include_usage: params.include_usage,
         continuous_usage: params.continuous_usage,
@@ -441,12 +442,13 @@ fn stream_response(ctx: RespCtx, choices: Choices, params: &Params) -> Response 
         text: String::new(),
     };
     if stream.ctx.kind == Kind::Chat {
-        // vLLM opens every choice with an empty assistant delta.
+        // vLLM opens every choice with an empty assistant delta, sent with
+        // the first token (see `SseStream::opening`).
         for i in 0..stream.choices.0.len() {
             let index = stream.choices.0[i].index;
             let usage = stream.running_usage();
             push_chunk(
-                &mut stream.pending,
+                &mut stream.opening,
                 &Chunk {
                     id: &stream.ctx.id,
                     object: "chat.completion.chunk",
@@ -489,6 +491,10 @@ fn push_chunk<T: Serialize>(pending: &mut VecDeque<Bytes>, chunk: &T) {
 struct SseStream {
     ctx: RespCtx,
     choices: Choices,
+    /// Chat's opening chunks (the assistant role), held until the first
+    /// token: vLLM sends them from its first engine output, so a client's
+    /// first bytes mark the first token.
+    opening: VecDeque<Bytes>,
     pending: VecDeque<Bytes>,
     include_usage: bool,
     continuous_usage: bool,
@@ -503,6 +509,7 @@ impl SseStream {
     }
 
     fn on_token(&mut self, at: usize, token: u32, finished: Option<Finished>) {
+        self.release_opening();
         let (index, first) = {
             let c = &mut self.choices.0[at];
             c.generated += 1;
@@ -556,7 +563,15 @@ impl SseStream {
         self.text = text;
     }
 
+    /// Moves the held opening chunks ahead of everything else.
+    fn release_opening(&mut self) {
+        while let Some(b) = self.opening.pop_back() {
+            self.pending.push_front(b);
+        }
+    }
+
     fn finish(&mut self) {
+        self.release_opening();
         if self.include_usage {
             let usage = self.ctx.usage(&self.choices.0);
             let object = match self.ctx.kind {

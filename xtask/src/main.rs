@@ -16,6 +16,8 @@ use clap::{Parser, Subcommand};
 mod chart;
 mod demo;
 mod gen_crds;
+mod load;
+mod procs;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "kinference project automation")]
@@ -32,8 +34,16 @@ enum Command {
         #[arg(long)]
         check: bool,
     },
-    /// Show what kinference does, end to end, on this machine.
-    Demo,
+    /// Show what kinference does, end to end, on this machine: simulated
+    /// engines, the router, a shared-prefix workload, ours vs round robin.
+    Demo {
+        /// A ~15 s run instead of ~1 minute.
+        #[arg(long)]
+        quick: bool,
+        /// Build in release mode (slower to build, faster to run).
+        #[arg(long)]
+        release: bool,
+    },
     /// Check the Helm chart and the Dockerfiles (needs helm-python-sdk and
     /// hadolint from PyPI).
     Chart,
@@ -52,7 +62,7 @@ fn main() -> ExitCode {
             })
         }),
         Command::Chart => chart::run(&workspace_root()),
-        Command::Demo => demo::run(),
+        Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,157 @@
+//! The router's view of an engine's cache against the engine's truth, through
+//! evictions, a forced gap (replayed), lost batches (not replayable) and a
+//! publisher restart: never a stale block, and back in step afterwards.
+
+mod support;
+
+use std::time::Duration;
+
+use kinference_kvindex::{BlockKey, BlockKeyer, ExtraKeys};
+use kinference_sim::{FaultRequest, SimHandle};
+use serde_json::json;
+use support::*;
+
+const BLOCK: u32 = 16;
+
+/// A prompt of token ids: `blocks` full blocks, distinct per `n`.
+fn prompt(n: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK).map(|i| 100 + n * 1000 + i).collect()
+}
+
+/// Leading blocks the router's index gives the engine for `ids`.
+fn router_depth(r: &Router, ids: &[u32]) -> u32 {
+    let keys: Vec<BlockKey> = BlockKeyer::new(BLOCK, None).keys(ids, &ExtraKeys::none());
+    r.running.shared.kv.find_matches(&keys).max_blocks()
+}
+
+/// Leading blocks the engine really holds. (Asked with one more token: like
+/// vLLM, the engine never counts a prompt's last token as a hit, so a prompt
+/// of whole blocks would hit one block less than it holds.)
+fn truth_depth(sim: &SimHandle, ids: &[u32]) -> u32 {
+    let mut q = ids.to_vec();
+    q.push(7);
+    (sim.cached_prefix_tokens(&q)[0] / BLOCK as usize) as u32
+}
+
+async fn send_prompt(r: &Router, ids: &[u32]) {
+    let reply = post(
+        r.api(),
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": ids, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+/// Waits until the router agrees with the engine on `fresh` prompts, and
+/// checks it never claims more than the engine holds on any of `all`.
+async fn check(r: &Router, sim: &SimHandle, all: &[Vec<u32>], fresh: &[Vec<u32>], when: &str) {
+    for p in fresh {
+        eprintln!(
+            "{when}: router {} engine {}",
+            router_depth(r, p),
+            truth_depth(sim, p)
+        );
+    }
+    eventually(
+        Duration::from_secs(10),
+        &format!("router == engine on fresh prompts ({when})"),
+        || async {
+            fresh
+                .iter()
+                .all(|p| router_depth(r, p) == truth_depth(sim, p))
+                .then_some(())
+        },
+    )
+    .await;
+    for (i, p) in all.iter().enumerate() {
+        let (ours, truth) = (router_depth(r, p), truth_depth(sim, p));
+        assert!(
+            ours <= truth,
+            "{when}: prompt {i}: the router thinks {ours} blocks are cached, the engine holds {truth}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_stale_blocks_through_evictions_gaps_and_restarts() {
+    // A small cache (63 usable blocks) so evictions happen.
+    let sims = engines(1, |c| {
+        c.engine.num_gpu_blocks = 64;
+        c.max_model_len = 512;
+    })
+    .await;
+    let sim = &sims[0];
+    let opts = WorkerSetOpts {
+        kv_block_size: BLOCK,
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&[EngineAddr::of(sim)], &opts, &[]).await;
+    wait_routable(&r, 1, true).await;
+
+    let mut all: Vec<Vec<u32>> = Vec::new();
+    let batch =
+        |from: u32, n: u32| -> Vec<Vec<u32>> { (from..from + n).map(|k| prompt(k, 10)).collect() };
+
+    // Enough prompts to evict the first ones.
+    let fresh = batch(0, 8);
+    for p in &fresh {
+        send_prompt(&r, p).await;
+    }
+    all.extend(fresh.iter().cloned());
+    check(&r, sim, &all, &fresh[fresh.len() - 2..], "after evictions").await;
+    let removed = sim.cache_truth(false).engines[0].counters;
+    eprintln!("engine counters after evictions: {removed:?}");
+
+    // Two batches withheld but kept for replay: a gap the router repairs.
+    sim.inject(&FaultRequest {
+        drop_batches: Some(2),
+        ..FaultRequest::default()
+    })
+    .await
+    .unwrap();
+    let fresh = batch(100, 4);
+    for p in &fresh {
+        send_prompt(&r, p).await;
+    }
+    all.extend(fresh.iter().cloned());
+    check(&r, sim, &all, &fresh, "after a replayed gap").await;
+
+    // Two batches lost for good: the router must drop what it cannot trust.
+    sim.inject(&FaultRequest {
+        lose_batches: Some(2),
+        ..FaultRequest::default()
+    })
+    .await
+    .unwrap();
+    let fresh = batch(200, 4);
+    for p in &fresh {
+        send_prompt(&r, p).await;
+    }
+    all.extend(fresh.iter().cloned());
+    check(&r, sim, &all, &fresh[2..], "after a lost gap").await;
+
+    // The publisher restarts (seq back to 0): earlier state is dropped.
+    sim.inject(&FaultRequest {
+        restart_publisher: Some(true),
+        ..FaultRequest::default()
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let fresh = batch(300, 3);
+    for p in &fresh {
+        send_prompt(&r, p).await;
+    }
+    all.extend(fresh.iter().cloned());
+    check(&r, sim, &all, &fresh, "after a publisher restart").await;
+
+    // The stream health saw all of it.
+    let e = endpoints(&r).await;
+    let kv = &e["endpoints"][0]["kv"][0];
+    eprintln!("stream health: {kv}");
+    assert!(kv["gaps"].as_u64().unwrap() >= 2, "{kv}");
+    assert!(kv["replays"].as_u64().unwrap() >= 1, "{kv}");
+    assert!(kv["restarts"].as_u64().unwrap() >= 1, "{kv}");
+    r.shutdown().await;
+}
