@@ -3,6 +3,9 @@
 //! - `cargo xtask gen-crds [--check]`: write `deploy/crds/*.yaml` from
 //!   kinference-api, or check that they are up to date.
 //! - `cargo xtask demo`: the README's main command.
+//! - `cargo xtask chart`: check the Helm chart (lint, render, RBAC against
+//!   the code) and the Dockerfiles; `gen-crds` also copies the CRDs into the
+//!   chart.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,6 +13,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
+mod chart;
 mod demo;
 mod gen_crds;
 mod load;
@@ -40,12 +44,24 @@ enum Command {
         #[arg(long)]
         release: bool,
     },
+    /// Check the Helm chart and the Dockerfiles (needs helm-python-sdk and
+    /// hadolint from PyPI).
+    Chart,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::GenCrds { check } => gen_crds::run(&workspace_root(), check),
+        Command::GenCrds { check } => gen_crds::run(&workspace_root(), check).and_then(|code| {
+            // The chart ships the same CRDs.
+            let chart = chart::sync_crds(&workspace_root(), check)?;
+            Ok(if code == ExitCode::SUCCESS {
+                chart
+            } else {
+                code
+            })
+        }),
+        Command::Chart => chart::run(&workspace_root()),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
     };
     match result {
