@@ -127,7 +127,7 @@ async fn decide_in(
 ) -> Option<Decision> {
     // Ask the least loaded endpoint when the engine tokenizes.
     let ask = endpoints.iter().min_by_key(|e| e.load.snapshot().requests);
-    let (ids, source) = tokens::ids(shared, rt, api, body, ask).await;
+    let (ids, source) = tokens::ids(shared, rt, api, body, ask, &target.model).await;
     let lora = lora_name(endpoints, &target.model);
 
     let mut keys: Vec<u64> = Vec::new();

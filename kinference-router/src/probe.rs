@@ -12,6 +12,9 @@ use tokio::time::Instant;
 
 use crate::endpoint::{DiscoveredModel, Endpoint, Scraped};
 
+/// The largest probe answer read (`/metrics`, `/v1/models`, `/kv_event_sources`).
+pub const MAX_PROBE_BODY: usize = 1 << 20;
+
 /// The HTTP client for probes (small bodies, no streaming).
 pub type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
 
@@ -59,11 +62,13 @@ async fn get(
             .await
             .map_err(|e| format!("GET {path}: {e}"))?;
         let status = resp.status();
-        let body = resp
-            .into_body()
+        // Engines are trusted, but a probe answer is never worth more memory than this.
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_PROBE_BODY)
             .collect()
             .await
-            .map_err(|e| format!("GET {path}: reading the body: {e}"))?
+            .map_err(|e| {
+                format!("GET {path}: reading the body (at most {MAX_PROBE_BODY} bytes): {e}")
+            })?
             .to_bytes();
         if !status.is_success() {
             return Err(format!("GET {path}: HTTP {status}"));

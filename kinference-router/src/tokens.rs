@@ -69,6 +69,7 @@ pub async fn ids(
     api: openai::Endpoint,
     body: &Arc<Value>,
     ask: Option<&Arc<Endpoint>>,
+    model: &str,
 ) -> (Option<Vec<u32>>, Source) {
     let started = Instant::now();
     let timeout = shared.config.tokenize_timeout;
@@ -93,7 +94,11 @@ pub async fn ids(
                 observe(shared, "engine", "unavailable", started);
                 return (None, Source::None);
             };
-            let r = match tokio::time::timeout(timeout, engine_tokenize(shared, e, api, body)).await
+            let r = match tokio::time::timeout(
+                timeout,
+                engine_tokenize(shared, e, api, body, model),
+            )
+            .await
             {
                 Err(_) => Err("timeout"),
                 Ok(Err(err)) => {
@@ -200,11 +205,14 @@ async fn engine_tokenize(
     e: &Endpoint,
     api: openai::Endpoint,
     body: &Value,
+    model: &str,
 ) -> Result<Vec<u32>, String> {
     if let Some(ids) = ids_in_body(body) {
         return Ok(ids);
     }
-    let req = tokenize_body(api, body).ok_or("request has no prompt to tokenize")?;
+    let mut req = tokenize_body(api, body).ok_or("request has no prompt to tokenize")?;
+    // The engine knows its served name, not the pool's aliases.
+    req["model"] = Value::String(model.to_owned());
     post_tokenize(shared, &e.authority, &req).await
 }
 

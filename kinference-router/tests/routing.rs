@@ -77,15 +77,20 @@ async fn aliases_are_rewritten_and_unknown_models_are_404() {
     let r = router(&[EngineAddr::of(&sims[0])], &WorkerSetOpts::default(), &[]).await;
     wait_routable(&r, 1, true).await;
 
-    // The engine only knows its served name: success means the alias was rewritten.
-    let reply = post(
+    // The engine only knows its served name: success means the alias was
+    // rewritten, for the request and for the engine's /tokenize.
+    let reply = send(
         r.api(),
+        "POST",
         "/v1/chat/completions",
-        &chat(ALIAS, "w1 w2 w3", false, 4),
+        &[("x-kinference-debug", "1")],
+        bytes::Bytes::from(serde_json::to_vec(&chat(ALIAS, "w1 w2 w3", false, 4)).unwrap()),
     )
     .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
     assert_eq!(reply.json()["model"], MODEL);
+    let decision = reply.headers["x-kinference-decision"].to_str().unwrap();
+    assert!(decision.contains("tokens=engine"), "{decision}");
 
     let reply = post(
         r.api(),
