@@ -159,7 +159,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("decision");
     let (mut m, mut keys) = (Matches::default(), Vec::new());
     g.bench_function("chat_8k_warm/total", |b| {
-        b.iter(|| black_box(decide(&mut policy, &mut rng, &mut m, &mut keys)))
+        b.iter(|| black_box(decide(&mut policy, &mut rng, &mut m, &mut keys)));
     });
     g.bench_function("chat_8k_warm/tokenize", |b| {
         b.iter(|| {
@@ -170,11 +170,11 @@ fn bench(c: &mut Criterion) {
         });
     });
     g.bench_function("chat_8k_warm/keys", |b| {
-        b.iter(|| keyer.keys_into(black_box(&ids), &ExtraKeys::none(), &mut keys))
+        b.iter(|| keyer.keys_into(black_box(&ids), &ExtraKeys::none(), &mut keys));
     });
     keyer.keys_into(&ids, &ExtraKeys::none(), &mut keys);
     g.bench_function("chat_8k_warm/lookup", |b| {
-        b.iter(|| index.find_matches_into(black_box(&keys), &mut m))
+        b.iter(|| index.find_matches_into(black_box(&keys), &mut m));
     });
     g.finish();
     let chosen = decide(&mut policy, &mut rng, &mut m, &mut keys);

@@ -89,6 +89,7 @@ pub fn handle(
         "/debug/explain" => json(&shared.decisions()),
         "/debug/endpoints" => json(&serde_json::json!({
             "ready": shared.is_ready(),
+            "problems": shared.problems(),
             "worker_sets": shared.worker_set_reports(),
             "endpoints": shared.endpoint_reports(),
             "kv_index": {

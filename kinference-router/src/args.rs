@@ -106,6 +106,27 @@ pub struct ServeArgs {
     /// Seed of the tie-breaking random source.
     #[arg(long, env = "KINFERENCE_SEED", default_value_t = 0x6b69_6e66)]
     pub seed: u64,
+    /// Most (block, worker) entries the KV index holds (about 17 bytes each);
+    /// past it the worker holding the most is dropped first.
+    #[arg(
+        long,
+        env = "KINFERENCE_KV_INDEX_MAX_ENTRIES",
+        default_value_t = 50_000_000
+    )]
+    pub kv_index_max_entries: u64,
+    /// Longest wait for a request's headers, seconds.
+    #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT_S", default_value_t = 30)]
+    pub header_read_timeout_s: u64,
+    /// Longest wait for a request's body, seconds.
+    #[arg(long, env = "KINFERENCE_BODY_READ_TIMEOUT_S", default_value_t = 60)]
+    pub body_read_timeout_s: u64,
+    /// Most client connections served at once (more wait to be accepted).
+    #[arg(long, env = "KINFERENCE_MAX_CONNECTIONS", default_value_t = 20_000)]
+    pub max_connections: usize,
+    /// Let clients ask for the routing decision with `x-kinference-debug`
+    /// (it names endpoints and their load).
+    #[arg(long, env = "KINFERENCE_DEBUG_HEADERS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub debug_headers: bool,
 }
 
 /// `tokenize`.
@@ -239,6 +260,11 @@ impl ServeArgs {
             },
             kv_replay_offset: self.kv_replay_offset,
             seed: self.seed,
+            kv_max_entries: self.kv_index_max_entries,
+            header_read_timeout: Duration::from_secs(self.header_read_timeout_s.max(1)),
+            body_read_timeout: Duration::from_secs(self.body_read_timeout_s.max(1)),
+            max_connections: self.max_connections.max(1),
+            debug_headers: self.debug_headers,
             ..Config::default()
         })
     }

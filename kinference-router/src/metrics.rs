@@ -215,6 +215,12 @@ impl Collector for StateCollector {
             "Estimated bytes held by the KV index",
             stats.bytes as f64,
         )?;
+        single_gauge(
+            &mut encoder,
+            "config_problems",
+            "Problems with the pool's objects (see /debug/endpoints): missing worker sets, unresolvable ports, unknown profiles",
+            shared.problems().len() as f64,
+        )?;
 
         let endpoints = shared.endpoint_reports();
         let ep = |f: &dyn Fn(&crate::state::EndpointReport) -> f64| -> Vec<(EndpointLabels, f64)> {

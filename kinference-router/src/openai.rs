@@ -83,6 +83,17 @@ impl ApiError {
         }
     }
 
+    /// 408: the body did not arrive in time.
+    pub fn timeout(limit: std::time::Duration) -> Self {
+        Self {
+            status: StatusCode::REQUEST_TIMEOUT,
+            kind: "invalid_request_error",
+            message: format!("The request body did not arrive within {limit:?}."),
+            param: None,
+            code: Some("request_timeout"),
+        }
+    }
+
     /// 503: nothing to send the request to.
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self {

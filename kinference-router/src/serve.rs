@@ -62,8 +62,20 @@ fn error(e: &ApiError) -> Response<Body> {
 /// requests in flight finish (up to `drain`).
 pub async fn run(shared: Arc<Shared>, listener: TcpListener, drain: Duration) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(shared.config.header_read_timeout);
+    let slots = Arc::new(tokio::sync::Semaphore::new(shared.config.max_connections));
     loop {
+        let slot = tokio::select! {
+            () = shared.stop.cancelled() => break,
+            s = slots.clone().acquire_owned() => match s {
+                Ok(s) => s,
+                Err(_) => break,
+            },
+        };
         let accepted = tokio::select! {
             () = shared.stop.cancelled() => break,
             a = listener.accept() => a,
@@ -88,6 +100,7 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener, drain: Duration) {
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             let _ = conn.await;
+            drop(slot);
         });
     }
     if tokio::time::timeout(drain, graceful.shutdown())
@@ -190,12 +203,18 @@ async fn route(
 ) -> Result<Response<Body>, ApiError> {
     let (parts, body) = req.into_parts();
     let limit = shared.config.body_limit;
-    let bytes = match Limited::new(body, limit).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+    let read = tokio::time::timeout(
+        shared.config.body_read_timeout,
+        Limited::new(body, limit).collect(),
+    )
+    .await;
+    let bytes = match read {
+        Err(_) => return Err(ApiError::timeout(shared.config.body_read_timeout)),
+        Ok(Ok(c)) => c.to_bytes(),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
             return Err(ApiError::too_large(limit));
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             return Err(ApiError::invalid(
                 format!("Could not read the request body: {e}."),
                 None,
@@ -213,7 +232,7 @@ async fn route(
         return Err(ApiError::model_not_found(&parsed.model));
     };
     let targets = targets.to_vec();
-    let debug = parts.headers.contains_key(&DEBUG_HEADER);
+    let debug = shared.config.debug_headers && parts.headers.contains_key(&DEBUG_HEADER);
     let stream = parsed.stream;
     let requested = parsed.model.clone();
     let body = Arc::new(Value::Object(parsed.body));

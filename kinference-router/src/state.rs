@@ -62,6 +62,16 @@ pub struct Config {
     /// TTL of the record of prefixes sent (approximate mode, and bursts of a
     /// new prefix before the engine's events arrive).
     pub prefix_ttl: Duration,
+    /// Most (block, worker) entries the KV index holds (about 17 bytes each).
+    pub kv_max_entries: u64,
+    /// Longest wait for a request's headers on the serving port.
+    pub header_read_timeout: Duration,
+    /// Longest wait for a request's body.
+    pub body_read_timeout: Duration,
+    /// Most client connections served at once; more wait to be accepted.
+    pub max_connections: usize,
+    /// Whether `x-kinference-debug` may ask for the decision in headers.
+    pub debug_headers: bool,
 }
 
 impl Default for Config {
@@ -78,6 +88,11 @@ impl Default for Config {
             explain_every: 16,
             seed: 0x6b69_6e66,
             prefix_ttl: Duration::from_secs(30),
+            kv_max_entries: 50_000_000,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(60),
+            max_connections: 20_000,
+            debug_headers: true,
         }
     }
 }
@@ -284,6 +299,7 @@ pub struct Shared {
     /// Tie-breaking randomness (seeded).
     pub rng: Mutex<kinference_scoring::SplitMix64>,
     decisions: Mutex<VecDeque<DecisionRecord>>,
+    problems: RwLock<Vec<String>>,
     decided: AtomicU64,
     ready: AtomicBool,
     /// Cancelled at shutdown.
@@ -305,7 +321,10 @@ impl Shared {
         let seed = config.seed;
         Arc::new(Self {
             view: RwLock::new(Arc::new(View::default())),
-            kv: Arc::new(KvIndex::default()),
+            kv: Arc::new(KvIndex::new(kinference_kvindex::IndexConfig {
+                max_entries: config.kv_max_entries,
+                ..kinference_kvindex::IndexConfig::default()
+            })),
             owners: RwLock::default(),
             subscriptions: Mutex::default(),
             runtimes: Mutex::default(),
@@ -316,6 +335,7 @@ impl Shared {
             epoch: Instant::now(),
             rng: Mutex::new(kinference_scoring::SplitMix64::new(seed)),
             decisions: Mutex::default(),
+            problems: RwLock::default(),
             decided: AtomicU64::new(0),
             ready: AtomicBool::new(false),
             stop,
@@ -342,6 +362,12 @@ impl Shared {
     /// The endpoint (and DP rank) owning a KV worker.
     pub fn owner(&self, w: WorkerId) -> Option<(EndpointId, u32)> {
         self.owners.read().get(w.0 as usize).copied().flatten()
+    }
+
+    /// What is wrong with the pool's objects as the router sees them
+    /// (missing worker sets, unresolvable ports, unknown profiles).
+    pub fn problems(&self) -> Vec<String> {
+        self.problems.read().clone()
     }
 
     /// Number of DP ranks subscribed for an endpoint.
@@ -515,7 +541,10 @@ impl Shared {
         ));
         match tokenizer_path(route.profile.as_ref()) {
             None => {}
-            Some(Err(e)) => *rt.tokenizer_state.write() = TokenizerState::Failed(e),
+            Some(Err(e)) => {
+                tracing::warn!(worker_set = %route.name, profile = %route.profile_name, error = %e, "local tokenizer unavailable; using the engine's /tokenize");
+                *rt.tokenizer_state.write() = TokenizerState::Failed(e);
+            }
             Some(Ok(path)) => self.load_tokenizer(&rt, route.name.clone(), path),
         }
         runtimes.insert(route.name.clone(), rt.clone());
@@ -707,5 +736,14 @@ fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
     let view = View::build(snapshot, registry, &|route| shared.runtime_for(route));
     *shared.view.write() = Arc::new(view);
     shared.ready.store(snapshot.synced, Ordering::Relaxed);
+    {
+        let mut problems = shared.problems.write();
+        if *problems != snapshot.problems {
+            for p in snapshot.problems.iter().filter(|p| !problems.contains(p)) {
+                tracing::warn!(problem = %p, "the pool's objects need attention");
+            }
+            problems.clone_from(&snapshot.problems);
+        }
+    }
     crate::tokens::spawn_self_checks(shared);
 }

@@ -355,3 +355,68 @@ async fn an_engine_added_to_the_manifests_is_used_without_restart() {
     assert_eq!(reply.status, 200);
     r.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn problems_are_shown_and_slow_clients_are_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sims = engines(1, |_| {}).await;
+    let r = router(
+        &[EngineAddr::of(&sims[0])],
+        &WorkerSetOpts::default(),
+        &["--body-read-timeout-s", "1", "--debug-headers", "false"],
+    )
+    .await;
+    wait_routable(&r, 1, true).await;
+
+    // The pool names a worker set that does not exist: shown, not hidden.
+    let text = manifests_yaml(&[EngineAddr::of(&sims[0])], &WorkerSetOpts::default()).replace(
+        "workerSets: [{name: sim}]",
+        "workerSets: [{name: sim}, {name: ghost}]",
+    );
+    write_manifests(r.dir.path(), &text);
+    let problems = eventually(
+        Duration::from_secs(10),
+        "the missing worker set reported",
+        || async {
+            let e = endpoints(&r).await;
+            let p = e["problems"].as_array()?.clone();
+            (!p.is_empty()).then_some(p)
+        },
+    )
+    .await;
+    assert!(
+        problems[0].as_str().unwrap().contains("ghost"),
+        "{problems:?}"
+    );
+    let metrics = get(r.admin(), "/metrics").await.text();
+    assert!(
+        metrics.contains("kinference_router_config_problems 1"),
+        "{metrics}"
+    );
+
+    // Debug headers are off: no decision in the response.
+    let reply = send(
+        r.api(),
+        "POST",
+        "/v1/chat/completions",
+        &[("x-kinference-debug", "1")],
+        bytes::Bytes::from(serde_json::to_vec(&chat(MODEL, "w1 w2", false, 2)).unwrap()),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    assert!(reply.headers.get("x-kinference-decision").is_none());
+
+    // A client that sends headers and never its body gets a 408.
+    let mut s = tokio::net::TcpStream::connect(r.api()).await.unwrap();
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\":")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("an answer")
+        .unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 408"), "{head}");
+    r.shutdown().await;
+}
