@@ -85,6 +85,10 @@ pub struct ServeArgs {
     /// Longest wait for a request's token ids before routing on load alone.
     #[arg(long, env = "KINFERENCE_TOKENIZE_TIMEOUT_MS", default_value_t = 250)]
     pub tokenize_timeout_ms: u64,
+    /// Request bodies up to this many bytes are tokenized in place; larger
+    /// ones on the blocking pool, under the tokenize timeout.
+    #[arg(long, env = "KINFERENCE_TOKENIZE_INLINE_BYTES", default_value_t = 16 << 10)]
+    pub tokenize_inline_bytes: usize,
     /// Largest request body, bytes.
     #[arg(long, env = "KINFERENCE_BODY_LIMIT", default_value_t = 32 << 20)]
     pub body_limit: usize,
@@ -252,6 +256,7 @@ impl ServeArgs {
             policy,
             body_limit: self.body_limit,
             tokenize_timeout: Duration::from_millis(self.tokenize_timeout_ms),
+            tokenize_inline_bytes: self.tokenize_inline_bytes,
             upstream_timeout: Duration::from_secs(self.upstream_timeout_s),
             probes: ProbeIntervals {
                 models: secs(self.discovery_interval_s, "--discovery-interval-s")?,

@@ -29,6 +29,19 @@ use crate::view::{Target, View};
 const APPROX_BLOCK_BYTES: usize = 64;
 const APPROX_BYTES_PER_TOKEN: usize = 4;
 
+/// The request being routed, as far as deciding goes.
+#[derive(Debug)]
+pub struct Ask<'a> {
+    /// Chat or completions.
+    pub api: openai::Endpoint,
+    /// The parsed body.
+    pub body: &'a Arc<Value>,
+    /// Its size in bytes.
+    pub body_len: usize,
+    /// Whether to explain the decision.
+    pub explain: bool,
+}
+
 /// What was decided.
 #[derive(Debug)]
 pub struct Decision {
@@ -61,10 +74,8 @@ pub async fn decide(
     shared: &Arc<Shared>,
     view: &View,
     targets: &[Target],
-    api: openai::Endpoint,
-    body: &Arc<Value>,
+    ask: &Ask<'_>,
     excluded: &[EndpointId],
-    explain: bool,
 ) -> Result<Decision, ApiError> {
     let mut best: Option<Decision> = None;
     for t in targets {
@@ -89,9 +100,7 @@ pub async fn decide(
             &ws.runtime,
             ws.route.kv_block_size,
             &endpoints,
-            api,
-            body,
-            explain,
+            ask,
         )
         .await;
         if let Some(d) = d
@@ -114,20 +123,18 @@ pub async fn decide(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
 async fn decide_in(
     shared: &Arc<Shared>,
     target: &Target,
     rt: &Arc<WsRuntime>,
     block_size: u32,
     endpoints: &[Arc<Endpoint>],
-    api: openai::Endpoint,
-    body: &Arc<Value>,
-    explain: bool,
+    req: &Ask<'_>,
 ) -> Option<Decision> {
+    let (api, body, explain) = (req.api, req.body, req.explain);
     // Ask the least loaded endpoint when the engine tokenizes.
     let ask = endpoints.iter().min_by_key(|e| e.load.snapshot().requests);
-    let (ids, source) = tokens::ids(shared, rt, api, body, ask, &target.model).await;
+    let (ids, source) = tokens::ids(shared, rt, api, body, req.body_len, ask, &target.model).await;
     let lora = lora_name(endpoints, &target.model);
 
     let mut keys: Vec<u64> = Vec::new();

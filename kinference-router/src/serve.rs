@@ -245,7 +245,13 @@ async fn route(
     let mut excluded: Vec<EndpointId> = Vec::new();
     let mut last_error = None;
     for attempt in 0..shared.config.max_attempts.max(1) {
-        let d = decide::decide(shared, &view, &targets, api, &body, &excluded, debug).await;
+        let ask = decide::Ask {
+            api,
+            body: &body,
+            body_len: bytes.len(),
+            explain: debug,
+        };
+        let d = decide::decide(shared, &view, &targets, &ask, &excluded).await;
         let d = match d {
             Ok(d) => d,
             Err(e) => return Err(last_error.unwrap_or(e)),

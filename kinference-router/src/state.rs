@@ -44,6 +44,10 @@ pub struct Config {
     pub body_limit: usize,
     /// Longest wait for a tokenization.
     pub tokenize_timeout: Duration,
+    /// Bodies up to this size are tokenized in place on the I/O thread (a
+    /// few microseconds with the prefix cache warm); larger ones on the
+    /// blocking pool under `tokenize_timeout`.
+    pub tokenize_inline_bytes: usize,
     /// Longest wait for an engine's response headers.
     pub upstream_timeout: Duration,
     /// Attempts per request on different endpoints (connect failures, 503).
@@ -80,6 +84,7 @@ impl Default for Config {
             policy: PolicyName::Kinference,
             body_limit: 32 << 20,
             tokenize_timeout: Duration::from_millis(250),
+            tokenize_inline_bytes: 16 << 10,
             upstream_timeout: Duration::from_secs(600),
             max_attempts: 3,
             probes: ProbeIntervals::default(),

@@ -62,12 +62,15 @@ fn tok_endpoint(api: openai::Endpoint) -> TokEndpoint {
 }
 
 /// The ids of a request's (first) prompt for a worker set, or `None` when
-/// they cannot be had in time.
+/// they cannot be had in time. A local tokenization of a body of at most
+/// `Config::tokenize_inline_bytes` runs in place; larger ones go to the
+/// blocking pool under the timeout.
 pub async fn ids(
     shared: &Arc<Shared>,
     rt: &Arc<WsRuntime>,
     api: openai::Endpoint,
     body: &Arc<Value>,
+    body_len: usize,
     ask: Option<&Arc<Endpoint>>,
     model: &str,
 ) -> (Option<Vec<u32>>, Source) {
@@ -80,12 +83,21 @@ pub async fn ids(
                 observe(shared, "local", "unavailable", started);
                 return (None, Source::None);
             };
-            let body = body.clone();
-            let call = tokio::task::spawn_blocking(move || t.tokenize(tok_endpoint(api), &body));
-            let r = match tokio::time::timeout(timeout, call).await {
-                Err(_) => Err("timeout"),
-                Ok(Err(_) | Ok(Err(_))) => Err("error"),
-                Ok(Ok(Ok(t))) => Ok(t.token_ids.into_iter().next().unwrap_or_default()),
+            let r = if body_len <= shared.config.tokenize_inline_bytes {
+                // Small prompts cost microseconds (less with the prefix
+                // cache warm): a hop to the blocking pool would cost more.
+                t.tokenize(tok_endpoint(api), body)
+                    .map(|t| t.token_ids.into_iter().next().unwrap_or_default())
+                    .map_err(|_| "error")
+            } else {
+                let body = body.clone();
+                let call =
+                    tokio::task::spawn_blocking(move || t.tokenize(tok_endpoint(api), &body));
+                match tokio::time::timeout(timeout, call).await {
+                    Err(_) => Err("timeout"),
+                    Ok(Err(_) | Ok(Err(_))) => Err("error"),
+                    Ok(Ok(Ok(t))) => Ok(t.token_ids.into_iter().next().unwrap_or_default()),
+                }
             };
             ("local", r.map(|ids| (ids, Source::Local)))
         }

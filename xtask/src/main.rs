@@ -18,6 +18,7 @@ mod demo;
 mod gen_crds;
 mod load;
 mod procs;
+mod proxy_bench;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "kinference project automation")]
@@ -33,6 +34,13 @@ enum Command {
         /// Do not write; exit non-zero when the files are stale.
         #[arg(long)]
         check: bool,
+    },
+    /// Measure the router's added latency, CPU per request and throughput
+    /// against direct calls and nginx (needs wrk and nginx).
+    BenchProxy {
+        /// Seconds per wrk run.
+        #[arg(long, default_value_t = 10)]
+        seconds: u64,
     },
     /// Show what kinference does, end to end, on this machine: simulated
     /// engines, the router, a shared-prefix workload, ours vs round robin.
@@ -62,6 +70,7 @@ fn main() -> ExitCode {
             })
         }),
         Command::Chart => chart::run(&workspace_root()),
+        Command::BenchProxy { seconds } => proxy_bench::run(proxy_bench::Options { seconds }),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
     };
     match result {

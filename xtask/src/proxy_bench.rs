@@ -1,0 +1,386 @@
+//! `cargo xtask bench proxy`: what the router adds to a request, against
+//! calling an engine directly and against nginx round-robin proxying to the
+//! same engines, in one run with wrk.
+//!
+//! Workload (issue 7): non-streaming chat requests of about 1.2K tokens over
+//! 16 shared prefixes, fixed short replies (2 tokens), simulated engines
+//! that answer at once (step times 0), so what is measured is the proxies.
+//! The router tokenizes locally (word-level tokenizer, prefix cache warm
+//! after the first round) and routes with kinference's policy.
+//!
+//! Figures: p50 latency at one connection for direct / router / nginx (the
+//! router's and nginx's *added* latency is their p50 minus direct's);
+//! throughput at 16 connections; CPU per request of the router and of nginx
+//! (utime + stime of their processes over the 16-connection run ÷ requests).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+
+use crate::procs::{self, Proc};
+
+const ENGINES: usize = 2;
+const HTTP_BASE: u16 = 28501;
+const KV_BASE: u16 = 28601;
+const ROUTER: &str = "127.0.0.1:28580";
+const ADMIN: &str = "127.0.0.1:28590";
+const NGINX_PORT: u16 = 28570;
+
+/// Options.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Options {
+    /// Seconds per wrk run.
+    pub seconds: u64,
+}
+
+fn which(tool: &str, advice: &str) -> Result<PathBuf> {
+    for dir in std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .chain(["/usr/sbin", "/usr/local/sbin"])
+    {
+        let p = Path::new(dir).join(tool);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!("{tool} not found: {advice}")
+}
+
+/// Sixteen bodies: 16 prefixes of ~1,150 words shared by 16 clients' last turns.
+fn bodies() -> Vec<String> {
+    (0..16)
+        .map(|i| {
+            let prefix: Vec<String> = (0..1150).map(|k| format!("w{}", (i * 2000 + k) % 65_536)).collect();
+            serde_json::json!({
+                "model": "kinference/sim",
+                "messages": [
+                    {"role": "system", "content": prefix.join(" ")},
+                    {"role": "user", "content": format!("w{} w{} w{}", 60_000 + i, 61_000 + i, 62_000 + i)},
+                ],
+                "max_tokens": 2,
+            })
+            .to_string()
+        })
+        .collect()
+}
+
+fn lua_script(bodies: &[String]) -> String {
+    let mut s = String::from(
+        "wrk.method = \"POST\"\nwrk.headers[\"Content-Type\"] = \"application/json\"\nlocal bodies = {\n",
+    );
+    for b in bodies {
+        let _ = writeln!(s, "  [==[{b}]==],");
+    }
+    s.push_str("}\nlocal i = 0\nrequest = function()\n  i = i % #bodies + 1\n  return wrk.format(nil, nil, nil, bodies[i])\nend\n");
+    s
+}
+
+fn nginx_conf(dir: &Path) -> String {
+    let mut upstreams = String::new();
+    for i in 0..ENGINES {
+        let _ = writeln!(upstreams, "    server 127.0.0.1:{};", HTTP_BASE + i as u16);
+    }
+    format!(
+        "worker_processes 2;\npid {pid};\nerror_log {log} warn;\ndaemon off;\nevents {{ worker_connections 4096; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {tmp};\n  proxy_temp_path {tmp};\n  fastcgi_temp_path {tmp};\n  uwsgi_temp_path {tmp};\n  scgi_temp_path {tmp};\n  client_max_body_size 32m;\n  client_body_buffer_size 1m;\n  upstream engines {{\n{upstreams}    keepalive 64;\n  }}\n  server {{\n    listen 127.0.0.1:{NGINX_PORT};\n    location / {{\n      proxy_pass http://engines;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n    }}\n  }}\n}}\n",
+        pid = dir.join("nginx.pid").display(),
+        log = dir.join("nginx-error.log").display(),
+        tmp = dir.display(),
+    )
+}
+
+fn manifests(dir: &Path) -> Result<()> {
+    let word_level = crate::workspace_root().join("examples/word-level");
+    let mut y = format!(
+        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferencePool\nmetadata: {{name: bench}}\nspec: {{workerSets: [{{name: sim}}]}}\n---\napiVersion: kinference.buoyant.io/v1alpha1\nkind: RoutingProfile\nmetadata: {{name: word-level}}\nspec:\n  tokenization: {{mode: local, tokenizer: {{path: \"{}\"}}}}\n---\napiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: sim}}\nspec:\n  profile: word-level\n  kvBlockSize: 16\n  serviceRef: {{name: sim, port: http}}\n  kvEvents: {{port: kv}}\n  models: [{{name: kinference/sim}}]\n",
+        word_level.display()
+    );
+    for i in 0..ENGINES {
+        let _ = write!(
+            y,
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: sim-{i}, labels: {{kubernetes.io/service-name: sim}}}}\naddressType: IPv4\nports: [{{name: http, port: {}}}, {{name: kv, port: {}}}]\nendpoints: [{{addresses: [\"127.0.0.1\"], conditions: {{ready: true}}}}]\n",
+            HTTP_BASE + i as u16,
+            KV_BASE + i as u16
+        );
+    }
+    std::fs::write(dir.join("objects.yaml"), y)?;
+    Ok(())
+}
+
+/// utime + stime of a process and its threads, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    // Fields after the command (which may hold spaces) start after ')'.
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime is field 14, stime 15 (1-based); here index 11 and 12.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+/// nginx's master and workers.
+fn nginx_pids(master: u32) -> Vec<u32> {
+    let mut pids = vec![master];
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let ppid = after
+                .split_whitespace()
+                .nth(1)
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid == Some(master) {
+                pids.push(pid);
+            }
+        }
+    }
+    pids
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Wrk {
+    requests: f64,
+    rps: f64,
+    p50_us: f64,
+    p99_us: f64,
+    errors: f64,
+}
+
+fn parse_duration_us(s: &str) -> Option<f64> {
+    let (num, unit) = s
+        .find(|c: char| c.is_ascii_alphabetic())
+        .map(|i| s.split_at(i))?;
+    let v: f64 = num.parse().ok()?;
+    Some(match unit {
+        "us" => v,
+        "ms" => v * 1e3,
+        "s" => v * 1e6,
+        "m" => v * 6e7,
+        _ => return None,
+    })
+}
+
+async fn wrk(wrk: &Path, script: &Path, url: &str, conns: u32, secs: u64) -> Result<Wrk> {
+    let out = tokio::process::Command::new(wrk)
+        .args([
+            "-t",
+            if conns > 1 { "2" } else { "1" },
+            "-c",
+            &conns.to_string(),
+            "-d",
+            &format!("{secs}s"),
+            "--latency",
+            "-s",
+        ])
+        .arg(script)
+        .arg(url)
+        .output()
+        .await
+        .context("running wrk")?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut w = Wrk::default();
+    for line in text.lines() {
+        let t: Vec<&str> = line.split_whitespace().collect();
+        match t.as_slice() {
+            ["50%", v] => w.p50_us = parse_duration_us(v).unwrap_or(f64::NAN),
+            ["99%", v] => w.p99_us = parse_duration_us(v).unwrap_or(f64::NAN),
+            ["Requests/sec:", v] => w.rps = v.parse().unwrap_or(0.0),
+            [n, "requests", "in", ..] => w.requests = n.parse().unwrap_or(0.0),
+            ["Non-2xx", "or", "3xx", "responses:", n] => w.errors = n.parse().unwrap_or(0.0),
+            _ => {}
+        }
+    }
+    if w.requests == 0.0 {
+        bail!(
+            "wrk made no requests:\n{text}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(w)
+}
+
+pub(crate) fn run(opts: Options) -> Result<ExitCode> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        tokio::select! {
+            r = bench(opts) => r,
+            _ = tokio::signal::ctrl_c() => Ok(ExitCode::from(130)),
+        }
+    })
+}
+
+async fn bench(opts: Options) -> Result<ExitCode> {
+    let wrk_bin = which("wrk", "apt-get install wrk")?;
+    let nginx_bin = which("nginx", "apt-get install nginx-light")?;
+    let root = crate::workspace_root();
+    println!("building kinference-sim and kinference-router (release)…");
+    let bin = procs::build(&root, true, &["kinference-sim", "kinference-router"])?;
+    let dir = root.join("target").join("bench-proxy");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("manifests"))?;
+    let script = dir.join("bodies.lua");
+    std::fs::write(&script, lua_script(&bodies()))?;
+    manifests(&dir.join("manifests"))?;
+    std::fs::write(dir.join("nginx.conf"), nginx_conf(&dir))?;
+
+    let sim_args: Vec<String> = [
+        "--engines",
+        &ENGINES.to_string(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &HTTP_BASE.to_string(),
+        "--kv-port",
+        &KV_BASE.to_string(),
+        "--step-base-ms",
+        "0",
+        "--prefill-ms-per-token",
+        "0",
+        "--decode-ms-per-seq",
+        "0",
+        "--output-len",
+        "fixed:2",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    let mut sim = Proc::spawn(
+        "kinference-sim",
+        &bin.join("kinference-sim"),
+        &sim_args,
+        &dir.join("sim.log"),
+    )?;
+    for i in 0..ENGINES {
+        procs::wait_ok(
+            &format!("http://127.0.0.1:{}/health", HTTP_BASE + i as u16),
+            Duration::from_secs(30),
+            &mut sim,
+        )
+        .await?;
+    }
+    let router_args: Vec<String> = [
+        "serve",
+        "--manifests",
+        &dir.join("manifests").display().to_string(),
+        "--pool",
+        "bench",
+        "--listen",
+        ROUTER,
+        "--admin",
+        ADMIN,
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    let mut router = Proc::spawn(
+        "kinference-router",
+        &bin.join("kinference-router"),
+        &router_args,
+        &dir.join("router.log"),
+    )?;
+    procs::wait_ok(
+        &format!("http://{ADMIN}/readyz"),
+        Duration::from_secs(30),
+        &mut router,
+    )
+    .await?;
+    let nginx_args = vec![
+        "-c".to_owned(),
+        dir.join("nginx.conf").display().to_string(),
+        "-p".to_owned(),
+        dir.display().to_string(),
+    ];
+    let mut nginx = Proc::spawn("nginx", &nginx_bin, &nginx_args, &dir.join("nginx.log"))?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    nginx.check_running()?;
+    // Wait for the tokenizer self-check so local tokenization is in use.
+    for _ in 0..100 {
+        if let Ok((200, b)) = crate::load::get(&format!("http://{ADMIN}/debug/endpoints")).await
+            && String::from_utf8_lossy(&b).contains("\"checked\"")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let direct = format!("http://127.0.0.1:{HTTP_BASE}/v1/chat/completions");
+    let via_router = format!("http://{ROUTER}/v1/chat/completions");
+    let via_nginx = format!("http://127.0.0.1:{NGINX_PORT}/v1/chat/completions");
+    let secs = opts.seconds;
+    // Warm: every prefix through the router (tokenizer cache, engines' caches).
+    wrk(&wrk_bin, &script, &via_router, 1, 2).await?;
+    wrk(&wrk_bin, &script, &via_nginx, 1, 2).await?;
+    println!("one connection, {secs} s each…");
+    let d1 = wrk(&wrk_bin, &script, &direct, 1, secs).await?;
+    let r1 = wrk(&wrk_bin, &script, &via_router, 1, secs).await?;
+    let n1 = wrk(&wrk_bin, &script, &via_nginx, 1, secs).await?;
+    println!("16 connections, {secs} s each…");
+    let router_pid = router.pid().context("router pid")?;
+    let c0 = cpu_seconds(router_pid);
+    let r16 = wrk(&wrk_bin, &script, &via_router, 16, secs).await?;
+    let router_cpu = (cpu_seconds(router_pid) - c0) / r16.requests;
+    let npids = nginx_pids(nginx.pid().context("nginx pid")?);
+    let n0: f64 = npids.iter().map(|p| cpu_seconds(*p)).sum();
+    let n16 = wrk(&wrk_bin, &script, &via_nginx, 16, secs).await?;
+    let nginx_cpu = (npids.iter().map(|p| cpu_seconds(*p)).sum::<f64>() - n0) / n16.requests;
+
+    println!(
+        "\n{:<28} {:>10} {:>10} {:>12} {:>10}",
+        "", "p50", "p99", "req/s", "errors"
+    );
+    for (name, w) in [
+        ("direct, 1 conn", d1),
+        ("router, 1 conn", r1),
+        ("nginx, 1 conn", n1),
+        ("router, 16 conns", r16),
+        ("nginx, 16 conns", n16),
+    ] {
+        println!(
+            "{name:<28} {:>8.0}µs {:>8.0}µs {:>12.0} {:>10}",
+            w.p50_us, w.p99_us, w.rps, w.errors
+        );
+    }
+    println!(
+        "\nadded p50 at 1 connection: router {:.0} µs, nginx {:.0} µs (goal for the router: ≤ 100 µs)",
+        r1.p50_us - d1.p50_us,
+        n1.p50_us - d1.p50_us
+    );
+    println!(
+        "CPU per request at 16 connections: router {:.1} µs, nginx {:.1} µs (goal: ≤ 40 µs)",
+        router_cpu * 1e6,
+        nginx_cpu * 1e6
+    );
+    println!(
+        "throughput at 16 connections: router / nginx = {:.2} (goal ≥ 0.9)",
+        r16.rps / n16.rps
+    );
+    println!(
+        "load average during the run: {}",
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .trim()
+    );
+    // nginx's workers outlive a killed master: ask it to quit.
+    let _ = tokio::process::Command::new(&nginx_bin)
+        .args(&nginx_args)
+        .args(["-s", "quit"])
+        .status()
+        .await;
+    nginx.stop().await;
+    router.stop().await;
+    sim.stop().await;
+    if r1.errors + r16.errors > 0.0 {
+        bail!("the router answered errors; see {}", dir.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
