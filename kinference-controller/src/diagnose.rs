@@ -11,9 +11,9 @@
 //! | reason | from | when |
 //! |---|---|---|
 //! | `KvPortMissing` | slices | `kvEvents.port` resolves in some slices, but some ready endpoints sit in slices without it |
-//! | `KvPortClosed` | KV probe | nothing accepts connections on the KV port |
-//! | `NoKvEvents` | KV probe | subscribed for a window, no events, while the engine served requests |
-//! | `BlockSizeMismatch` | KV probe | events carry blocks of a width other than `kvBlockSize` |
+//! | `KvPortClosed` | KV window | a publisher refuses connections, or accepts TCP but no ZeroMQ handshake |
+//! | `NoKvEvents` | KV window | no events in a window while the engine served requests and computed [`VERDICT_BLOCKS`] blocks' worth of new tokens ([`KvWindow::saw_traffic`](crate::probe::KvWindow::saw_traffic)) |
+//! | `BlockSizeMismatch` | KV window | events carry blocks of a width other than `kvBlockSize` |
 //! | `ModelMismatch` | `/v1/models` | endpoints serve different (base) models |
 //! | `ModelNotServed` | `/v1/models` | a `spec.models[].name` (and so its aliases) is served by no endpoint |
 //! | `ModelsUnreachable` | `/v1/models` | some ready endpoints gave no model list |

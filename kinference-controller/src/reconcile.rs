@@ -4,13 +4,16 @@
 //! One watch per kind (worker sets, pools, EndpointSlices labelled with a
 //! Service name, routing profiles) feeds a reflector cache; worker-set and
 //! pool events drive their kube-runtime `Controller`s directly, and every
-//! event also passes through [`Triggers`] to queue related objects. A
-//! reconcile reads its namespace from the caches, probes the engines when a
-//! probe is due, computes the status with [`crate::status`] and, only if it
-//! differs from the status the object has, applies it (server-side apply,
-//! field manager [`crate::FIELD_MANAGER`], `force`). A reconcile that changes
-//! nothing writes nothing, so the watch event of a write leads to one more
-//! reconcile and stops there.
+//! event also passes through [`Triggers`] to queue related objects, and a
+//! finished KV window ([`crate::kvwatch`]) queues its worker set. A
+//! reconcile reads its namespace from the caches, asks the engines
+//! `/v1/models` when that probe is due, takes the KV windows' latest result
+//! (starting a window in the background when one is due), computes the
+//! status with [`crate::status`] and, only if it differs from the status
+//! the object has, applies it (server-side apply, field manager
+//! [`crate::FIELD_MANAGER`], `force`). A reconcile that changes nothing
+//! writes nothing, so the watch event of a write leads to one more reconcile
+//! and stops there.
 //!
 //! Only the leader reconciles; followers keep their caches warm and, on
 //! becoming leader, reconcile everything.
