@@ -139,8 +139,9 @@ pub enum ProbeFailure {
     /// An HTTP status other than 2xx.
     #[error("HTTP status {0}")]
     Status(u16),
-    /// A body that is not what was asked for.
-    #[error("not an OpenAI model list: {0}")]
+    /// A body that is not what was asked for (an OpenAI model list, a
+    /// source list).
+    #[error("an unexpected body: {0}")]
     Body(String),
 }
 
