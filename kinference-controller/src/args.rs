@@ -30,6 +30,14 @@ pub struct Args {
     #[arg(long, env = "KINFERENCE_PROBE_INTERVAL", default_value = "30s", value_parser = parse_duration)]
     pub probe_interval: Duration,
 
+    /// How long after a worker set's last KV-event window the next starts.
+    #[arg(long, env = "KINFERENCE_KV_PROBE_INTERVAL", default_value = "60s", value_parser = parse_duration)]
+    pub kv_probe_interval: Duration,
+
+    /// How long a KV-event window watches one endpoint's events.
+    #[arg(long, env = "KINFERENCE_KV_PROBE_WINDOW", default_value = "3s", value_parser = parse_duration)]
+    pub kv_probe_window: Duration,
+
     /// How long one probe request may take.
     #[arg(long, env = "KINFERENCE_PROBE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub probe_timeout: Duration,
@@ -228,10 +236,13 @@ impl Args {
             Settings {
                 namespace: self.namespace.clone(),
                 probe_interval: self.probe_interval,
+                kv_probe_interval: self.kv_probe_interval,
                 ..Settings::default()
             },
             Seams {
-                prober: Arc::new(HttpProber::new(self.probe_timeout)),
+                prober: Arc::new(
+                    HttpProber::new(self.probe_timeout).with_kv_window(self.kv_probe_window),
+                ),
                 events,
                 leader: leadership.subscribe(),
             },
@@ -291,6 +302,8 @@ mod tests {
     fn defaults_and_flags() {
         let a = Args::try_parse_from(["kinference-controller"]).expect("defaults parse");
         assert_eq!(a.probe_interval, Duration::from_secs(30));
+        assert_eq!(a.kv_probe_interval, Duration::from_secs(60));
+        assert_eq!(a.kv_probe_window, Duration::from_secs(3));
         assert!(a.leader_election);
         assert!(a.events);
         assert_eq!(a.namespace, None);
@@ -298,6 +311,7 @@ mod tests {
             "kinference-controller",
             "--namespace=llm",
             "--probe-interval=10s",
+            "--kv-probe-window=1500ms",
             "--leader-election=false",
             "--events=false",
             "--log-format=json",
@@ -305,6 +319,7 @@ mod tests {
         .expect("flags parse");
         assert_eq!(a.namespace.as_deref(), Some("llm"));
         assert_eq!(a.probe_interval, Duration::from_secs(10));
+        assert_eq!(a.kv_probe_window, Duration::from_millis(1500));
         assert!(!a.leader_election);
         assert!(!a.events);
         assert_eq!(a.log_format, LogFormat::Json);

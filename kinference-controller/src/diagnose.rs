@@ -11,9 +11,9 @@
 //! | reason | from | when |
 //! |---|---|---|
 //! | `KvPortMissing` | slices | `kvEvents.port` resolves in some slices, but some ready endpoints sit in slices without it |
-//! | `KvPortClosed` | KV probe | nothing accepts connections on the KV port |
-//! | `NoKvEvents` | KV probe | subscribed for a window, no events, while the engine served requests |
-//! | `BlockSizeMismatch` | KV probe | events carry blocks of a width other than `kvBlockSize` |
+//! | `KvPortClosed` | KV window | a publisher refuses connections, or accepts TCP but no ZeroMQ handshake |
+//! | `NoKvEvents` | KV window | no events in a window while the engine served requests and computed [`VERDICT_BLOCKS`] blocks' worth of new tokens ([`KvWindow::saw_traffic`](crate::probe::KvWindow::saw_traffic)) |
+//! | `BlockSizeMismatch` | KV window | events carry blocks of a width other than `kvBlockSize` |
 //! | `ModelMismatch` | `/v1/models` | endpoints serve different (base) models |
 //! | `ModelNotServed` | `/v1/models` | a `spec.models[].name` (and so its aliases) is served by no endpoint |
 //! | `ModelsUnreachable` | `/v1/models` | some ready endpoints gave no model list |
@@ -26,7 +26,7 @@ use std::fmt::Write as _;
 use kinference_api::{DiagnosisReason, InferenceWorkerSetSpec};
 
 use crate::endpoints::{PortLookup, Resolution, describe_port};
-use crate::probe::{KvObservation, KvProbe, ProbeResult};
+use crate::probe::{KvObservation, KvProbe, ProbeResult, VERDICT_BLOCKS};
 
 /// One diagnosis before it gets its `since` time.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -103,36 +103,40 @@ fn kv_port_missing(spec: &InferenceWorkerSetSpec, endpoints: &Resolution, out: &
 
 fn kv_findings(spec: &InferenceWorkerSetSpec, obs: &KvObservation, out: &mut Vec<Finding>) {
     match obs {
-        KvObservation::Closed { endpoint, error } => out.push(Finding {
-            reason: DiagnosisReason::KvPortClosed,
-            message: format!(
-                "nothing accepts connections on the KV-event port {endpoint} ({error}): start the engines with a ZeroMQ KV-event publisher bound to that port (vLLM: --kv-events-config with publisher \"zmq\" and endpoint \"tcp://*:PORT\"), or unset kvEvents"
-            ),
-        }),
-        KvObservation::Subscribed {
-            endpoint,
-            window_secs,
-            events,
-            block_sizes,
-            requests_served,
-        } => {
-            if *events == 0 && requests_served.is_some_and(|n| n > 0) {
+        KvObservation::Closed { endpoint, error } => {
+            let port = spec
+                .kv_events
+                .as_ref()
+                .map(|k| describe_port(&k.port))
+                .unwrap_or_default();
+            out.push(Finding {
+                reason: DiagnosisReason::KvPortClosed,
+                message: format!(
+                    "cannot subscribe to KV events on {endpoint} ({error}): start the engines with a ZeroMQ KV-event publisher on the port kvEvents.port {port} names (vLLM: --kv-events-config with enable_kv_cache_events true, publisher \"zmq\" and endpoint \"tcp://*:PORT\"), or unset kvEvents"
+                ),
+            });
+        }
+        KvObservation::Subscribed(w) => {
+            let from = list(&w.publishers);
+            if w.batches == 0 && w.saw_traffic(spec.kv_block_size) {
                 out.push(Finding {
                     reason: DiagnosisReason::NoKvEvents,
                     message: format!(
-                        "subscribed to {endpoint} for {window_secs} s and received no KV events while the engine served {} requests: enable prefix caching and KV events on the engines (vLLM: --enable-prefix-caching and --kv-events-config with enable_kv_cache_events true), or unset kvEvents",
-                        requests_served.unwrap_or_default()
+                        "subscribed to {from} for {} and received no KV events while the engine served requests (it computed at least {} new tokens, {VERDICT_BLOCKS} blocks' worth): enable prefix caching and KV events on the engines (vLLM: --enable-prefix-caching and --kv-events-config with enable_kv_cache_events true), or unset kvEvents",
+                        w.window_text(),
+                        w.verdict_tokens(spec.kv_block_size),
                     ),
                 });
             }
-            let other: Vec<u32> = block_sizes
+            let other: Vec<u32> = w
+                .block_sizes
                 .iter()
                 .copied()
-                .filter(|w| *w != spec.kv_block_size)
+                .filter(|b| *b != spec.kv_block_size)
                 .collect();
             if !other.is_empty() {
-                let seen = list(block_sizes.iter().map(u32::to_string));
-                let advice = if block_sizes.len() == 1 {
+                let seen = list(w.block_sizes.iter().map(u32::to_string));
+                let advice = if w.block_sizes.len() == 1 {
                     format!("set kvBlockSize: {}", other[0])
                 } else {
                     "the engines publish several block widths (several KV-cache groups); set kvBlockSize to the width of the group the router should follow".to_owned()
@@ -140,7 +144,7 @@ fn kv_findings(spec: &InferenceWorkerSetSpec, obs: &KvObservation, out: &mut Vec
                 out.push(Finding {
                     reason: DiagnosisReason::BlockSizeMismatch,
                     message: format!(
-                        "KV events from {endpoint} carry {seen}-token blocks but kvBlockSize is {}: {advice} (kvBlockSize is the width of the events, which can differ from the engine's --block-size)",
+                        "KV events from {from} carry {seen}-token blocks but kvBlockSize is {}: {advice} (kvBlockSize is the width of the events, which can differ from the engine's --block-size)",
                         spec.kv_block_size
                     ),
                 });
@@ -249,7 +253,7 @@ fn model_findings(spec: &InferenceWorkerSetSpec, probe: &ProbeResult, out: &mut 
 mod tests {
     use super::*;
     use crate::endpoints::{self, tests::mk_slice};
-    use crate::probe::{EndpointModels, ModelCard, ProbeFailure};
+    use crate::probe::{EndpointModels, EngineActivity, KvWindow, ModelCard, ProbeFailure};
     use crate::tests::mk_spec;
     use DiagnosisReason as R;
 
@@ -292,14 +296,21 @@ mod tests {
         endpoints::resolve(spec, slices)
     }
 
-    fn subscribed(block_sizes: &[u32], events: u64, requests: Option<u64>) -> KvProbe {
-        KvProbe::Observed(KvObservation::Subscribed {
-            endpoint: "10.0.0.1:5557".into(),
-            window_secs: 10,
-            events,
+    /// A window of 10 s on 10.0.0.1:5557; `activity` is (requests, tokens
+    /// computed).
+    fn subscribed(block_sizes: &[u32], batches: u64, activity: Option<(u64, u64)>) -> KvProbe {
+        KvProbe::Observed(KvObservation::Subscribed(KvWindow {
+            publishers: vec!["10.0.0.1:5557".into()],
+            discovered: true,
+            window_ms: 10_000,
+            batches,
             block_sizes: block_sizes.iter().copied().collect(),
-            requests_served: requests,
-        })
+            activity: activity.map(|(requests, tokens_computed)| EngineActivity {
+                requests,
+                tokens_computed,
+                engine_block_size: None,
+            }),
+        }))
     }
 
     fn reasons(f: &[Finding]) -> Vec<R> {
@@ -335,7 +346,7 @@ mod tests {
                 "healthy, KV seen at the right width",
                 ProbeResult {
                     models: ok_models.clone(),
-                    kv: subscribed(&[16], 40, Some(7)),
+                    kv: subscribed(&[16], 40, Some((7, 5000))),
                 },
                 vec![],
                 vec![],
@@ -413,22 +424,39 @@ mod tests {
                     }),
                 },
                 vec![R::KvPortClosed],
-                vec!["10.0.0.1:5557", "--kv-events-config"],
+                vec![
+                    "on 10.0.0.1:5557 (connection refused)",
+                    "kvEvents.port \"kv-pub\"",
+                    "--kv-events-config",
+                ],
             ),
             (
                 "no events while serving",
                 ProbeResult {
                     models: ok_models.clone(),
-                    kv: subscribed(&[], 0, Some(12)),
+                    kv: subscribed(&[], 0, Some((12, 640))),
                 },
                 vec![R::NoKvEvents],
-                vec!["for 10 s", "served 12 requests", "--enable-prefix-caching"],
+                vec![
+                    "subscribed to 10.0.0.1:5557 for 10 s",
+                    "at least 64 new tokens",
+                    "--enable-prefix-caching",
+                ],
+            ),
+            (
+                "no events, too few tokens for a verdict",
+                ProbeResult {
+                    models: ok_models.clone(),
+                    kv: subscribed(&[], 0, Some((12, 63))),
+                },
+                vec![],
+                vec![],
             ),
             (
                 "no events while idle is fine",
                 ProbeResult {
                     models: ok_models.clone(),
-                    kv: subscribed(&[], 0, Some(0)),
+                    kv: subscribed(&[], 0, Some((0, 0))),
                 },
                 vec![],
                 vec![],
@@ -446,7 +474,7 @@ mod tests {
                 "the Gemma case: 256-token blocks, kvBlockSize 16",
                 ProbeResult {
                     models: ok_models.clone(),
-                    kv: subscribed(&[256], 9, Some(3)),
+                    kv: subscribed(&[256], 9, Some((3, 100))),
                 },
                 vec![R::BlockSizeMismatch],
                 vec![
@@ -458,7 +486,7 @@ mod tests {
                 "several widths",
                 ProbeResult {
                     models: ok_models.clone(),
-                    kv: subscribed(&[16, 64], 9, Some(3)),
+                    kv: subscribed(&[16, 64], 9, Some((3, 100))),
                 },
                 vec![R::BlockSizeMismatch],
                 vec!["16, 64-token blocks", "several KV-cache groups"],
@@ -470,7 +498,7 @@ mod tests {
                         answered("10.0.0.1:8000", &["a"]),
                         answered("10.0.0.2:8000", &["b"]),
                     ],
-                    kv: subscribed(&[32], 0, Some(5)),
+                    kv: subscribed(&[32], 0, Some((5, 10_000))),
                 },
                 vec![
                     R::NoKvEvents,

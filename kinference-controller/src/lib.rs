@@ -20,7 +20,8 @@
 //! | [`status`] | worker-set and pool status from a namespace's objects, probe results and the previous status | none |
 //! | [`diagnose`] | diagnoses from the spec, endpoints and a [`probe::ProbeResult`] | none |
 //! | [`events`] | which status changes become Kubernetes Events; the [`events::EventSink`] seam | Events |
-//! | [`probe`] | the [`probe::Prober`] seam; `GET /v1/models` over HTTP | engines |
+//! | [`probe`] | the [`probe::Prober`] seam; `GET /v1/models` over HTTP; KV-event windows (ZeroMQ) with `/kv_event_sources` and `/metrics` | engines |
+//! | [`kvwatch`] | KV windows in the background, results kept per worker set | engines |
 //! | [`triggers`] | which objects to reconcile when a related one changes | none |
 //! | [`reconcile`] | the two kube-runtime controllers, caches, status writes | API server |
 //! | [`leader`] | leader election on a Lease, behind a seam | API server |
@@ -41,9 +42,10 @@
 //! - Condition `lastTransitionTime`s move only when a condition flips; each
 //!   diagnosis keeps its `since` while its reason persists.
 //! - Only the leader reconciles; every instance keeps its caches warm.
-//! - What a probe could not learn is said so ([`probe::KvProbe::NotProbed`])
-//!   and makes no diagnosis; in this release the KV-event stream is not
-//!   probed yet.
+//! - What a probe could not learn is said so ([`probe::KvProbe::NotProbed`],
+//!   a KV window without traffic) and makes no diagnosis.
+//! - Reconciles never wait for a KV window: windows run in the background
+//!   ([`kvwatch`]) and queue their worker set when they end.
 //!
 //! # Complexity
 //!
@@ -51,13 +53,16 @@
 //! slices of the namespace) plus the conflict check (see [`status`]). A
 //! probe round asks each ready endpoint once (16 at a time) and happens at
 //! most once per probe interval per worker set, sooner when its endpoints
-//! change.
+//! change. A KV window watches one endpoint per worker set (each of its DP
+//! ranks) for a few seconds, at most once per KV probe interval, at most 32
+//! at a time.
 
 pub mod admin;
 pub mod args;
 pub mod diagnose;
 pub mod endpoints;
 pub mod events;
+pub mod kvwatch;
 pub mod leader;
 pub mod metrics;
 pub mod probe;

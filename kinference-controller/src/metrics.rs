@@ -10,6 +10,7 @@
 //! | `kinference_controller_reconcile_duration_seconds` | histogram | `kind` |
 //! | `kinference_controller_status_writes_total` | counter | `kind` |
 //! | `kinference_controller_probes_total` | counter | `probe`, `outcome` |
+//! | `kinference_controller_kv_window_duration_seconds` | histogram | |
 //! | `kinference_controller_events_total` | counter | `reason`, `outcome` |
 //! | `kinference_controller_leader` | gauge | |
 
@@ -22,7 +23,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use crate::probe::{EndpointModels, KvProbe, ProbeFailure, ProbeResult};
+use crate::probe::{EndpointModels, KvObservation, ProbeFailure};
 
 /// The kind of object reconciled.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -64,8 +65,8 @@ pub enum Outcome {
     Status,
     /// An answer that could not be read.
     Body,
-    /// Not probed (no prober for it).
-    NotProbed,
+    /// A KV window without events.
+    NoEvents,
     /// A Kubernetes Event was published.
     Published,
     /// Publishing a Kubernetes Event failed.
@@ -129,7 +130,7 @@ impl Outcome {
             Outcome::Timeout => "timeout",
             Outcome::Status => "status",
             Outcome::Body => "body",
-            Outcome::NotProbed => "not_probed",
+            Outcome::NoEvents => "no_events",
             Outcome::Published => "published",
             Outcome::Failed => "failed",
         }
@@ -173,6 +174,7 @@ pub struct Metrics {
     durations: Family<KindLabels, Histogram>,
     status_writes: Family<KindLabels, Counter>,
     probes: Family<ProbeLabels, Counter>,
+    kv_windows: Histogram,
     events: Family<EventLabels, Counter>,
     leader: Gauge,
 }
@@ -189,6 +191,7 @@ impl Metrics {
             }),
             status_writes: Family::default(),
             probes: Family::default(),
+            kv_windows: Histogram::new(exponential_buckets(0.25, 2.0, 8)),
             events: Family::default(),
             leader: Gauge::default(),
         };
@@ -217,6 +220,11 @@ impl Metrics {
             "probes",
             "Probes of engines, by probe and outcome",
             m.probes.clone(),
+        );
+        r.register(
+            "kv_window_duration_seconds",
+            "Time a KV-event window took, discovery and /metrics reads included",
+            m.kv_windows.clone(),
         );
         r.register(
             "events",
@@ -250,9 +258,9 @@ impl Metrics {
         self.status_writes.get_or_create(&KindLabels { kind }).inc();
     }
 
-    /// Counts the outcomes of one probe round.
-    pub fn probed(&self, result: &ProbeResult) {
-        for EndpointModels { outcome, .. } in &result.models {
+    /// Counts the outcomes of one round of `/v1/models` probes.
+    pub fn probed_models(&self, models: &[EndpointModels]) {
+        for EndpointModels { outcome, .. } in models {
             let outcome = match outcome {
                 Ok(_) => Outcome::Ok,
                 Err(ProbeFailure::Connect(_)) => Outcome::Connect,
@@ -267,20 +275,22 @@ impl Metrics {
                 })
                 .inc();
         }
-        let kv = match &result.kv {
-            KvProbe::NotConfigured => None,
-            KvProbe::NotProbed => Some(Outcome::NotProbed),
-            KvProbe::Observed(crate::probe::KvObservation::Closed { .. }) => Some(Outcome::Connect),
-            KvProbe::Observed(crate::probe::KvObservation::Subscribed { .. }) => Some(Outcome::Ok),
+    }
+
+    /// Counts one KV window that took `took`.
+    pub fn probed_kv(&self, observation: &KvObservation, took: Duration) {
+        let outcome = match observation {
+            KvObservation::Closed { .. } => Outcome::Connect,
+            KvObservation::Subscribed(w) if w.batches > 0 => Outcome::Ok,
+            KvObservation::Subscribed(_) => Outcome::NoEvents,
         };
-        if let Some(outcome) = kv {
-            self.probes
-                .get_or_create(&ProbeLabels {
-                    probe: ProbeKind::KvEvents,
-                    outcome,
-                })
-                .inc();
-        }
+        self.probes
+            .get_or_create(&ProbeLabels {
+                probe: ProbeKind::KvEvents,
+                outcome,
+            })
+            .inc();
+        self.kv_windows.observe(took.as_secs_f64());
     }
 
     /// Counts a Kubernetes Event.
@@ -315,23 +325,27 @@ mod tests {
         m.reconciled(Kind::WorkerSet, Duration::from_millis(3));
         m.failed(Kind::Pool, ErrorKind::WriteStatus);
         m.wrote_status(Kind::WorkerSet);
-        m.probed(&ProbeResult {
-            models: vec![
-                EndpointModels {
-                    endpoint: "a:1".into(),
-                    outcome: Ok(vec![ModelCard {
-                        id: "m".into(),
-                        max_model_len: None,
-                        parent: None,
-                    }]),
-                },
-                EndpointModels {
-                    endpoint: "b:1".into(),
-                    outcome: Err(ProbeFailure::Timeout),
-                },
-            ],
-            kv: KvProbe::NotProbed,
-        });
+        m.probed_models(&[
+            EndpointModels {
+                endpoint: "a:1".into(),
+                outcome: Ok(vec![ModelCard {
+                    id: "m".into(),
+                    max_model_len: None,
+                    parent: None,
+                }]),
+            },
+            EndpointModels {
+                endpoint: "b:1".into(),
+                outcome: Err(ProbeFailure::Timeout),
+            },
+        ]);
+        m.probed_kv(
+            &KvObservation::Closed {
+                endpoint: "a:5557".into(),
+                error: "connection refused".into(),
+            },
+            Duration::from_millis(2),
+        );
         m.event("ModelMismatch", true);
         m.set_leader(true);
         let mut text = String::new();
@@ -342,7 +356,8 @@ mod tests {
             "kinference_controller_status_writes_total{kind=\"InferenceWorkerSet\"} 1",
             "kinference_controller_probes_total{probe=\"models\",outcome=\"ok\"} 1",
             "kinference_controller_probes_total{probe=\"models\",outcome=\"timeout\"} 1",
-            "kinference_controller_probes_total{probe=\"kv_events\",outcome=\"not_probed\"} 1",
+            "kinference_controller_probes_total{probe=\"kv_events\",outcome=\"connect\"} 1",
+            "kinference_controller_kv_window_duration_seconds_count 1",
             "kinference_controller_events_total{reason=\"ModelMismatch\",outcome=\"published\"} 1",
             "kinference_controller_leader 1",
             "kinference_controller_reconcile_duration_seconds_count{kind=\"InferenceWorkerSet\"} 1",

@@ -1,16 +1,36 @@
 //! Probing a worker set's engines: what they serve and what they publish.
 //!
-//! The reconciler calls a [`Prober`] for each worker set with ready
-//! endpoints, at most once per probe interval (sooner when the endpoints
-//! change), and keeps the latest [`ProbeResult`] in memory; the status and
-//! its diagnoses are computed from it by pure functions ([`crate::diagnose`]).
+//! Two probes, both behind the [`Prober`] seam:
 //!
-//! [`HttpProber`] asks every ready endpoint `GET /v1/models` (the OpenAI
-//! model list as vLLM serves it). The KV-event stream is **not probed yet**:
-//! its result is [`KvProbe::NotProbed`] whenever `kvEvents` is set, which
-//! makes no diagnosis at all (a later phase subscribes briefly to one
-//! endpoint with kinference-kvindex's subscriber and fills
-//! [`KvObservation`]).
+//! - **Models** ([`Prober::probe_models`]): every ready endpoint is asked
+//!   `GET /v1/models` (the OpenAI model list as vLLM serves it). One request
+//!   per endpoint, bounded by the probe timeout; the reconciler awaits it, at
+//!   most once per probe interval (sooner when the endpoints change).
+//! - **KV events** ([`Prober::probe_kv`]), when `kvEvents` is set: one ready
+//!   endpoint with the KV port ([`ProbeTarget::kv_target`]) is watched for a
+//!   window (`--kv-probe-window`, 3 s by default). The publishers are found
+//!   through the engine's `GET /kv_event_sources` (vLLM ≥ 0.31: every DP
+//!   rank) or, when it does not answer, on `kvEvents.port` (rank 0); each is
+//!   checked with a TCP connect and then subscribed to with
+//!   kinference-kvindex's ZeroMQ subscriber, which records the batches and
+//!   the block widths of `BlockStored` events. `GET /metrics` before and
+//!   after the window tells how much the engine computed meanwhile
+//!   ([`EngineActivity`]), so that "no events" can be told apart from "no
+//!   traffic". A window takes seconds, so it runs off the reconcile path
+//!   ([`crate::kvwatch`]).
+//!
+//! Results are plain data ([`ProbeResult`], [`KvObservation`]); diagnoses
+//! are made from them by pure functions ([`crate::diagnose`]). A window that
+//! saw neither events nor enough traffic to expect any is *idle* and tells
+//! nothing: [`KvObservation::merge`] keeps the previous verdict then, so
+//! diagnoses do not come and go with bursty traffic.
+//!
+//! Cost of a KV window: one HTTP request for the sources, two `/metrics`
+//! reads, one TCP connect and one SUB socket per publisher for the window;
+//! memory is the set of block widths seen (events are decoded and dropped).
+
+mod engine;
+mod kv;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -23,6 +43,10 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde::Deserialize;
+
+pub use engine::{
+    EngineActivity, EngineCounters, KvSource, parse_engine_counters, parse_kv_event_sources,
+};
 
 use crate::endpoints::{ReadyEndpoint, http_authority};
 
@@ -37,6 +61,38 @@ pub struct ProbeTarget {
     pub kv_events: bool,
     /// `kvBlockSize`, for probes that compare it.
     pub kv_block_size: u32,
+}
+
+impl ProbeTarget {
+    /// The endpoint whose KV events are watched: the first ready endpoint
+    /// (in address order) with the KV port; `None` when `kvEvents` is unset
+    /// or no ready endpoint has the port.
+    pub fn kv_target(&self) -> Option<KvTarget> {
+        if !self.kv_events {
+            return None;
+        }
+        self.endpoints.iter().find_map(|e| {
+            e.kv_port.map(|kv_port| KvTarget {
+                worker_set: self.worker_set.clone(),
+                address: e.address.clone(),
+                http_port: e.http_port,
+                kv_port,
+            })
+        })
+    }
+}
+
+/// One endpoint whose KV events are watched.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KvTarget {
+    /// `namespace/name` of the worker set, for logs.
+    pub worker_set: String,
+    /// The endpoint's address.
+    pub address: String,
+    /// Its OpenAI API port (`/kv_event_sources`, `/metrics`).
+    pub http_port: u16,
+    /// Its `kvEvents.port`, used when the engine does not list its sources.
+    pub kv_port: u16,
 }
 
 /// One round of probing a worker set.
@@ -70,8 +126,8 @@ pub struct ModelCard {
     pub parent: Option<String>,
 }
 
-/// Why an endpoint gave no model list. The texts are stable for equal
-/// causes, so an unchanged failure does not change status.
+/// Why an endpoint gave no answer. The texts are stable for equal causes,
+/// so an unchanged failure does not change status.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ProbeFailure {
     /// No connection (refused, unreachable, ...).
@@ -83,8 +139,9 @@ pub enum ProbeFailure {
     /// An HTTP status other than 2xx.
     #[error("HTTP status {0}")]
     Status(u16),
-    /// A body that is not an OpenAI model list.
-    #[error("not an OpenAI model list: {0}")]
+    /// A body that is not what was asked for (an OpenAI model list, a
+    /// source list).
+    #[error("an unexpected body: {0}")]
     Body(String),
 }
 
@@ -94,63 +151,155 @@ pub enum KvProbe {
     /// `kvEvents` is unset: there is nothing to probe.
     #[default]
     NotConfigured,
-    /// `kvEvents` is set but the stream was not probed: no KV prober is
-    /// wired in yet. No diagnosis is made from this.
+    /// `kvEvents` is set but nothing is known yet: the first window is
+    /// still running, or no ready endpoint has the KV port (a rejection or
+    /// `KvPortMissing` says so). No diagnosis is made from this.
     NotProbed,
-    /// A short subscription to one endpoint.
+    /// What the windows watched so far say (see [`KvObservation::merge`]).
     Observed(KvObservation),
 }
 
-/// What a short subscription to one endpoint's KV events saw.
+/// What watching one endpoint's KV events saw.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum KvObservation {
-    /// Nothing accepted the connection.
+    /// A publisher could not be subscribed to.
     Closed {
         /// `host:port` of the publisher.
         endpoint: String,
-        /// Why, in words.
+        /// Why, in words (stable for equal causes).
         error: String,
     },
     /// Subscribed for a window.
-    Subscribed {
-        /// `host:port` of the publisher.
-        endpoint: String,
-        /// How long the subscription lasted, in seconds.
-        window_secs: u32,
-        /// Event batches received.
-        events: u64,
-        /// Block widths seen in `BlockStored` events (placeholders of width
-        /// 0 left out).
-        block_sizes: BTreeSet<u32>,
-        /// Requests the engine served during the window, when its metrics
-        /// say; `None` when unknown.
-        requests_served: Option<u64>,
-    },
+    Subscribed(KvWindow),
+}
+
+/// One subscription window.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvWindow {
+    /// `host:port` of each publisher watched (one per DP rank).
+    pub publishers: Vec<String>,
+    /// Whether they came from the engine's `/kv_event_sources` (else:
+    /// `kvEvents.port`, rank 0 only).
+    pub discovered: bool,
+    /// How long the window lasted, in milliseconds.
+    pub window_ms: u64,
+    /// Event batches received.
+    pub batches: u64,
+    /// Block widths seen in `BlockStored` events (placeholders of width 0
+    /// left out), over every KV-cache group.
+    pub block_sizes: BTreeSet<u32>,
+    /// What the engine did meanwhile, from its `/metrics` (of the ranks
+    /// watched); `None` when unknown.
+    pub activity: Option<EngineActivity>,
+}
+
+/// Blocks' worth of computed tokens an engine must have computed in a
+/// window before "no events" becomes a verdict.
+pub const VERDICT_BLOCKS: u64 = 4;
+
+impl KvWindow {
+    /// The computed tokens that make "no events" a verdict:
+    /// [`VERDICT_BLOCKS`] blocks of the widest of `kvBlockSize` and the
+    /// engine's `--block-size`.
+    pub fn verdict_tokens(&self, kv_block_size: u32) -> u64 {
+        let engine = self.activity.and_then(|a| a.engine_block_size).unwrap_or(0);
+        VERDICT_BLOCKS * u64::from(kv_block_size.max(engine).max(1))
+    }
+
+    /// Whether the engine served requests and computed enough tokens in the
+    /// window that an engine publishing events would have published some.
+    pub fn saw_traffic(&self, kv_block_size: u32) -> bool {
+        self.activity.is_some_and(|a| {
+            a.requests > 0 && a.tokens_computed >= self.verdict_tokens(kv_block_size)
+        })
+    }
+
+    /// Neither events nor enough traffic: the window tells nothing.
+    pub fn is_idle(&self, kv_block_size: u32) -> bool {
+        self.batches == 0 && !self.saw_traffic(kv_block_size)
+    }
+
+    /// The window's length for messages: `3 s`, `1.5 s`.
+    pub fn window_text(&self) -> String {
+        if self.window_ms.is_multiple_of(1000) {
+            format!("{} s", self.window_ms / 1000)
+        } else {
+            format!(
+                "{}.{} s",
+                self.window_ms / 1000,
+                (self.window_ms % 1000) / 100
+            )
+        }
+    }
+}
+
+impl KvObservation {
+    /// What to keep after a new window, given what was kept before.
+    ///
+    /// - A closed publisher replaces anything.
+    /// - An idle window ([`KvWindow::is_idle`]) keeps the previous window's
+    ///   findings: quiet traffic proves nothing either way.
+    /// - A window with events but no `BlockStored` (only removals) keeps the
+    ///   block widths seen before.
+    /// - Otherwise the new window replaces the old.
+    #[must_use]
+    pub fn merge(
+        previous: Option<KvObservation>,
+        new: KvObservation,
+        kv_block_size: u32,
+    ) -> KvObservation {
+        match (previous, new) {
+            (Some(KvObservation::Subscribed(p)), KvObservation::Subscribed(w)) => {
+                if w.is_idle(kv_block_size) {
+                    KvObservation::Subscribed(p)
+                } else if w.batches > 0 && w.block_sizes.is_empty() {
+                    KvObservation::Subscribed(KvWindow {
+                        block_sizes: p.block_sizes,
+                        ..w
+                    })
+                } else {
+                    KvObservation::Subscribed(w)
+                }
+            }
+            (_, new) => new,
+        }
+    }
 }
 
 /// Probes a worker set's engines. Implementations never fail: what went
 /// wrong is part of the result, so it can become a diagnosis.
 pub trait Prober: Send + Sync + 'static {
-    /// Probes `target` once.
-    fn probe<'a>(&'a self, target: &'a ProbeTarget) -> BoxFuture<'a, ProbeResult>;
+    /// Asks every endpoint of `target` which models it serves; quick (one
+    /// request each, bounded by a timeout). Sorted by endpoint.
+    fn probe_models<'a>(&'a self, target: &'a ProbeTarget) -> BoxFuture<'a, Vec<EndpointModels>>;
+
+    /// Watches one endpoint's KV events for a window; takes about the
+    /// window, so callers run it in the background.
+    fn probe_kv<'a>(&'a self, target: &'a KvTarget) -> BoxFuture<'a, KvObservation>;
 }
 
-/// The largest model list read (vLLM's is a few hundred bytes per model).
+/// The largest model list or source list read (vLLM's model list is a few
+/// hundred bytes per model).
 const MAX_BODY: usize = 1 << 20;
+/// The largest `/metrics` page read (vLLM's is tens of kB per DP rank).
+const MAX_METRICS_BODY: usize = 16 << 20;
 /// How many endpoints of one worker set are asked at once.
 const CONCURRENCY: usize = 16;
+/// The default KV window.
+pub const DEFAULT_KV_WINDOW: Duration = Duration::from_secs(3);
 
-/// Asks each endpoint `GET /v1/models` over HTTP/1.1 (hyper); the KV stream
-/// is [`KvProbe::NotProbed`].
+/// The real prober: HTTP/1.1 (hyper) for `/v1/models`,
+/// `/kv_event_sources` and `/metrics`; ZeroMQ for KV events.
 #[derive(Clone, Debug)]
 pub struct HttpProber {
     client: Client<HttpConnector, Empty<Bytes>>,
     timeout: Duration,
+    kv_window: Duration,
 }
 
 impl HttpProber {
     /// A prober whose every request (connect, headers and body) must finish
-    /// within `timeout`.
+    /// within `timeout`, watching KV events for [`DEFAULT_KV_WINDOW`].
     pub fn new(timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(timeout));
@@ -159,7 +308,28 @@ impl HttpProber {
             .pool_idle_timeout(Duration::from_secs(30))
             .pool_max_idle_per_host(1)
             .build(connector);
-        Self { client, timeout }
+        Self {
+            client,
+            timeout,
+            kv_window: DEFAULT_KV_WINDOW,
+        }
+    }
+
+    /// The same prober watching KV events for `window`.
+    #[must_use]
+    pub fn with_kv_window(mut self, window: Duration) -> Self {
+        self.kv_window = window;
+        self
+    }
+
+    /// The KV window.
+    pub fn kv_window(&self) -> Duration {
+        self.kv_window
+    }
+
+    /// The per-request timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// `GET http://{authority}/v1/models`.
@@ -168,10 +338,35 @@ impl HttpProber {
     /// [`ProbeFailure`] when the endpoint cannot be reached in time, answers
     /// with a non-2xx status, or with a body that is not a model list.
     pub async fn models(&self, authority: &str) -> Result<Vec<ModelCard>, ProbeFailure> {
-        match tokio::time::timeout(self.timeout, self.fetch_models(authority)).await {
-            Ok(r) => r,
-            Err(_) => Err(ProbeFailure::Timeout),
-        }
+        let body = self.get(authority, "/v1/models", MAX_BODY).await?;
+        parse_models(&body)
+    }
+
+    /// `GET http://{authority}/kv_event_sources`: the engine's KV-event
+    /// publishers (vLLM ≥ 0.31; older engines and SGLang answer 404).
+    ///
+    /// # Errors
+    /// [`ProbeFailure`] as for [`HttpProber::models`].
+    pub async fn kv_event_sources(&self, authority: &str) -> Result<Vec<KvSource>, ProbeFailure> {
+        let body = self.get(authority, "/kv_event_sources", MAX_BODY).await?;
+        parse_kv_event_sources(&body)
+    }
+
+    /// `GET http://{authority}/metrics`, read for the DP ranks in `ranks`
+    /// (`None`: all).
+    ///
+    /// # Errors
+    /// [`ProbeFailure`] as for [`HttpProber::models`].
+    pub async fn engine_counters(
+        &self,
+        authority: &str,
+        ranks: Option<&BTreeSet<u32>>,
+    ) -> Result<EngineCounters, ProbeFailure> {
+        let body = self.get(authority, "/metrics", MAX_METRICS_BODY).await?;
+        Ok(parse_engine_counters(
+            &String::from_utf8_lossy(&body),
+            ranks,
+        ))
     }
 
     async fn endpoint_models(&self, endpoint: String) -> EndpointModels {
@@ -179,12 +374,24 @@ impl HttpProber {
         EndpointModels { endpoint, outcome }
     }
 
-    async fn fetch_models(&self, authority: &str) -> Result<Vec<ModelCard>, ProbeFailure> {
-        let uri: http::Uri = format!("http://{authority}/v1/models")
+    /// A GET whose whole exchange must finish within the timeout.
+    async fn get(&self, authority: &str, path: &str, limit: usize) -> Result<Bytes, ProbeFailure> {
+        match tokio::time::timeout(self.timeout, self.fetch(authority, path, limit)).await {
+            Ok(r) => r,
+            Err(_) => Err(ProbeFailure::Timeout),
+        }
+    }
+
+    async fn fetch(
+        &self,
+        authority: &str,
+        path: &str,
+        limit: usize,
+    ) -> Result<Bytes, ProbeFailure> {
+        let uri: http::Uri = format!("http://{authority}{path}")
             .parse()
             .map_err(|e: http::uri::InvalidUri| ProbeFailure::Connect(e.to_string()))?;
         let req = http::Request::get(uri)
-            .header(http::header::ACCEPT, "application/json")
             .header(http::header::USER_AGENT, "kinference-controller")
             .body(Empty::new())
             .map_err(|e| ProbeFailure::Connect(e.to_string()))?;
@@ -197,12 +404,11 @@ impl HttpProber {
         if !status.is_success() {
             return Err(ProbeFailure::Status(status.as_u16()));
         }
-        let body = Limited::new(resp.into_body(), MAX_BODY)
+        Limited::new(resp.into_body(), limit)
             .collect()
             .await
-            .map_err(|e| ProbeFailure::Body(format!("reading the body: {e}")))?
-            .to_bytes();
-        parse_models(&body)
+            .map(http_body_util::Collected::to_bytes)
+            .map_err(|e| ProbeFailure::Body(format!("reading the body: {e}")))
     }
 }
 
@@ -238,7 +444,7 @@ fn connect_failure(e: &hyper_util::client::legacy::Error) -> ProbeFailure {
 }
 
 impl Prober for HttpProber {
-    fn probe<'a>(&'a self, target: &'a ProbeTarget) -> BoxFuture<'a, ProbeResult> {
+    fn probe_models<'a>(&'a self, target: &'a ProbeTarget) -> BoxFuture<'a, Vec<EndpointModels>> {
         Box::pin(async move {
             let authorities: Vec<String> = target.endpoints.iter().map(http_authority).collect();
             let mut models: Vec<EndpointModels> = stream::iter(authorities)
@@ -247,13 +453,12 @@ impl Prober for HttpProber {
                 .collect()
                 .await;
             models.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
-            let kv = if target.kv_events {
-                KvProbe::NotProbed
-            } else {
-                KvProbe::NotConfigured
-            };
-            ProbeResult { models, kv }
+            models
         })
+    }
+
+    fn probe_kv<'a>(&'a self, target: &'a KvTarget) -> BoxFuture<'a, KvObservation> {
+        Box::pin(kv::watch(self, target))
     }
 }
 
@@ -296,5 +501,115 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
+    }
+
+    fn window(widths: &[u32], batches: u64, activity: Option<(u64, u64, Option<u32>)>) -> KvWindow {
+        KvWindow {
+            publishers: vec!["10.0.0.1:5557".into()],
+            discovered: true,
+            window_ms: 3000,
+            batches,
+            block_sizes: widths.iter().copied().collect(),
+            activity: activity.map(|(requests, tokens_computed, engine_block_size)| {
+                EngineActivity {
+                    requests,
+                    tokens_computed,
+                    engine_block_size,
+                }
+            }),
+        }
+    }
+
+    #[test]
+    fn traffic_needs_requests_and_blocks_worth_of_tokens() {
+        // kvBlockSize 16: 4 blocks = 64 tokens.
+        assert!(window(&[], 0, Some((1, 64, None))).saw_traffic(16));
+        assert!(!window(&[], 0, Some((1, 63, None))).saw_traffic(16));
+        assert!(!window(&[], 0, Some((0, 640, None))).saw_traffic(16));
+        assert!(!window(&[], 0, None).saw_traffic(16));
+        // The engine's wider --block-size raises the bar.
+        let w = window(&[], 0, Some((3, 200, Some(64))));
+        assert_eq!(w.verdict_tokens(16), 256);
+        assert!(!w.saw_traffic(16));
+        assert!(w.is_idle(16));
+        assert!(!window(&[16], 1, None).is_idle(16), "events are never idle");
+        assert_eq!(window(&[], 0, None).window_text(), "3 s");
+        let short = KvWindow {
+            window_ms: 1500,
+            ..window(&[], 0, None)
+        };
+        assert_eq!(short.window_text(), "1.5 s");
+    }
+
+    #[test]
+    fn merging_windows() {
+        let sub = KvObservation::Subscribed;
+        let closed = KvObservation::Closed {
+            endpoint: "10.0.0.1:5557".into(),
+            error: "connection refused".into(),
+        };
+        let wide = sub(window(&[256], 5, Some((2, 600, None))));
+        let idle = sub(window(&[], 0, Some((0, 0, None))));
+        let unknown = sub(window(&[], 0, None));
+        let silent = sub(window(&[], 0, Some((4, 900, None))));
+        let removals = sub(window(&[], 3, Some((1, 10, None))));
+        let narrow = sub(window(&[16], 2, None));
+        let m = |p: Option<&KvObservation>, n: &KvObservation| {
+            KvObservation::merge(p.cloned(), n.clone(), 16)
+        };
+        // Nothing before: the new window, whatever it says.
+        assert_eq!(m(None, &idle), idle);
+        assert_eq!(m(None, &closed), closed);
+        // Idle or unknown windows keep the previous findings.
+        assert_eq!(m(Some(&wide), &idle), wide);
+        assert_eq!(m(Some(&wide), &unknown), wide);
+        assert_eq!(m(Some(&silent), &idle), silent);
+        // Informative windows replace them.
+        assert_eq!(m(Some(&wide), &silent), silent);
+        assert_eq!(m(Some(&silent), &narrow), narrow);
+        assert_eq!(m(Some(&wide), &closed), closed);
+        assert_eq!(m(Some(&closed), &idle), idle, "the port opened");
+        // Removals only: the widths seen before stay.
+        match m(Some(&wide), &removals) {
+            KvObservation::Subscribed(w) => {
+                assert_eq!(w.batches, 3);
+                assert_eq!(w.block_sizes, BTreeSet::from([256]));
+            }
+            other @ KvObservation::Closed { .. } => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_kv_target_is_the_first_endpoint_with_the_port() {
+        let e = |a: &str, kv: Option<u16>| ReadyEndpoint {
+            address: a.into(),
+            http_port: 8000,
+            kv_port: kv,
+            target: None,
+        };
+        let mut t = ProbeTarget {
+            worker_set: "ns/ws".into(),
+            endpoints: vec![
+                e("10.0.0.1", None),
+                e("10.0.0.2", Some(5557)),
+                e("10.0.0.3", Some(5557)),
+            ],
+            kv_events: true,
+            kv_block_size: 16,
+        };
+        assert_eq!(
+            t.kv_target(),
+            Some(KvTarget {
+                worker_set: "ns/ws".into(),
+                address: "10.0.0.2".into(),
+                http_port: 8000,
+                kv_port: 5557,
+            })
+        );
+        t.kv_events = false;
+        assert_eq!(t.kv_target(), None);
+        t.kv_events = true;
+        t.endpoints.retain(|e| e.kv_port.is_none());
+        assert_eq!(t.kv_target(), None);
     }
 }

@@ -4,13 +4,16 @@
 //! One watch per kind (worker sets, pools, EndpointSlices labelled with a
 //! Service name, routing profiles) feeds a reflector cache; worker-set and
 //! pool events drive their kube-runtime `Controller`s directly, and every
-//! event also passes through [`Triggers`] to queue related objects. A
-//! reconcile reads its namespace from the caches, probes the engines when a
-//! probe is due, computes the status with [`crate::status`] and, only if it
-//! differs from the status the object has, applies it (server-side apply,
-//! field manager [`crate::FIELD_MANAGER`], `force`). A reconcile that changes
-//! nothing writes nothing, so the watch event of a write leads to one more
-//! reconcile and stops there.
+//! event also passes through [`Triggers`] to queue related objects, and a
+//! finished KV window ([`crate::kvwatch`]) queues its worker set. A
+//! reconcile reads its namespace from the caches, asks the engines
+//! `/v1/models` when that probe is due, takes the KV windows' latest result
+//! (starting a window in the background when one is due), computes the
+//! status with [`crate::status`] and, only if it differs from the status
+//! the object has, applies it (server-side apply, field manager
+//! [`crate::FIELD_MANAGER`], `force`). A reconcile that changes nothing
+//! writes nothing, so the watch event of a write leads to one more reconcile
+//! and stops there.
 //!
 //! Only the leader reconciles; followers keep their caches warm and, on
 //! becoming leader, reconcile everything.
@@ -32,7 +35,7 @@ use kinference_api::{
 };
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::reflector;
+use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource, ResourceExt};
 use serde::Serialize;
@@ -43,8 +46,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::endpoints::{self, SERVICE_NAME_LABEL};
 use crate::events::{self, EventSink};
+use crate::kvwatch::KvWatch;
 use crate::metrics::{ErrorKind, Kind, Metrics};
-use crate::probe::{ProbeResult, ProbeTarget, Prober};
+use crate::probe::{EndpointModels, ProbeResult, ProbeTarget, Prober};
 use crate::status::{self, Facts, Namespace};
 use crate::triggers::{Stores, Triggers};
 
@@ -86,8 +90,10 @@ impl Error {
 pub struct Settings {
     /// Watch one namespace only (`None`: all namespaces).
     pub namespace: Option<String>,
-    /// How often each worker set's engines are probed.
+    /// How often each worker set's engines are asked `GET /v1/models`.
     pub probe_interval: Duration,
+    /// How long after a worker set's last KV window the next one starts.
+    pub kv_probe_interval: Duration,
     /// Reconciles running at once, per controller.
     pub concurrency: u16,
 }
@@ -97,6 +103,7 @@ impl Default for Settings {
         Settings {
             namespace: None,
             probe_interval: Duration::from_secs(30),
+            kv_probe_interval: Duration::from_secs(60),
             concurrency: 16,
         }
     }
@@ -128,15 +135,18 @@ pub struct ObjectStats {
     pub reconciles: u64,
     /// Status writes.
     pub writes: u64,
-    /// Probe rounds (worker sets only).
+    /// `/v1/models` probe rounds (worker sets only).
     pub probes: u64,
+    /// KV windows finished (worker sets only; reset when the worker set
+    /// stops having `kvEvents` or ready endpoints).
+    pub kv_windows: u64,
 }
 
 type Key = (Kind, String, String);
 
 struct ProbeRecord {
     target: ProbeTarget,
-    result: ProbeResult,
+    models: Vec<EndpointModels>,
     at: Instant,
 }
 
@@ -148,6 +158,7 @@ pub struct Context {
     metrics: Metrics,
     stores: Stores,
     probes: Mutex<HashMap<(String, String), ProbeRecord>>,
+    kv: KvWatch,
     stats: Mutex<HashMap<Key, ObjectStats>>,
     failures: Mutex<HashMap<Key, u32>>,
     ready: watch::Sender<bool>,
@@ -177,10 +188,14 @@ fn now() -> Time {
 impl Context {
     /// Counts of the object `kind` `namespace/name`.
     pub fn stats(&self, kind: Kind, namespace: &str, name: &str) -> ObjectStats {
-        lock(&self.stats)
+        let mut s = lock(&self.stats)
             .get(&(kind, namespace.to_owned(), name.to_owned()))
             .copied()
-            .unwrap_or_default()
+            .unwrap_or_default();
+        if kind == Kind::WorkerSet {
+            s.kv_windows = self.kv.windows(namespace, name);
+        }
+        s
     }
 
     /// Whether every cache has been filled once.
@@ -205,6 +220,7 @@ impl Context {
             return;
         };
         lock(&self.probes).remove(&(ns.clone(), name.clone()));
+        self.kv.forget(&ns, &name);
         let key = (Kind::WorkerSet, ns, name);
         lock(&self.failures).remove(&key);
         lock(&self.stats).remove(&key);
@@ -277,8 +293,10 @@ impl Context {
         })
     }
 
-    /// The latest probe of a worker set, probing first when none is recent
-    /// enough or its endpoints changed; and how long until the next is due.
+    /// The latest probe of a worker set, asking `/v1/models` first when no
+    /// answer is recent enough or its endpoints changed, with what the
+    /// background KV windows say (starting one when due); and how long until
+    /// the next probe is due.
     async fn probe(
         &self,
         ns: &str,
@@ -288,30 +306,33 @@ impl Context {
         let key = (ns.to_owned(), name.to_owned());
         if target.endpoints.is_empty() {
             lock(&self.probes).remove(&key);
+            self.kv.forget(ns, name);
             return (None, None);
         }
+        let (kv, kv_next) = self.kv.state(ns, name, &target);
         let interval = self.settings.probe_interval;
-        if let Some(r) = lock(&self.probes).get(&key)
-            && r.target == target
-            && r.at.elapsed() < interval
-        {
-            return (
-                Some(r.result.clone()),
-                Some(interval.saturating_sub(r.at.elapsed())),
+        let cached = lock(&self.probes).get(&key).and_then(|r| {
+            (r.target == target && r.at.elapsed() < interval)
+                .then(|| (r.models.clone(), interval.saturating_sub(r.at.elapsed())))
+        });
+        let (models, next) = if let Some(hit) = cached {
+            hit
+        } else {
+            let models = self.seams.prober.probe_models(&target).await;
+            self.metrics.probed_models(&models);
+            self.count(Kind::WorkerSet, ns, name, |s| s.probes += 1);
+            lock(&self.probes).insert(
+                key,
+                ProbeRecord {
+                    target,
+                    models: models.clone(),
+                    at: Instant::now(),
+                },
             );
-        }
-        let result = self.seams.prober.probe(&target).await;
-        self.metrics.probed(&result);
-        self.count(Kind::WorkerSet, ns, name, |s| s.probes += 1);
-        lock(&self.probes).insert(
-            key,
-            ProbeRecord {
-                target,
-                result: result.clone(),
-                at: Instant::now(),
-            },
-        );
-        (Some(result), Some(interval))
+            (models, interval)
+        };
+        let next = kv_next.map_or(next, |k| next.min(k));
+        (Some(ProbeResult { models, kv }), Some(next))
     }
 
     async fn apply_status<K>(
@@ -531,6 +552,7 @@ impl Filled {
 pub struct Runtime {
     ctx: Arc<Context>,
     writers: Writers,
+    kv_done: mpsc::UnboundedReceiver<ObjectRef<InferenceWorkerSet>>,
 }
 
 struct Writers {
@@ -588,6 +610,13 @@ impl Runtime {
         let (slices, slices_w) = reflector::store();
         let (profiles, profiles_w) = reflector::store();
         let (ready, _) = watch::channel(false);
+        let (kv_tx, kv_done) = mpsc::unbounded();
+        let kv = KvWatch::new(
+            seams.prober.clone(),
+            settings.kv_probe_interval,
+            kv_tx,
+            metrics.clone(),
+        );
         let ctx = Arc::new(Context {
             client,
             settings,
@@ -600,12 +629,14 @@ impl Runtime {
                 profiles,
             },
             probes: Mutex::new(HashMap::new()),
+            kv,
             stats: Mutex::new(HashMap::new()),
             failures: Mutex::new(HashMap::new()),
             ready,
         });
         Runtime {
             ctx,
+            kv_done,
             writers: Writers {
                 worker_sets: ws_w,
                 pools: pools_w,
@@ -623,7 +654,11 @@ impl Runtime {
     /// Runs both controllers until `shutdown` is cancelled, then lets running
     /// reconciles finish.
     pub async fn run(self, shutdown: CancellationToken) {
-        let Runtime { ctx, writers } = self;
+        let Runtime {
+            ctx,
+            writers,
+            kv_done,
+        } = self;
         let client = ctx.client.clone();
         let ns = ctx.settings.namespace.clone();
         let ns = ns.as_deref();
@@ -719,7 +754,8 @@ impl Runtime {
         let config = controller::Config::default().concurrency(ctx.settings.concurrency);
         let worker_sets = Controller::for_stream(ws_events, ctx.stores.worker_sets.clone())
             .with_config(config.clone())
-            .reconcile_on(ws_rx)
+            // Related objects' changes, and finished KV windows.
+            .reconcile_on(futures::stream::select(ws_rx, kv_done))
             .reconcile_all_on(leadership_gained(
                 ctx.seams.leader.clone(),
                 ctx.metrics.clone(),
@@ -755,6 +791,7 @@ impl Runtime {
             });
         futures::future::join(worker_sets, pools).await;
         side.abort();
+        ctx.kv.clear();
         ctx.ready.send_replace(false);
         tracing::info!("controllers stopped");
     }

@@ -3,15 +3,16 @@
 //! whose stand-in CRDs serve EndpointSlices and Events).
 //!
 //! Each test runs the controller in-process, scoped to a namespace of its
-//! own, with the real `/v1/models` prober against loopback engines and the
-//! real Event recorder. Nothing here asserts on timing: every check polls
-//! for an eventual state with a generous deadline.
+//! own, with the real prober (`/v1/models`, KV-event windows) against
+//! `kinference-sim` engines on loopback, whose addresses and ports the
+//! tests' EndpointSlices list, and the real Event recorder. Nothing here
+//! asserts on timing: every check polls for an eventual state with a
+//! generous deadline.
 
 mod support;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,10 +32,11 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::core::ObjectMeta;
 use kube::{Client, ResourceExt};
 use prometheus_client::registry::Registry;
-use support::Engine;
+use support::{closed_port, config, restart, start, three_engines, traffic};
 use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(90);
+const KV_WINDOW: Duration = Duration::from_secs(1);
 
 /// Polls `check` until it returns `Ok`, panicking with its last complaint
 /// after [`DEADLINE`].
@@ -73,10 +75,11 @@ impl Running {
             Settings {
                 namespace: Some(ns.to_owned()),
                 probe_interval: Duration::from_secs(1),
+                kv_probe_interval: Duration::from_secs(1),
                 ..Settings::default()
             },
             Seams {
-                prober: Arc::new(HttpProber::new(Duration::from_secs(2))),
+                prober: Arc::new(HttpProber::new(Duration::from_secs(2)).with_kv_window(KV_WINDOW)),
                 events: Arc::new(KubeEvents::new(client.clone(), Some(format!("test-{ns}")))),
                 leader: leadership.subscribe(),
             },
@@ -206,29 +209,6 @@ where
     .unwrap_or_else(|e| panic!("applying {name}: {e}"));
 }
 
-/// Three loopback engines on one port at 127.0.0.1, .2 and .3, as three pods
-/// behind one Service would be.
-async fn three_engines(model: &str) -> (u16, Vec<Engine>) {
-    for _ in 0..20 {
-        let first = Engine::start("127.0.0.1:0".parse().unwrap(), model, 262_144).await;
-        let port = first.addr.port();
-        let mut engines = vec![first];
-        for last in [2u8, 3] {
-            let addr = SocketAddr::new(IpAddr::from([127, 0, 0, last]), port);
-            if tokio::net::TcpListener::bind(addr).await.is_ok() {
-                engines.push(Engine::start(addr, model, 262_144).await);
-            }
-        }
-        if engines.len() == 3 {
-            return (port, engines);
-        }
-        for e in &engines {
-            e.stop();
-        }
-    }
-    panic!("no port free on 127.0.0.1, 127.0.0.2 and 127.0.0.3 after 20 tries");
-}
-
 fn seed_objects(ns: &str) -> (Vec<InferenceWorkerSet>, Vec<InferencePool>) {
     let mut sets = Vec::new();
     let mut pools = Vec::new();
@@ -262,7 +242,7 @@ async fn the_seed_table_and_status_following_the_objects() {
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
     let events: Api<Event> = Api::namespaced(client.clone(), &ns);
 
-    let (port, engines) = three_engines("Qwen/Qwen3.6-35B-A3B").await;
+    let (port, kv_port, mut engines) = three_engines("Qwen/Qwen3.6-35B-A3B", 262_144).await;
 
     // The seed's qwen and gemma sets and pool, plus an orphan and a set
     // naming a profile that does not exist (which the pool also names).
@@ -296,7 +276,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         .expect("creating the pool");
     // qwen-vllm: two slices listing 127.0.0.2 twice; gemma-vllm: two
     // endpoints, neither ready.
-    let qwen_ports = [("http", i32::from(port)), ("kv-pub", 5557)];
+    let qwen_ports = [("http", i32::from(port)), ("kv-pub", i32::from(kv_port))];
     apply(
         &slices,
         &slice(
@@ -445,8 +425,8 @@ async fn the_seed_table_and_status_following_the_objects() {
     .await;
 
     // No write loops: with nothing changing, reconciles go on (qwen is
-    // re-probed every second; the others are poked by an annotation) and
-    // nothing is written.
+    // re-probed every second and its KV windows end; the others are poked
+    // by an annotation) and nothing is written.
     let names = [
         "qwen-3-6-35b-a3b",
         "gemma-4-12b",
@@ -477,7 +457,10 @@ async fn the_seed_table_and_status_following_the_objects() {
             .iter()
             .map(|n| running.ctx.stats(Kind::WorkerSet, &ns, n))
             .collect();
+        // qwen is re-probed (models every second, KV windows too).
         let more = now[0].reconciles >= before[0].reconciles + 3
+            && now[0].probes > before[0].probes
+            && now[0].kv_windows > before[0].kv_windows
             && now
                 .iter()
                 .zip(&before)
@@ -500,10 +483,6 @@ async fn the_seed_table_and_status_following_the_objects() {
         );
         assert!(a.writes <= a.reconciles, "{n}: {a:?}");
     }
-    assert!(
-        after[0].probes > before[0].probes,
-        "qwen is probed periodically"
-    );
     assert_eq!(
         running.ctx.stats(Kind::Pool, &ns, "chat").writes,
         pool_before.writes
@@ -548,8 +527,10 @@ async fn the_seed_table_and_status_following_the_objects() {
     })
     .await;
 
-    // One engine starts serving another model: a diagnosis and an Event.
-    engines[0].serve("google/gemma-4-12b-it", 131_072);
+    // One engine is redeployed serving another model: a diagnosis and an
+    // Event.
+    let e = engines.remove(1);
+    engines.insert(1, restart(e, "google/gemma-4-12b-it").await);
     eventually("a ModelMismatch diagnosis", || async {
         let q = iws
             .get("qwen-3-6-35b-a3b")
@@ -558,7 +539,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         let d = q.status.map(|s| s.diagnoses).unwrap_or_default();
         match d.as_slice() {
             [d] if d.reason == "ModelMismatch"
-                && d.message.contains("google/gemma-4-12b-it on 127.0.0.1:") =>
+                && d.message.contains("google/gemma-4-12b-it on 127.0.0.2:") =>
             {
                 Ok(())
             }
@@ -584,7 +565,8 @@ async fn the_seed_table_and_status_following_the_objects() {
         }
     })
     .await;
-    engines[0].serve("Qwen/Qwen3.6-35B-A3B", 262_144);
+    let e = engines.remove(1);
+    engines.insert(1, restart(e, "Qwen/Qwen3.6-35B-A3B").await);
     eventually("the diagnosis clears", || async {
         let q = iws
             .get("qwen-3-6-35b-a3b")
@@ -679,8 +661,8 @@ async fn the_seed_table_and_status_following_the_objects() {
         .collect();
     println!("per worker set at the end: {total:?}");
     running.stop().await;
-    for e in &engines {
-        e.stop();
+    for e in engines {
+        e.shutdown().await;
     }
     cleanup(&client, &ns).await;
 }
@@ -884,6 +866,247 @@ async fn rejections_follow_the_objects() {
     .await;
 
     running.stop().await;
+    cleanup(&client, &ns).await;
+}
+
+/// The diagnoses of worker set `name` in `ns`, as (reason, message).
+async fn diagnoses(
+    iws: &Api<InferenceWorkerSet>,
+    name: &str,
+) -> Result<Vec<(String, String)>, String> {
+    let ws = iws.get(name).await.map_err(|e| e.to_string())?;
+    Ok(ws
+        .status
+        .map(|s| s.diagnoses)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|d| (d.reason, d.message))
+        .collect())
+}
+
+/// Whether a Warning Event with `reason` regards worker set `name`.
+async fn has_event(events: &Api<Event>, name: &str, reason: &str) -> Result<(), String> {
+    let list = events
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    let found = list.items.iter().any(|e| {
+        e.reason.as_deref() == Some(reason)
+            && e.type_.as_deref() == Some("Warning")
+            && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)
+            && e.reporting_controller.as_deref() == Some("kinference-controller")
+    });
+    if found {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} events, no {reason} about {name}",
+            list.items.len()
+        ))
+    }
+}
+
+/// KV-event diagnoses from real windows on simulated engines: the Gemma
+/// case (256-token blocks, kvBlockSize 16) until the spec is fixed, a KV
+/// port without a publisher until kvEvents is unset, and an engine that
+/// serves without publishing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_diagnoses_follow_the_engines() {
+    let client = cluster::client().await;
+    cluster::install_crds(&client).await;
+    let ns = cluster::namespace(&client, "kinference-controller-kv").await;
+    let iws: Api<InferenceWorkerSet> = Api::namespaced(client.clone(), &ns);
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), &ns);
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let loopback = "127.0.0.1:0".parse().expect("an address");
+
+    // gemma: publishes 256-token blocks. quiet: no publisher at all.
+    // uncached: prefix caching off, so it serves and publishes nothing.
+    let gemma = start(config("google/gemma-4-12b-it", loopback, Some(0), 256)).await;
+    let quiet = start(config("quiet", loopback, None, 16)).await;
+    let mut cfg = config("uncached", loopback, Some(0), 16);
+    cfg.engine.enable_prefix_caching = false;
+    let uncached = start(cfg).await;
+
+    let (seed_sets, _) = seed_objects(&ns);
+    let mk = |name: &str, model: &str| {
+        let mut ws = seed_sets
+            .iter()
+            .find(|w| w.name_any() == "qwen-3-6-35b-a3b")
+            .expect("the seed's qwen worker set")
+            .clone();
+        ws.metadata.name = Some(name.into());
+        ws.spec.service_ref.name = format!("{name}-vllm");
+        ws.spec.kv_block_size = 16;
+        ws.spec.models = vec![kinference_api::v1alpha1::ModelSpec {
+            name: model.into(),
+            aliases: Vec::new(),
+        }];
+        ws
+    };
+    let kv_port = |h: &kinference_sim::SimHandle| {
+        i32::from(h.kv_addr().map_or_else(closed_port, |a| a.port()))
+    };
+    let running = Running::start(&client, &ns);
+    for (name, engine) in [
+        ("gemma", &gemma),
+        ("quiet", &quiet),
+        ("uncached", &uncached),
+    ] {
+        iws.create(&PostParams::default(), &mk(name, engine.model()))
+            .await
+            .unwrap_or_else(|e| panic!("creating {name}: {e}"));
+        apply(
+            &slices,
+            &slice(
+                &ns,
+                &format!("{name}-vllm-1"),
+                &format!("{name}-vllm"),
+                &[
+                    ("http", i32::from(engine.http_addr().port())),
+                    ("kv-pub", kv_port(engine)),
+                ],
+                &[("127.0.0.1", true)],
+            ),
+        )
+        .await;
+    }
+    let mut pool = InferencePool::new(
+        "kv",
+        kinference_api::InferencePoolSpec {
+            worker_sets: ["gemma", "quiet", "uncached"]
+                .iter()
+                .map(|n| kinference_api::v1alpha1::WorkerSetRef { name: (*n).into() })
+                .collect(),
+        },
+    );
+    pool.metadata.namespace = Some(ns.clone());
+    pools
+        .create(&PostParams::default(), &pool)
+        .await
+        .expect("the pool");
+    let traffic_to = [&gemma, &uncached]
+        .map(|e| traffic(e.http_addr(), e.model(), Duration::from_millis(200), None));
+
+    eventually("every worker set accepted and ready", || {
+        table_is(
+            &ns,
+            &[
+                ("gemma", "1", "Accepted"),
+                ("quiet", "1", "Accepted"),
+                ("uncached", "1", "Accepted"),
+            ],
+        )
+    })
+    .await;
+    eventually("the block-width diagnosis", || async {
+        let d = diagnoses(&iws, "gemma").await?;
+        let want = format!(
+            "KV events from {} carry 256-token blocks but kvBlockSize is 16: set kvBlockSize: 256",
+            gemma.kv_addr().expect("a publisher")
+        );
+        match d.as_slice() {
+            [(r, m)] if r == "BlockSizeMismatch" && m.starts_with(&want) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    eventually("a BlockSizeMismatch Event", || {
+        has_event(&events, "gemma", "BlockSizeMismatch")
+    })
+    .await;
+    eventually("the closed-port diagnosis", || async {
+        let d = diagnoses(&iws, "quiet").await?;
+        match d.as_slice() {
+            [(r, m)] if r == "KvPortClosed" && m.contains("(connection refused)") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    eventually("a KvPortClosed Event", || {
+        has_event(&events, "quiet", "KvPortClosed")
+    })
+    .await;
+    eventually("the no-events diagnosis", || async {
+        let d = diagnoses(&iws, "uncached").await?;
+        match d.as_slice() {
+            [(r, m)]
+                if r == "NoKvEvents"
+                    && m.contains("received no KV events while the engine served requests") =>
+            {
+                Ok(())
+            }
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    eventually("a NoKvEvents Event", || {
+        has_event(&events, "uncached", "NoKvEvents")
+    })
+    .await;
+    for name in ["gemma", "quiet", "uncached"] {
+        for (reason, message) in diagnoses(&iws, name).await.expect("diagnoses") {
+            println!("{name}: {reason}: {message}");
+        }
+    }
+    // Fixes: the width, and kvEvents unset where nothing publishes.
+    iws.patch(
+        "gemma",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"kvBlockSize": 256}})),
+    )
+    .await
+    .expect("fixing kvBlockSize");
+    iws.patch(
+        "quiet",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"spec": {"kvEvents": null}})),
+    )
+    .await
+    .expect("unsetting kvEvents");
+    for name in ["gemma", "quiet"] {
+        eventually(&format!("{name}'s diagnosis clears"), || async {
+            let d = diagnoses(&iws, name).await?;
+            if d.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{d:?}"))
+            }
+        })
+        .await;
+    }
+    // And stays cleared over two more windows under traffic.
+    let windows = running.ctx.stats(Kind::WorkerSet, &ns, "gemma").kv_windows;
+    eventually("two more windows of gemma", || async {
+        let now = running.ctx.stats(Kind::WorkerSet, &ns, "gemma").kv_windows;
+        if now >= windows + 2 {
+            Ok(())
+        } else {
+            Err(format!("{windows} -> {now}"))
+        }
+    })
+    .await;
+    assert_eq!(diagnoses(&iws, "gemma").await.expect("diagnoses"), []);
+    assert_eq!(
+        running.ctx.stats(Kind::WorkerSet, &ns, "quiet").kv_windows,
+        0,
+        "no windows without kvEvents"
+    );
+    let stats: Vec<_> = ["gemma", "quiet", "uncached"]
+        .iter()
+        .map(|n| (n, running.ctx.stats(Kind::WorkerSet, &ns, n)))
+        .collect();
+    println!("per worker set: {stats:?}");
+
+    for (stop, task) in traffic_to {
+        stop.cancel();
+        task.await.expect("the traffic ran without failures");
+    }
+    running.stop().await;
+    for e in [gemma, quiet, uncached] {
+        e.shutdown().await;
+    }
     cleanup(&client, &ns).await;
 }
 
