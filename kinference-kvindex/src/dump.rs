@@ -91,37 +91,6 @@ pub fn batch_lines(batch: &EventBatch, worker: Option<&str>, seq: Option<u64>) -
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::event::BlockStored;
-
-    #[test]
-    fn ints_stay_exact_and_bytes_are_hex() {
-        let b = EventBatch {
-            events: vec![KvEvent::BlockStored(BlockStored {
-                block_hashes: vec![
-                    BlockHash::Uint(u64::MAX),
-                    BlockHash::Int(-2),
-                    BlockHash::Bytes(vec![0xab, 1]),
-                ],
-                block_size: 16,
-                ..BlockStored::default()
-            })],
-            ..EventBatch::default()
-        };
-        let line = batch_lines(&b, Some("w0"), Some(3));
-        assert!(
-            line.contains("[18446744073709551615,-2,\"ab01\"]"),
-            "{line}"
-        );
-        assert!(
-            line.starts_with("{\"worker\":\"w0\",\"seq\":3,\"type\":\"BlockStored\""),
-            "{line}"
-        );
-    }
-}
-
 /// Lines for one payload; an undecodable payload gives one `error` line.
 pub fn payload_lines(payload: &[u8], worker: Option<&str>, seq: Option<u64>) -> String {
     match crate::codec::decode_batch(payload) {
@@ -167,4 +136,35 @@ pub fn decode_file(name: &str, bytes: &[u8]) -> Result<String, crate::codec::fra
         }
         ReplayReply::End => format!("{}\n", json!({"type": "end_of_replay"})),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::BlockStored;
+
+    #[test]
+    fn ints_stay_exact_and_bytes_are_hex() {
+        let b = EventBatch {
+            events: vec![KvEvent::BlockStored(BlockStored {
+                block_hashes: vec![
+                    BlockHash::Uint(u64::MAX),
+                    BlockHash::Int(-2),
+                    BlockHash::Bytes(vec![0xab, 1]),
+                ],
+                block_size: 16,
+                ..BlockStored::default()
+            })],
+            ..EventBatch::default()
+        };
+        let line = batch_lines(&b, Some("w0"), Some(3));
+        assert!(
+            line.contains("[18446744073709551615,-2,\"ab01\"]"),
+            "{line}"
+        );
+        assert!(
+            line.starts_with("{\"worker\":\"w0\",\"seq\":3,\"type\":\"BlockStored\""),
+            "{line}"
+        );
+    }
 }
