@@ -3,6 +3,8 @@
 //! - `cargo xtask gen-crds [--check]`: write `deploy/crds/*.yaml` from
 //!   kinference-api, or check that they are up to date.
 //! - `cargo xtask demo`: the README's main command.
+//! - `cargo xtask bench routing|micro`: routing quality of every policy on
+//!   simulated engines; the core crates' micro-benchmarks against their goals.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -10,6 +12,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod demo;
 mod gen_crds;
 mod load;
@@ -40,6 +43,11 @@ enum Command {
         #[arg(long)]
         release: bool,
     },
+    /// Benchmarks: routing quality (`routing`) and micro-benchmarks (`micro`).
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -47,6 +55,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::GenCrds { check } => gen_crds::run(&workspace_root(), check),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
+        Command::Bench { command } => bench::run(&workspace_root(), command),
     };
     match result {
         Ok(code) => code,

@@ -58,6 +58,11 @@ impl Proc {
         })
     }
 
+    /// The process id, while it runs.
+    pub(crate) fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
     /// Fails if the process has exited.
     pub(crate) fn check_running(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait()? {
