@@ -30,8 +30,9 @@ pub(crate) fn client() -> HttpClient {
 /// Where requests go.
 #[derive(Clone, Debug)]
 pub(crate) enum Route {
-    /// Through the router at this base URL.
-    Router(String),
+    /// Through the router at this base URL; with `true`, ask for every
+    /// decision's explanation.
+    Router(String, bool),
     /// Straight to the engine the oracle picks.
     Oracle(Arc<Oracle>),
 }
@@ -53,22 +54,28 @@ impl Api {
 }
 
 /// One request's outcome.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize)]
 pub(crate) struct Sample {
     pub index: usize,
+    /// The arrival's label (see [`super::workload::Arrival`]).
+    pub label: String,
     /// In the measured window (not warm-up).
     pub measured: bool,
     /// Sent after its time because its conversation's previous turn was
     /// still running.
+    #[serde(serialize_with = "ms")]
     pub late: Duration,
     /// Time to the first content token (or, when it never came, the time
     /// waited until the run gave up: a lower bound, see `gave_up`).
+    #[serde(serialize_with = "opt_ms")]
     pub ttft: Option<Duration>,
     /// Time to the end of the response.
+    #[serde(serialize_with = "ms")]
     pub latency: Duration,
     /// Content chunks received (one token each from the simulator).
     pub chunks: usize,
     /// First to last content chunk.
+    #[serde(serialize_with = "ms")]
     pub decode: Duration,
     /// Completed with `[DONE]`.
     pub ok: bool,
@@ -79,7 +86,24 @@ pub(crate) struct Sample {
     /// Hash of the request body as sent.
     pub body_hash: u64,
     /// End of the response, from the start of the run.
+    #[serde(serialize_with = "ms")]
     pub finished_at: Duration,
+    /// The router's explanation of its decision, when asked for
+    /// (`x-kinference-debug: 1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Value>,
+}
+
+fn ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e3)
+}
+
+#[allow(clippy::ref_option)] // serde's signature
+fn opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&(d.as_secs_f64() * 1e3)),
+        None => s.serialize_none(),
+    }
 }
 
 /// Shared state of multi-turn conversations.
@@ -113,6 +137,7 @@ where
         .map(|a| {
             Arc::new(std::sync::Mutex::new(Sample {
                 index: a.index,
+                label: a.label.clone(),
                 measured: a.at >= plan.warmup,
                 ..Sample::default()
             }))
@@ -218,7 +243,7 @@ async fn one(
         s.body_hash = body_hash;
     }
     let (url, ticket, engine) = match route {
-        Route::Router(base) => (format!("{base}{}", api.path()), None, None),
+        Route::Router(base, _) => (format!("{base}{}", api.path()), None, None),
         Route::Oracle(o) => match o.decide(api, &json_body).await {
             Ok((i, ticket)) => (
                 format!("{}{}", o.engine_url(i), api.path()),
@@ -233,7 +258,8 @@ async fn one(
             }
         },
     };
-    let result = stream(client, &url, bytes, api, sent, |first| {
+    let explain = matches!(route, Route::Router(_, true));
+    let result = stream(client, &url, bytes, api, explain, sent, |first| {
         if first && let Some((o, t)) = &ticket {
             o.first_token(*t);
         }
@@ -259,6 +285,7 @@ async fn one(
         s.decode = result.decode;
         s.ok = ok;
         s.engine = engine.or(result.engine);
+        s.explain = result.explain;
         s.finished_at = Instant::now().duration_since(start);
     }
 }
@@ -274,6 +301,8 @@ pub(crate) struct Streamed {
     pub text: String,
     /// `x-kinference-endpoint`, when the router set it.
     pub engine: Option<String>,
+    /// `x-kinference-explain`, when asked for.
+    pub explain: Option<Value>,
 }
 
 /// POSTs `body` to `url` and reads the SSE stream; `on_token(true)` at the
@@ -283,13 +312,16 @@ pub(crate) async fn stream(
     url: &str,
     body: Vec<u8>,
     api: Api,
+    explain: bool,
     sent: Instant,
     mut on_token: impl FnMut(bool),
 ) -> Streamed {
     let mut out = Streamed::default();
-    let Ok(req) = http::Request::post(url)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body)))
+    let mut req = http::Request::post(url).header("content-type", "application/json");
+    if explain {
+        req = req.header("x-kinference-debug", "1");
+    }
+    let Ok(req) = req.body(Full::new(Bytes::from(body)))
     else {
         return out;
     };
@@ -302,6 +334,10 @@ pub(crate) async fn stream(
         .get("x-kinference-endpoint")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    out.explain = resp
+        .headers()
+        .get("x-kinference-explain")
+        .and_then(|v| serde_json::from_slice(v.as_bytes()).ok());
     if !resp.status().is_success() {
         let _ = resp.into_body().collect().await;
         out.latency = sent.elapsed();

@@ -88,6 +88,10 @@ pub(crate) struct RoutingArgs {
     /// router +300 and +301.
     #[arg(long, default_value_t = 18500)]
     port_base: u16,
+    /// Ask the router to explain every decision; the explanations go to
+    /// OUT/logs/samples-*.jsonl (costs router CPU: for looking into results).
+    #[arg(long)]
+    explain: bool,
 }
 
 /// `bench micro` flags.
@@ -139,6 +143,7 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
             }
             o.release = !a.debug;
             o.port_base = a.port_base;
+            o.explain = a.explain;
             routing::run(root, &o)
         }
         BenchCommand::Micro(a) => micro::run(

@@ -75,6 +75,8 @@ pub(crate) struct RoutingOptions {
     pub release: bool,
     pub port_base: u16,
     pub quick: bool,
+    /// Ask the router to explain every decision (kept in the samples).
+    pub explain: bool,
 }
 
 impl RoutingOptions {
@@ -96,6 +98,7 @@ impl RoutingOptions {
             release: true,
             port_base: 18500,
             quick: false,
+            explain: false,
         }
     }
 }
@@ -563,7 +566,7 @@ async fn one_run(
             .context("the router did not become ready")?;
         wait_connected(&admin, engines.len(), &mut r).await?;
         router = Some(r);
-        Route::Router(format!("http://{}", listen_addr(opts.port_base)))
+        Route::Router(format!("http://{}", listen_addr(opts.port_base)), opts.explain)
     };
     let pid = router.as_ref().and_then(Proc::pid);
     let (samples, (counters_before, cpu_before)) = drive::drive(plan, &route, MODEL, opts.drain, || async {
@@ -574,6 +577,12 @@ async fn one_run(
     })
     .await;
     let counters_after = load::prefix_cache_counters(engines).await;
+    // Every request's outcome, one JSON object a line, for analysis.
+    let lines: Vec<String> = samples
+        .iter()
+        .filter_map(|s| serde_json::to_string(s).ok())
+        .collect();
+    let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
     let cpu_after = pid.and_then(|p| cpu_seconds(p, ticks));
     if policy == "kinference" {
         // Keep the last decisions for looking into predictions afterwards.

@@ -246,6 +246,9 @@ pub(crate) struct Arrival {
     /// When to send it, from the start of the run.
     pub at: Duration,
     pub body: Body,
+    /// What it is, for per-request analysis: `g3p1` (group 3, prompt 1),
+    /// `c12t4` (conversation 12, turn 4), `n17`.
+    pub label: String,
 }
 
 /// A run's requests: arrivals in `[0, warmup + measure)`; those before
@@ -357,6 +360,7 @@ pub(crate) fn plan(
                         prompt,
                         max_tokens: out,
                     },
+                    label: format!("g{g}p{p}"),
                 });
             }
         }
@@ -374,6 +378,7 @@ pub(crate) fn plan(
                         prompt,
                         max_tokens: out,
                     },
+                    label: format!("n{index}"),
                 });
             }
         }
@@ -431,6 +436,7 @@ pub(crate) fn plan(
                         user: words(key(5, user_id, u64::from(turn[c])), user),
                         max_tokens: out,
                     },
+                    label: format!("c{c}t{}", turn[c]),
                 });
                 turn[c] += 1;
             }
