@@ -154,8 +154,12 @@ where
             window_out = Some(f().await);
         }
         tokio::time::sleep_until(start + a.at).await;
-        let (client, route, model, slot) =
-            (client.clone(), route.clone(), model.to_owned(), slot.clone());
+        let (client, route, model, slot) = (
+            client.clone(),
+            route.clone(),
+            model.to_owned(),
+            slot.clone(),
+        );
         let conv = match &a.body {
             Body::ChatTurn { conversation, .. } => conversations.get(*conversation).cloned(),
             Body::Completion { .. } => None,
@@ -244,19 +248,19 @@ async fn one(
     }
     let (url, ticket, engine) = match route {
         Route::Router(base, _) => (format!("{base}{}", api.path()), None, None),
-        Route::Oracle(o) => match o.decide(api, &json_body).await {
-            Ok((i, ticket)) => (
-                format!("{}{}", o.engine_url(i), api.path()),
-                Some((o.clone(), ticket)),
-                Some(o.engine_url(i).to_owned()),
-            ),
-            Err(_) => {
+        Route::Oracle(o) => {
+            let Ok((i, ticket)) = o.decide(api, &json_body).await else {
                 if let Ok(mut s) = slot.lock() {
                     s.finished_at = sent.duration_since(start);
                 }
                 return;
-            }
-        },
+            };
+            (
+                format!("{}{}", o.engine_url(i), api.path()),
+                Some((o.clone(), ticket)),
+                Some(o.engine_url(i).to_owned()),
+            )
+        }
     };
     let explain = matches!(route, Route::Router(_, true));
     let result = stream(client, &url, bytes, api, explain, sent, |first| {
@@ -321,8 +325,7 @@ pub(crate) async fn stream(
     if explain {
         req = req.header("x-kinference-debug", "1");
     }
-    let Ok(req) = req.body(Full::new(Bytes::from(body)))
-    else {
+    let Ok(req) = req.body(Full::new(Bytes::from(body))) else {
         return out;
     };
     let Ok(resp) = client.request(req).await else {

@@ -14,7 +14,7 @@ pub(crate) struct Goal {
     /// Criterion id, `group/function`.
     pub id: &'static str,
     pub what: &'static str,
-    pub goal: Target,
+    pub target: Target,
     /// A peer's figure for the same thing, when one was measured here.
     pub peer: Option<&'static str>,
 }
@@ -35,25 +35,25 @@ pub(crate) const GOALS: &[Goal] = &[
     Goal {
         id: "find_matches_512/full",
         what: "kvindex: 512-block lookup, full match (issue 3)",
-        goal: Target::AtMostNs(500.0),
+        target: Target::AtMostNs(500.0),
         peer: Some("Dynamo 0.84 µs"),
     },
     Goal {
         id: "find_matches_512/half",
         what: "kvindex: 512-block lookup, half match (issue 3)",
-        goal: Target::AtMostNs(500.0),
+        target: Target::AtMostNs(500.0),
         peer: Some("Dynamo 0.45 µs"),
     },
     Goal {
         id: "find_matches_512/none",
         what: "kvindex: 512-block lookup, no match",
-        goal: Target::None,
+        target: Target::None,
         peer: None,
     },
     Goal {
         id: "apply/decode_store_remove_32_blocks",
         what: "kvindex: decode + apply from vLLM msgpack, 32 blocks stored and removed (issue 3)",
-        goal: Target::AtLeastPerS {
+        target: Target::AtLeastPerS {
             per_s: 5e6,
             elements: 32.0,
         },
@@ -62,43 +62,43 @@ pub(crate) const GOALS: &[Goal] = &[
     Goal {
         id: "keys/block_keys_8192_tokens",
         what: "kvindex: block keys of an 8,192-token prompt",
-        goal: Target::None,
+        target: Target::None,
         peer: None,
     },
     Goal {
         id: "pick_256/kinference",
         what: "scoring: score + pick among 256 candidates (issue 4)",
-        goal: Target::AtMostNs(2_000.0),
+        target: Target::AtMostNs(2_000.0),
         peer: None,
     },
     Goal {
         id: "pick_256/least-inflight",
         what: "scoring: least-inflight among 256 (baseline)",
-        goal: Target::None,
+        target: Target::None,
         peer: None,
     },
     Goal {
         id: "chat_8k/warm_new_turn",
         what: "tokenize: 10-turn 8K chat, history cached, new turn (issue 5)",
-        goal: Target::AtMostNs(150_000.0),
+        target: Target::AtMostNs(150_000.0),
         peer: None,
     },
     Goal {
         id: "chat_8k/warm_resent",
         what: "tokenize: 10-turn 8K chat re-sent, warm (issue 5)",
-        goal: Target::AtMostNs(150_000.0),
+        target: Target::AtMostNs(150_000.0),
         peer: None,
     },
     Goal {
         id: "chat_8k/cold_all_caches",
         what: "tokenize: 10-turn 8K chat, every cache cold (issue 5)",
-        goal: Target::AtMostNs(5_000_000.0),
+        target: Target::AtMostNs(5_000_000.0),
         peer: None,
     },
     Goal {
         id: "completion_1k/cold_cache_off",
         what: "tokenize: 1K-token completion prompt, cold",
-        goal: Target::None,
+        target: Target::None,
         peer: None,
     },
 ];
@@ -118,7 +118,10 @@ pub(crate) struct Estimate {
 
 /// Reads every `new/estimates.json` under `criterion_dir` written after
 /// `since` (all when `None`).
-pub(crate) fn read_estimates(criterion_dir: &Path, since: Option<SystemTime>) -> Result<Vec<Estimate>> {
+pub(crate) fn read_estimates(
+    criterion_dir: &Path,
+    since: Option<SystemTime>,
+) -> Result<Vec<Estimate>> {
     let mut out = Vec::new();
     let mut stack = vec![criterion_dir.to_path_buf()];
     while let Some(dir) = stack.pop() {
@@ -135,7 +138,10 @@ pub(crate) fn read_estimates(criterion_dir: &Path, since: Option<SystemTime>) ->
                 continue;
             }
             if path.file_name().is_none_or(|n| n != "estimates.json")
-                || path.parent().and_then(Path::file_name).is_none_or(|n| n != "new")
+                || path
+                    .parent()
+                    .and_then(Path::file_name)
+                    .is_none_or(|n| n != "new")
             {
                 continue;
             }
@@ -156,8 +162,10 @@ pub(crate) fn read_estimates(criterion_dir: &Path, since: Option<SystemTime>) ->
 
 /// One `new/estimates.json` with its sibling `benchmark.json` (for the id).
 fn parse_estimate(path: &Path) -> Result<Option<Estimate>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let v: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: Value =
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     let median = &v["median"];
     let (Some(point), Some(lower), Some(upper)) = (
         median["point_estimate"].as_f64(),
@@ -209,13 +217,17 @@ pub(crate) fn summary(estimates: &[Estimate], decision_ran: bool) -> (String, us
     let mut missed = 0;
     let _ = writeln!(
         s,
-        "{:<40} {:>12} {:>22} {:>16}  {}",
-        "benchmark", "median", "goal", "verdict", "what"
+        "{:<40} {:>12} {:>22} {:>16}  what",
+        "benchmark", "median", "goal", "verdict"
     );
     let mut shown = Vec::new();
     let mut line = |s: &mut String, id: &str, what: &str, goal: Target, peer: Option<&str>| {
         let Some(e) = estimates.iter().find(|e| e.id == id) else {
-            let _ = writeln!(s, "{id:<40} {:>12} {:>22} {:>16}  {what}", "not run", "", "");
+            let _ = writeln!(
+                s,
+                "{id:<40} {:>12} {:>22} {:>16}  {what}",
+                "not run", "", ""
+            );
             return;
         };
         shown.push(e.id.clone());
@@ -248,7 +260,7 @@ pub(crate) fn summary(estimates: &[Estimate], decision_ran: bool) -> (String, us
         );
     };
     for g in GOALS {
-        line(&mut s, g.id, g.what, g.goal, g.peer);
+        line(&mut s, g.id, g.what, g.target, g.peer);
     }
     let decisions: Vec<&Estimate> = estimates
         .iter()
@@ -380,7 +392,12 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         write_estimate(dir.path(), "find_matches_512", "full", 320.0);
         write_estimate(dir.path(), "find_matches_512", "half", 650.0);
-        write_estimate(dir.path(), "apply", "decode_store_remove_32_blocks", 4_000.0);
+        write_estimate(
+            dir.path(),
+            "apply",
+            "decode_store_remove_32_blocks",
+            4_000.0,
+        );
         write_estimate(dir.path(), "pick_256", "kinference", 2_080.0);
         write_estimate(dir.path(), "misc", "thing", 10.0);
         let e = read_estimates(dir.path(), None).expect("reads");
@@ -392,11 +409,20 @@ mod tests {
         // half (650 ns > 500) and pick (2.08 µs > 2) missed; 32 blocks in
         // 4 µs is 8M/s ≥ 5M/s.
         assert_eq!(missed, 2, "{table}");
-        assert!(table.lines().any(|l| l.starts_with("find_matches_512/full") && l.contains(" met ")), "{table}");
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("find_matches_512/full") && l.contains(" met ")),
+            "{table}"
+        );
         assert!(table.contains("met 8.0M/s"), "{table}");
         assert!(table.contains("has no benches/decision.rs yet"));
         assert!(table.contains("misc/thing"));
-        assert!(table.lines().any(|l| l.starts_with("chat_8k/warm_new_turn") && l.contains("not run")));
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("chat_8k/warm_new_turn") && l.contains("not run"))
+        );
     }
 
     #[test]
@@ -406,7 +432,12 @@ mod tests {
         let e = read_estimates(dir.path(), None).expect("reads");
         let (table, missed) = summary(&e, true);
         assert_eq!(missed, 0);
-        assert!(table.lines().any(|l| l.starts_with("decision/chat_10_turns_warm") && l.contains("met")), "{table}");
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("decision/chat_10_turns_warm") && l.contains("met")),
+            "{table}"
+        );
     }
 
     #[test]

@@ -39,7 +39,13 @@ impl StepModel {
     /// tokens behind `ahead` prefill tokens (`ahead_requests` requests), with
     /// `decoding` sequences decoding. The requests ahead start decoding
     /// while it waits: half of them are counted as decoding.
-    pub(crate) fn ttft_ms(&self, ahead: u64, ahead_requests: usize, decoding: usize, own: u64) -> f64 {
+    pub(crate) fn ttft_ms(
+        &self,
+        ahead: u64,
+        ahead_requests: usize,
+        decoding: usize,
+        own: u64,
+    ) -> f64 {
         let d = decoding as f64 + ahead_requests as f64 / 2.0;
         let work = (ahead + own) as f64;
         let per_step = (f64::from(self.budget) - d).max(f64::from(self.budget) / 4.0);
@@ -113,7 +119,11 @@ impl Oracle {
         let req = http::Request::post(url.clone())
             .header("content-type", "application/json")
             .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
-        let resp = self.client.request(req).await.with_context(|| url.clone())?;
+        let resp = self
+            .client
+            .request(req)
+            .await
+            .with_context(|| url.clone())?;
         let status = resp.status();
         let bytes = resp.into_body().collect().await?.to_bytes();
         if !status.is_success() {
@@ -129,7 +139,9 @@ impl Oracle {
             Api::Completions => tok["prompt"] = body["prompt"].clone(),
             Api::Chat => tok["messages"] = body["messages"].clone(),
         }
-        let t = self.post(format!("{}/tokenize", self.engines[0]), &tok).await?;
+        let t = self
+            .post(format!("{}/tokenize", self.engines[0]), &tok)
+            .await?;
         let ids: Vec<u32> = t["tokens"]
             .as_array()
             .context("tokenize: no tokens")?
@@ -148,15 +160,21 @@ impl Oracle {
             .map(|r| {
                 r.ok()
                     .and_then(|v| {
-                        v["engines"]
-                            .as_array()
-                            .map(|a| a.iter().filter_map(|e| e["cached_tokens"].as_u64()).max().unwrap_or(0))
+                        v["engines"].as_array().map(|a| {
+                            a.iter()
+                                .filter_map(|e| e["cached_tokens"].as_u64())
+                                .max()
+                                .unwrap_or(0)
+                        })
                     })
                     .unwrap_or(0)
             })
             .collect();
         let prompt = ids.len() as u64;
-        let mut st = self.state.lock().map_err(|_| anyhow::anyhow!("oracle state poisoned"))?;
+        let mut st = self
+            .state
+            .lock()
+            .map_err(|_| anyhow::anyhow!("oracle state poisoned"))?;
         st.decisions += 1;
         let now = st.decisions;
         let mut best: Option<(f64, u64, usize, u64)> = None;
@@ -173,8 +191,12 @@ impl Oracle {
                 }
             }
             // At most len − 1 prompt tokens hit, as in vLLM.
-            let uncached = prompt.saturating_sub(hit.min(prompt.saturating_sub(1))).max(1);
-            let ttft = self.model.ttft_ms(ahead, ahead_requests, decoding, uncached);
+            let uncached = prompt
+                .saturating_sub(hit.min(prompt.saturating_sub(1)))
+                .max(1);
+            let ttft = self
+                .model
+                .ttft_ms(ahead, ahead_requests, decoding, uncached);
             let better = match best {
                 None => true,
                 Some((b, last, _, _)) => {

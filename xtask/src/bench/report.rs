@@ -34,13 +34,20 @@ pub(crate) fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// JSON has no NaN: serde_json writes it as `null`; read `null` back as NaN.
+fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
 /// One (workload, rate, policy, repeat) run's figures.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Row {
     pub workload: String,
     /// Offered rate, requests per second.
+    #[serde(deserialize_with = "f64_or_nan")]
     pub rate: f64,
     /// Rate ÷ the workload's knee.
+    #[serde(deserialize_with = "f64_or_nan")]
     pub load: f64,
     pub policy: String,
     pub repeat: u32,
@@ -54,22 +61,32 @@ pub(crate) struct Row {
     /// turn was still running.
     pub late: usize,
     /// Prefix-cache hit rate over the window, from the engines' counters.
+    #[serde(deserialize_with = "f64_or_nan")]
     pub hit_rate: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
     pub ttft_p50_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
     pub ttft_p90_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
     pub ttft_p99_ms: f64,
     /// Inter-token latency: per request (last − first chunk) ÷ (chunks − 1),
     /// median and p90 over requests.
+    #[serde(deserialize_with = "f64_or_nan")]
     pub itl_p50_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
     pub itl_p90_ms: f64,
     /// Completed requests per second over the window (to the last completion).
+    #[serde(deserialize_with = "f64_or_nan")]
     pub req_per_s: f64,
     /// Streamed (scaled) tokens per second over the window.
+    #[serde(deserialize_with = "f64_or_nan")]
     pub tokens_per_s: f64,
     /// Router CPU (user + system) per measured request, µs; NaN for the
     /// oracle (no router).
+    #[serde(deserialize_with = "f64_or_nan")]
     pub router_cpu_us_per_req: f64,
     /// Requests per engine, most loaded ÷ mean (1 = even).
+    #[serde(deserialize_with = "f64_or_nan")]
     pub imbalance: f64,
     /// Hash of every request body sent, in plan order: equal across policies
     /// when they replayed identical streams.
@@ -148,10 +165,7 @@ pub(crate) fn summarize(
         requests: measured.len(),
         ok: ok.len(),
         gave_up: measured.iter().filter(|s| s.gave_up).count(),
-        late: measured
-            .iter()
-            .filter(|s| s.late.as_millis() > 10)
-            .count(),
+        late: measured.iter().filter(|s| s.late.as_millis() > 10).count(),
         hit_rate: window.hit_rate,
         ttft_p50_ms: percentile(&ttft, 0.5),
         ttft_p90_ms: percentile(&ttft, 0.9),
@@ -382,7 +396,9 @@ macro_rules! draw_lines {
                 .draw_series(LineSeries::new(points.clone(), color.stroke_width(width)))
                 .map_err(|e| anyhow::anyhow!("{e}"))?
                 .label(policy.as_str())
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
+                });
             $chart
                 .draw_series(points.iter().map(|pt| Circle::new(*pt, 3, color.filled())))
                 .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -434,19 +450,33 @@ pub(crate) fn plots(rows: &[Row], workload: &str, dir: &Path) -> Result<Vec<std:
 
     let ttft = series(|r| r.ttft_p90_ms.max(1.0));
     let ys = ttft.iter().flat_map(|(_, p)| p.iter().map(|(_, y)| *y));
-    let (lo, hi) = ys.fold((f64::INFINITY, 1.0f64), |(lo, hi), y| (lo.min(y), hi.max(y)));
+    let (lo, hi) = ys.fold((f64::INFINITY, 1.0f64), |(lo, hi), y| {
+        (lo.min(y), hi.max(y))
+    });
     let path = dir.join(format!("{workload}-ttft-p90.svg"));
     {
         let root = SVGBackend::new(&path, (760, 480)).into_drawing_area();
         root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
         let mut chart = ChartBuilder::on(&root)
-            .caption(format!("{workload}: TTFT p90 vs request rate"), ("sans-serif", 20))
+            .caption(
+                format!("{workload}: TTFT p90 vs request rate"),
+                ("sans-serif", 20),
+            )
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(64)
-            .build_cartesian_2d(0.0..max_rate, ((lo.min(hi) / 1.5).max(1.0)..hi * 1.5).log_scale())
+            .build_cartesian_2d(
+                0.0..max_rate,
+                ((lo.min(hi) / 1.5).max(1.0)..hi * 1.5).log_scale(),
+            )
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        draw_lines!(chart, ttft, x_desc, "TTFT p90, ms (log)", SeriesLabelPosition::UpperLeft);
+        draw_lines!(
+            chart,
+            ttft,
+            x_desc,
+            "TTFT p90, ms (log)",
+            SeriesLabelPosition::UpperLeft
+        );
         root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     out.push(path);
@@ -466,7 +496,13 @@ pub(crate) fn plots(rows: &[Row], workload: &str, dir: &Path) -> Result<Vec<std:
             .y_label_area_size(64)
             .build_cartesian_2d(0.0..max_rate, 0.0..100.0)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        draw_lines!(chart, hits, x_desc, "prefix-cache hit rate, %", SeriesLabelPosition::LowerLeft);
+        draw_lines!(
+            chart,
+            hits,
+            x_desc,
+            "prefix-cache hit rate, %",
+            SeriesLabelPosition::LowerLeft
+        );
         root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     out.push(path);
@@ -475,7 +511,11 @@ pub(crate) fn plots(rows: &[Row], workload: &str, dir: &Path) -> Result<Vec<std:
 
 /// Writes `results.csv`, `results.json` (with `meta`), `results.md` and the
 /// plots into `dir`.
-pub(crate) fn write_all(dir: &Path, meta: &serde_json::Value, rows: &[Row]) -> Result<Vec<std::path::PathBuf>> {
+pub(crate) fn write_all(
+    dir: &Path,
+    meta: &serde_json::Value,
+    rows: &[Row],
+) -> Result<Vec<std::path::PathBuf>> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let mut files = Vec::new();
     let csv_path = dir.join("results.csv");
@@ -573,14 +613,21 @@ mod tests {
         assert!((r.req_per_s - 0.9).abs() < 1e-9);
         // The same bodies give the same fingerprint; another body changes it.
         let mut other = samples.clone();
-        assert_eq!(summarize(&other, Window::default(), 10.0, ("w", 2.0, 1.0, "q", 0)).fingerprint, r.fingerprint);
+        assert_eq!(
+            summarize(&other, Window::default(), 10.0, ("w", 2.0, 1.0, "q", 0)).fingerprint,
+            r.fingerprint
+        );
         other[3].body_hash = 99;
-        assert_ne!(summarize(&other, Window::default(), 10.0, ("w", 2.0, 1.0, "q", 0)).fingerprint, r.fingerprint);
+        assert_ne!(
+            summarize(&other, Window::default(), 10.0, ("w", 2.0, 1.0, "q", 0)).fingerprint,
+            r.fingerprint
+        );
     }
 
     #[test]
     fn csv_and_json_have_one_record_per_row_and_parse_back() {
-        let rows = vec![row("kinference", 0, 200.0), row("oracle", 0, 100.0)];
+        let mut rows = vec![row("kinference", 0, 200.0), row("oracle", 0, 100.0)];
+        rows[1].router_cpu_us_per_req = f64::NAN;
         let c = csv(&rows);
         let lines: Vec<&str> = c.lines().collect();
         assert_eq!(lines.len(), 3);
@@ -593,6 +640,9 @@ mod tests {
         assert_eq!(back.len(), 2);
         assert_eq!(back[0].policy, "kinference");
         assert!((back[1].ttft_p90_ms - 100.0).abs() < 1e-9);
+        // NaN (no router for the oracle) goes out as null and comes back.
+        assert!(json.contains("\"router_cpu_us_per_req\":null"));
+        assert!(back[1].router_cpu_us_per_req.is_nan());
     }
 
     #[test]
@@ -608,7 +658,10 @@ mod tests {
         assert_eq!(m[0].repeat, 3);
         assert!((m[0].ttft_p90_ms - 250.0).abs() < 1e-9);
         let t = table(&rows);
-        let ours = t.lines().find(|l| l.starts_with("kinference")).expect("a row");
+        let ours = t
+            .lines()
+            .find(|l| l.starts_with("kinference"))
+            .expect("a row");
         // p90 ÷ oracle = 2.50, hit rate ÷ oracle = 1.00.
         assert!(ours.contains(" 2.50 "), "{ours}");
         assert!(ours.contains(" 1.00 "), "{ours}");

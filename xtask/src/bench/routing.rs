@@ -13,6 +13,7 @@
 //! times are then those of the unscaled fleet; each streamed token stands
 //! for k tokens, so decoding finishes k× sooner in real-token terms.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
@@ -77,6 +78,8 @@ pub(crate) struct RoutingOptions {
     pub quick: bool,
     /// Ask the router to explain every decision (kept in the samples).
     pub explain: bool,
+    /// Use the binaries in this directory instead of building them.
+    pub bin_dir: Option<PathBuf>,
 }
 
 impl RoutingOptions {
@@ -99,6 +102,7 @@ impl RoutingOptions {
             port_base: 18500,
             quick: false,
             explain: false,
+            bin_dir: None,
         }
     }
 }
@@ -130,7 +134,10 @@ impl Fleet {
                 block_size: BLOCK_SIZE,
             },
             // + vLLM's null block.
-            num_gpu_blocks: scale.tokens(KV_TOKENS_PER_ENGINE / population).div_ceil(BLOCK_SIZE) + 1,
+            num_gpu_blocks: scale
+                .tokens(KV_TOKENS_PER_ENGINE / population)
+                .div_ceil(BLOCK_SIZE)
+                + 1,
         }
     }
 
@@ -236,7 +243,8 @@ spec:
             s.block_size,
         );
         for i in 0..self.engines {
-            y.push_str(&format!(
+            let _ = write!(
+                y,
                 "---
 apiVersion: discovery.k8s.io/v1
 kind: EndpointSlice
@@ -251,7 +259,7 @@ endpoints:
 ",
                 http_port(port_base, i),
                 kv_port(port_base, i)
-            ));
+            );
         }
         y
     }
@@ -274,9 +282,8 @@ fn admin_addr(base: u16) -> String {
 fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
     match (kind, quick) {
         (WorkloadKind::SharedPrefix, false) => vec![0.25, 0.5, 0.75, 1.0, 1.5],
-        (WorkloadKind::SharedPrefix, true) => vec![0.5, 1.0],
+        (WorkloadKind::SharedPrefix, true) | (WorkloadKind::NoReuse, false) => vec![0.5, 1.0],
         (WorkloadKind::MultiTurn, false) => vec![0.5, 1.0, 1.5],
-        (WorkloadKind::NoReuse, false) => vec![0.5, 1.0],
         (_, true) => vec![1.0],
     }
 }
@@ -303,7 +310,12 @@ fn clock_ticks() -> f64 {
         .arg("CLK_TCK")
         .output()
         .ok()
-        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse::<f64>().ok())
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
         .unwrap_or(100.0)
 }
 
@@ -365,17 +377,24 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
         }
     }
     let fleet = Fleet::new(opts.engines, opts.scale, opts.population);
-    println!(
-        "building kinference-sim and kinference-router ({})…",
-        if opts.release { "release" } else { "debug" }
-    );
-    let bin = procs::build(root, opts.release, &["kinference-sim", "kinference-router"])?;
+    let bin = if let Some(dir) = &opts.bin_dir {
+        dir.clone()
+    } else {
+        println!(
+            "building kinference-sim and kinference-router ({})…",
+            if opts.release { "release" } else { "debug" }
+        );
+        procs::build(root, opts.release, &["kinference-sim", "kinference-router"])?
+    };
     std::fs::create_dir_all(&opts.out)?;
     let logs = opts.out.join("logs");
     std::fs::create_dir_all(&logs)?;
     let manifests = opts.out.join("manifests");
     std::fs::create_dir_all(&manifests)?;
-    std::fs::write(manifests.join("bench.yaml"), fleet.manifests(root, opts.port_base))?;
+    std::fs::write(
+        manifests.join("bench.yaml"),
+        fleet.manifests(root, opts.port_base),
+    )?;
     let ticks = clock_ticks();
     let engines: Vec<String> = (0..opts.engines)
         .map(|i| format!("http://127.0.0.1:{}", http_port(opts.port_base, i)))
@@ -444,7 +463,11 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                 format!("{with_reuse:.1} req/s")
             },
             100.0 * w.resident_tokens() / (fleet.kv_tokens_per_engine() * opts.engines as f64),
-            rates.iter().map(|r| format!("{r:.2}")).collect::<Vec<_>>().join(", ")
+            rates
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         for &rate in &rates {
             let plan = workload::plan(&w, fleet.scale, rate, opts.warmup, opts.measure, opts.seed);
@@ -452,7 +475,16 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                 for policy in &opts.policies {
                     let tag = format!("{}-{rate:.2}-{policy}-{repeat}", kind.name());
                     let row = one_run(
-                        &bin, &fleet, opts, &engines, &manifests, &logs, &plan, policy, ticks, &tag,
+                        &bin,
+                        &fleet,
+                        opts,
+                        &engines,
+                        &manifests,
+                        &logs,
+                        &plan,
+                        policy,
+                        ticks,
+                        &tag,
                         (kind.name(), rate, rate / knee, repeat),
                     )
                     .await
@@ -535,7 +567,10 @@ async fn one_run(
     let admin = admin_addr(opts.port_base);
     let mut router = None;
     let route = if policy == "oracle" {
-        Route::Oracle(std::sync::Arc::new(Oracle::new(engines.to_vec(), fleet.step)))
+        Route::Oracle(std::sync::Arc::new(Oracle::new(
+            engines.to_vec(),
+            fleet.step,
+        )))
     } else {
         let args: Vec<String> = [
             "serve",
@@ -561,21 +596,29 @@ async fn one_run(
             &args,
             &logs.join(format!("router-{tag}.log")),
         )?;
-        procs::wait_ok(&format!("http://{admin}/readyz"), Duration::from_secs(30), &mut r)
-            .await
-            .context("the router did not become ready")?;
+        procs::wait_ok(
+            &format!("http://{admin}/readyz"),
+            Duration::from_secs(30),
+            &mut r,
+        )
+        .await
+        .context("the router did not become ready")?;
         wait_connected(&admin, engines.len(), &mut r).await?;
         router = Some(r);
-        Route::Router(format!("http://{}", listen_addr(opts.port_base)), opts.explain)
+        Route::Router(
+            format!("http://{}", listen_addr(opts.port_base)),
+            opts.explain,
+        )
     };
     let pid = router.as_ref().and_then(Proc::pid);
-    let (samples, (counters_before, cpu_before)) = drive::drive(plan, &route, MODEL, opts.drain, || async {
-        (
-            load::prefix_cache_counters(engines).await,
-            pid.and_then(|p| cpu_seconds(p, ticks)),
-        )
-    })
-    .await;
+    let (samples, (counters_before, cpu_before)) =
+        drive::drive(plan, &route, MODEL, opts.drain, || async {
+            (
+                load::prefix_cache_counters(engines).await,
+                pid.and_then(|p| cpu_seconds(p, ticks)),
+            )
+        })
+        .await;
     let counters_after = load::prefix_cache_counters(engines).await;
     // Every request's outcome, one JSON object a line, for analysis.
     let lines: Vec<String> = samples
@@ -645,6 +688,96 @@ mod tests {
         let small = Fleet::new(8, 10, 5);
         assert_eq!(small.num_gpu_blocks, 386);
         assert!((small.knee(&small.workload(WorkloadKind::SharedPrefix)) - knee).abs() < 1e-9);
+    }
+
+    /// The whole harness for a few seconds: two debug-built engines, ours
+    /// and the oracle, then the output files parsed back.
+    #[test]
+    fn smoke_two_engines_two_policies() {
+        let root = crate::workspace_root();
+        // This test's target dir is locked by the cargo that runs it: build
+        // the binaries into a directory of their own next to it.
+        let exe = std::env::current_exe().expect("test binary path");
+        let target = exe
+            .ancestors()
+            .nth(3)
+            .expect("target/debug/deps/xtask-… lives three levels down")
+            .join("xtask-smoke");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .current_dir(&root)
+            .env("CARGO_TARGET_DIR", &target)
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "kinference-sim",
+                "-p",
+                "kinference-router",
+            ])
+            .status()
+            .expect("runs cargo");
+        assert!(
+            status.success(),
+            "building kinference-sim and kinference-router failed"
+        );
+        let out = tempfile::tempdir().expect("tempdir");
+        let opts = RoutingOptions {
+            workloads: vec![WorkloadKind::SharedPrefix],
+            loads: Some(vec![0.5]),
+            policies: vec!["kinference".into(), "oracle".into()],
+            engines: 2,
+            warmup: Duration::from_secs(1),
+            measure: Duration::from_secs(4),
+            drain: Duration::from_secs(30),
+            out: out.path().to_path_buf(),
+            release: false,
+            port_base: 18900,
+            bin_dir: Some(target.join("debug")),
+            ..RoutingOptions::defaults(&root)
+        };
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        let rows = rt
+            .block_on(routing(&root, &opts))
+            .expect("the benchmark runs");
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert!(r.requests > 0 && r.ok == r.requests, "{r:?}");
+            assert!(r.ttft_p90_ms > 0.0 && r.ttft_p90_ms.is_finite(), "{r:?}");
+            assert!((0.0..=1.0).contains(&r.hit_rate), "{r:?}");
+        }
+        assert!(rows[0].router_cpu_us_per_req > 0.0, "{:?}", rows[0]);
+        assert!(rows[1].router_cpu_us_per_req.is_nan());
+        assert_eq!(
+            rows[0].fingerprint, rows[1].fingerprint,
+            "identical streams"
+        );
+        let csv = std::fs::read_to_string(out.path().join("results.csv")).expect("csv written");
+        assert_eq!(csv.lines().count(), 3);
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.path().join("results.json")).expect("json written"),
+        )
+        .expect("json parses");
+        assert_eq!(json["rows"].as_array().map(Vec::len), Some(2));
+        let back: Vec<Row> = serde_json::from_value(json["rows"].clone()).expect("rows parse");
+        assert_eq!(back[1].policy, "oracle");
+        assert!(
+            json["meta"]["workloads"]["shared-prefix"]["knee_req_per_s"]
+                .as_f64()
+                .is_some_and(|k| k > 0.0)
+        );
+        for f in ["shared-prefix-ttft-p90.svg", "shared-prefix-hit-rate.svg"] {
+            let svg = std::fs::read_to_string(out.path().join(f)).expect("plot written");
+            assert!(svg.starts_with("<svg") && svg.contains("oracle"), "{f}");
+        }
+        let samples = std::fs::read_dir(out.path().join("logs"))
+            .expect("logs")
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("samples-"))
+            })
+            .count();
+        assert_eq!(samples, 2);
     }
 
     #[test]

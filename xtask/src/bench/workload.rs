@@ -301,7 +301,8 @@ pub(crate) fn words(key: u64, n: u32) -> String {
 
 /// A key for `words` from a namespace and two indices.
 fn key(space: u64, a: u64, b: u64) -> u64 {
-    let mut r = SplitMix(space.wrapping_mul(0x100_0000_01B3) ^ a.rotate_left(21) ^ b.rotate_left(42));
+    let mut r =
+        SplitMix(space.wrapping_mul(0x100_0000_01B3) ^ a.rotate_left(21) ^ b.rotate_left(42));
     r.next()
 }
 
@@ -333,7 +334,7 @@ pub(crate) fn plan(
     seed: u64,
 ) -> Plan {
     let times = arrival_times(rate, warmup + measure, seed);
-    let mut pick = SplitMix(seed ^ 0xC401_CE5);
+    let mut pick = SplitMix(seed ^ 0x0C40_1CE5);
     let mut arrivals = Vec::with_capacity(times.len());
     let mut conversations = 0;
     match *workload {
@@ -484,7 +485,10 @@ mod tests {
         assert!(t.windows(2).all(|w| w[0] <= w[1]));
         assert!(t.last().is_some_and(|l| *l < Duration::from_secs(200)));
         // Exponential gaps: the mean gap is 1/rate and about 36.8 % exceed it.
-        let gaps: Vec<f64> = t.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect();
+        let gaps: Vec<f64> = t
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]).as_secs_f64())
+            .collect();
         let over = gaps.iter().filter(|g| **g > 0.02).count() as f64 / gaps.len() as f64;
         assert!((over - (-1.0f64).exp()).abs() < 0.02, "{over}");
     }
@@ -577,6 +581,10 @@ mod tests {
         assert!((small.resident_tokens() - 360_000.0).abs() < 1e-6);
         // Multi-turn's resident set is about as large.
         let m = Workload::of(WorkloadKind::MultiTurn);
-        assert!((m.resident_tokens() / w.resident_tokens() - 1.0).abs() < 0.1, "{}", m.resident_tokens());
+        assert!(
+            (m.resident_tokens() / w.resident_tokens() - 1.0).abs() < 0.1,
+            "{}",
+            m.resident_tokens()
+        );
     }
 }
