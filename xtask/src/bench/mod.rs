@@ -19,7 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use clap::{Args, Subcommand};
 
 use self::workload::WorkloadKind;
@@ -33,6 +33,16 @@ pub(crate) enum BenchCommand {
     /// The criterion benches of kvindex, scoring, tokenize and the router's
     /// decision path, summarised against their goals.
     Micro(MicroArgs),
+    /// Rewrite the table, Markdown and plots of a `bench routing` output
+    /// directory from its results.json (e.g. several merged into one).
+    Report {
+        /// Directories with a results.json; rows are concatenated.
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// Where to write (default: the first directory).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 /// `bench routing` flags.
@@ -145,6 +155,29 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
             o.port_base = a.port_base;
             o.explain = a.explain;
             routing::run(root, &o)
+        }
+        BenchCommand::Report { dirs, out } => {
+            let mut rows = Vec::new();
+            let mut meta = serde_json::Value::Null;
+            for d in &dirs {
+                let path = d.join("results.json");
+                let text = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let v: serde_json::Value = serde_json::from_str(&text)
+                    .with_context(|| format!("parsing {}", path.display()))?;
+                let r: Vec<report::Row> = serde_json::from_value(v["rows"].clone())
+                    .with_context(|| format!("rows of {}", path.display()))?;
+                rows.extend(r);
+                if meta.is_null() {
+                    meta = v["meta"].clone();
+                }
+            }
+            let out = out.unwrap_or_else(|| dirs[0].clone());
+            println!("{}", report::table(&rows));
+            for f in report::write_all(&out, &meta, &rows)? {
+                println!("wrote {}", f.display());
+            }
+            Ok(ExitCode::SUCCESS)
         }
         BenchCommand::Micro(a) => micro::run(
             root,

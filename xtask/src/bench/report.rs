@@ -386,6 +386,9 @@ macro_rules! draw_lines {
             .configure_mesh()
             .x_desc($x_desc)
             .y_desc($y_desc)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(245, 245, 245))
             .draw()
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         for (i, (policy, points)) in $series.iter().enumerate() {
