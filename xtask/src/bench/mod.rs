@@ -173,7 +173,7 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
                 }
             }
             let out = out.unwrap_or_else(|| dirs[0].clone());
-            println!("{}", report::table(&rows));
+            println!("{}\n{}", report::table(&rows), report::goals(&rows));
             for f in report::write_all(&out, &meta, &rows)? {
                 println!("wrote {}", f.display());
             }

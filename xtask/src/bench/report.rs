@@ -325,6 +325,78 @@ pub(crate) fn table(rows: &[Row]) -> String {
     s
 }
 
+/// Issue 9's goals, checked on shared-prefix at the knee (load 1.0, medians
+/// over repeats), as Markdown lines; empty when that row is missing.
+pub(crate) fn goals(rows: &[Row]) -> String {
+    let rows = medians(rows);
+    let at = |p: &str| {
+        rows.iter()
+            .find(|r| r.workload == "shared-prefix" && (r.load - 1.0).abs() < 1e-6 && r.policy == p)
+    };
+    let Some(ours) = at("kinference") else {
+        return String::new();
+    };
+    let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
+    let mut out = String::from(
+        "| goal (shared-prefix at the knee, TTFT p90) | measured | |\n|---|---|---|\n",
+    );
+    let mut push = |goal: &str, figure: String, ok: bool| {
+        let _ = writeln!(out, "| {goal} | {figure} | {} |", verdict(ok));
+    };
+    for (p, label) in [
+        ("round-robin", "beats round robin"),
+        ("least-inflight", "beats least in-flight"),
+    ] {
+        if let Some(b) = at(p) {
+            push(
+                label,
+                format!("{:.0} ms vs {:.0} ms", ours.ttft_p90_ms, b.ttft_p90_ms),
+                ours.ttft_p90_ms < b.ttft_p90_ms,
+            );
+        }
+    }
+    if let Some(o) = at("oracle") {
+        let r = ours.ttft_p90_ms / o.ttft_p90_ms;
+        push(
+            "TTFT p90 ≤ 1.25 × the oracle's",
+            format!(
+                "{r:.2} × ({:.0} vs {:.0} ms)",
+                ours.ttft_p90_ms, o.ttft_p90_ms
+            ),
+            r <= 1.25,
+        );
+        let h = ours.hit_rate / o.hit_rate;
+        push(
+            "hit rate ≥ 95 % of the oracle's",
+            format!(
+                "{:.1} % ({:.1} vs {:.1} %)",
+                h * 100.0,
+                ours.hit_rate * 100.0,
+                o.hit_rate * 100.0
+            ),
+            h >= 0.95,
+        );
+    }
+    if let Some(rr) = at("round-robin") {
+        let r = rr.ttft_p90_ms / ours.ttft_p90_ms;
+        push(
+            "≥ 10 × better than round robin",
+            format!("{r:.1} ×"),
+            r >= 10.0,
+        );
+    }
+    for p in ["llm-d-blend", "llm-d-default", "dynamo-cost"] {
+        if let Some(b) = at(p) {
+            push(
+                &format!("ahead of {p}"),
+                format!("{:.0} ms vs {:.0} ms", ours.ttft_p90_ms, b.ttft_p90_ms),
+                ours.ttft_p90_ms < b.ttft_p90_ms,
+            );
+        }
+    }
+    out
+}
+
 /// The same table as Markdown (for docs/benchmarks.md).
 pub(crate) fn markdown(rows: &[Row]) -> String {
     let rows = medians(rows);
@@ -529,7 +601,7 @@ pub(crate) fn write_all(
     std::fs::write(&json_path, serde_json::to_string_pretty(&doc)?)?;
     files.push(json_path);
     let md_path = dir.join("results.md");
-    std::fs::write(&md_path, markdown(rows))?;
+    std::fs::write(&md_path, format!("{}\n{}", goals(rows), markdown(rows)))?;
     files.push(md_path);
     let mut workloads: Vec<&str> = Vec::new();
     for r in rows {
@@ -670,6 +742,48 @@ mod tests {
         assert!(ours.contains(" 1.00 "), "{ours}");
         let md = markdown(&rows);
         assert!(md.contains("| **kinference** | 50.0 % | 1.00 | "), "{md}");
+    }
+
+    #[test]
+    fn goals_are_checked_at_the_knee() {
+        let mut rows = vec![
+            row("kinference", 0, 120.0),
+            row("round-robin", 0, 3000.0),
+            row("oracle", 0, 100.0),
+            row("dynamo-cost", 0, 110.0),
+        ];
+        for r in &mut rows {
+            r.load = 1.0;
+        }
+        rows[2].hit_rate = 0.6;
+        let g = goals(&rows);
+        assert!(
+            g.contains("| beats round robin | 120 ms vs 3000 ms | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains("| TTFT p90 ≤ 1.25 × the oracle's | 1.20 × (120 vs 100 ms) | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains(
+                "| hit rate ≥ 95 % of the oracle's | 83.3 % (50.0 vs 60.0 %) | **missed** |"
+            ),
+            "{g}"
+        );
+        assert!(
+            g.contains("| ≥ 10 × better than round robin | 25.0 × | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains("| ahead of dynamo-cost | 120 ms vs 110 ms | **missed** |"),
+            "{g}"
+        );
+        assert!(!g.contains("least in-flight"));
+        for r in &mut rows {
+            r.load = 0.5;
+        }
+        assert!(goals(&rows).is_empty());
     }
 
     #[test]

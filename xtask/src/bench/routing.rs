@@ -511,7 +511,7 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
             }
         }
     }
-    println!("{}", report::table(&rows));
+    println!("{}\n{}", report::table(&rows), report::goals(&rows));
     let files = report::write_all(&opts.out, &meta, &rows)?;
     println!(
         "load average before {load_before}, after {}; wrote {}",
