@@ -376,12 +376,20 @@ mod tests {
         r.record(EndpointId(4), &k, Duration::from_secs(9));
         let within = |now: u64, horizon: u64| {
             let mut out = Vec::new();
-            r.leading_blocks_within(&k, Duration::from_secs(now), Duration::from_secs(horizon), &mut out);
+            r.leading_blocks_within(
+                &k,
+                Duration::from_secs(now),
+                Duration::from_secs(horizon),
+                &mut out,
+            );
             out.sort_unstable();
             out
         };
         // Both within the TTL; only the recent one within a 2 s horizon.
-        assert_eq!(lookup(&r, &k, Duration::from_secs(10)), vec![(EndpointId(3), 2), (EndpointId(4), 4)]);
+        assert_eq!(
+            lookup(&r, &k, Duration::from_secs(10)),
+            vec![(EndpointId(3), 2), (EndpointId(4), 4)]
+        );
         assert_eq!(within(10, 2), vec![(EndpointId(4), 4)]);
         assert!(within(12, 2).is_empty());
         // A horizon beyond the TTL is the TTL.
