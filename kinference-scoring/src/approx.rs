@@ -21,7 +21,15 @@
 //! new prefix, arriving while the first is still in prefill, finds the prefix
 //! on the first one's endpoint (vLLM shares computed blocks of running
 //! requests). Taking the larger of the index's and the record's GPU count
-//! keeps bursts of a new prefix together.
+//! keeps bursts of a new prefix together. In exact mode, look it up with
+//! [`PrefixRecord::leading_blocks_within`] and a horizon of about the time
+//! from routing to the engine's events ([`EXACT_MODE_HORIZON`]), not the
+//! TTL: after that the index is authoritative, and it also knows what the
+//! engine has evicted since, which the record cannot. Trusting the record
+//! for its whole TTL routes repeats to an engine that has already evicted
+//! their prefix (`cargo xtask bench routing`, shared-prefix at the knee: a
+//! third of the decisions were taken on record-only blocks, a third of
+//! those recomputed the whole prompt, TTFT p90 5× the oracle's).
 //!
 //! ## Guarantees and costs
 //!
@@ -45,6 +53,12 @@ use crate::input::EndpointId;
 /// (`--router-ttl`, 120 s) is long for busy engines; vLLM evicts LRU blocks
 /// under pressure within seconds to minutes. 60 s is a middle ground.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+
+/// How long a record may stand in for the index in exact mode: enough for
+/// a request to be admitted and prefilled and its `BlockStored` events to
+/// reach the router on a loaded engine; after that the index (which also
+/// sees evictions) is the truth.
+pub const EXACT_MODE_HORIZON: Duration = Duration::from_secs(2);
 
 /// Default bound on (key, endpoint) records.
 pub const DEFAULT_CAPACITY: usize = 1 << 18;
@@ -211,9 +225,32 @@ impl PrefixRecord {
     /// within the TTL before `now`. Written to `out` (cleared first), only
     /// endpoints with at least one block, in no particular order.
     pub fn leading_blocks(&self, keys: &[u64], now: Duration, out: &mut Vec<(EndpointId, u32)>) {
+        self.leading_blocks_aged(keys, nanos(now), self.ttl, out);
+    }
+
+    /// [`PrefixRecord::leading_blocks`] counting only records at most
+    /// `max_age` old (and within the TTL): in exact mode, the record bridges
+    /// the time until the engine's events reach the index, and no longer
+    /// (see [`EXACT_MODE_HORIZON`]).
+    pub fn leading_blocks_within(
+        &self,
+        keys: &[u64],
+        now: Duration,
+        max_age: Duration,
+        out: &mut Vec<(EndpointId, u32)>,
+    ) {
+        self.leading_blocks_aged(keys, nanos(now), nanos(max_age).min(self.ttl), out);
+    }
+
+    fn leading_blocks_aged(
+        &self,
+        keys: &[u64],
+        now: u64,
+        max_age: u64,
+        out: &mut Vec<(EndpointId, u32)>,
+    ) {
         out.clear();
-        let now = nanos(now);
-        let fresh = |h: &Holder| now.saturating_sub(h.at) <= self.ttl;
+        let fresh = |h: &Holder| now.saturating_sub(h.at) <= max_age;
         let Some((first, rest)) = keys.split_first() else {
             return;
         };
@@ -329,6 +366,35 @@ mod tests {
         assert!(lookup(&r, &k, Duration::from_secs(11)).is_empty());
         r.expire(Duration::from_secs(11));
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn exact_mode_counts_only_records_within_the_horizon() {
+        let mut r = PrefixRecord::new(Duration::from_secs(60), 1000);
+        let k = keys("0123456789abcdef");
+        r.record(EndpointId(3), &k[..2], Duration::from_secs(0));
+        r.record(EndpointId(4), &k, Duration::from_secs(9));
+        let within = |now: u64, horizon: u64| {
+            let mut out = Vec::new();
+            r.leading_blocks_within(
+                &k,
+                Duration::from_secs(now),
+                Duration::from_secs(horizon),
+                &mut out,
+            );
+            out.sort_unstable();
+            out
+        };
+        // Both within the TTL; only the recent one within a 2 s horizon.
+        assert_eq!(
+            lookup(&r, &k, Duration::from_secs(10)),
+            vec![(EndpointId(3), 2), (EndpointId(4), 4)]
+        );
+        assert_eq!(within(10, 2), vec![(EndpointId(4), 4)]);
+        assert!(within(12, 2).is_empty());
+        // A horizon beyond the TTL is the TTL.
+        assert_eq!(within(10, 3600), lookup(&r, &k, Duration::from_secs(10)));
+        assert!(within(70, 3600).is_empty());
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! - `cargo xtask chart`: check the Helm chart (lint, render, RBAC against
 //!   the code) and the Dockerfiles; `gen-crds` also copies the CRDs into the
 //!   chart.
+//! - `cargo xtask bench routing|micro`: routing quality of every policy on
+//!   simulated engines; the core crates' micro-benchmarks against their goals.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -13,6 +15,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod chart;
 mod demo;
 mod gen_crds;
@@ -55,6 +58,11 @@ enum Command {
     /// Check the Helm chart and the Dockerfiles (needs helm-python-sdk and
     /// hadolint from PyPI).
     Chart,
+    /// Benchmarks: routing quality (`routing`) and micro-benchmarks (`micro`).
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -72,6 +80,7 @@ fn main() -> ExitCode {
         Command::Chart => chart::run(&workspace_root()),
         Command::BenchProxy { seconds } => proxy_bench::run(proxy_bench::Options { seconds }),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
+        Command::Bench { command } => bench::run(&workspace_root(), command),
     };
     match result {
         Ok(code) => code,

@@ -1,0 +1,399 @@
+//! Replays a [`Plan`] against the router or the oracle, open loop: each
+//! arrival is sent at its time whatever happened before (a multi-turn turn
+//! waits only for its own conversation's previous turn, and counts as
+//! late).
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::oracle::Oracle;
+use super::workload::{Body, Plan};
+
+pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+pub(crate) fn client() -> HttpClient {
+    let mut c = HttpConnector::new();
+    c.set_nodelay(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new())
+        .pool_max_idle_per_host(1024)
+        .build(c)
+}
+
+/// Where requests go.
+#[derive(Clone, Debug)]
+pub(crate) enum Route {
+    /// Through the router at this base URL; with `true`, ask for every
+    /// decision's explanation.
+    Router(String, bool),
+    /// Straight to the engine the oracle picks.
+    Oracle(Arc<Oracle>),
+}
+
+/// The OpenAI API a body uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    Completions,
+    Chat,
+}
+
+impl Api {
+    pub(crate) fn path(self) -> &'static str {
+        match self {
+            Self::Completions => "/v1/completions",
+            Self::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// One request's outcome.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub(crate) struct Sample {
+    pub index: usize,
+    /// The arrival's label (see [`super::workload::Arrival`]).
+    pub label: String,
+    /// In the measured window (not warm-up).
+    pub measured: bool,
+    /// Sent after its time because its conversation's previous turn was
+    /// still running.
+    #[serde(serialize_with = "ms")]
+    pub late: Duration,
+    /// Time to the first content token (or, when it never came, the time
+    /// waited until the run gave up: a lower bound, see `gave_up`).
+    #[serde(serialize_with = "opt_ms")]
+    pub ttft: Option<Duration>,
+    /// Time to the end of the response.
+    #[serde(serialize_with = "ms")]
+    pub latency: Duration,
+    /// Content chunks received (one token each from the simulator).
+    pub chunks: usize,
+    /// First to last content chunk.
+    #[serde(serialize_with = "ms")]
+    pub decode: Duration,
+    /// Completed with `[DONE]`.
+    pub ok: bool,
+    /// Still running when the drain deadline passed.
+    pub gave_up: bool,
+    /// The engine that served it (router header or oracle's pick).
+    pub engine: Option<String>,
+    /// Hash of the request body as sent.
+    pub body_hash: u64,
+    /// End of the response, from the start of the run.
+    #[serde(serialize_with = "ms")]
+    pub finished_at: Duration,
+    /// The router's explanation of its decision, when asked for
+    /// (`x-kinference-debug: 1`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<Value>,
+}
+
+fn ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e3)
+}
+
+#[allow(clippy::ref_option)] // serde's signature
+fn opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&(d.as_secs_f64() * 1e3)),
+        None => s.serialize_none(),
+    }
+}
+
+/// Shared state of multi-turn conversations.
+#[derive(Debug, Default)]
+struct Conversation {
+    messages: Vec<Value>,
+}
+
+/// Sends `plan` along `route` with model `model`; gives up on requests still
+/// running `drain` after the last arrival. Calls `at_window` once when the
+/// measured window starts (at `plan.warmup`), for counter snapshots.
+pub(crate) async fn drive<F, Fut>(
+    plan: &Plan,
+    route: &Route,
+    model: &str,
+    drain: Duration,
+    at_window: F,
+) -> (Vec<Sample>, Fut::Output)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future,
+{
+    let client = client();
+    let start = Instant::now();
+    let conversations: Vec<Arc<tokio::sync::Mutex<Conversation>>> = (0..plan.conversations)
+        .map(|_| Arc::new(tokio::sync::Mutex::new(Conversation::default())))
+        .collect();
+    let slots: Vec<Arc<std::sync::Mutex<Sample>>> = plan
+        .arrivals
+        .iter()
+        .map(|a| {
+            Arc::new(std::sync::Mutex::new(Sample {
+                index: a.index,
+                label: a.label.clone(),
+                measured: a.at >= plan.warmup,
+                ..Sample::default()
+            }))
+        })
+        .collect();
+    let mut tasks = Vec::with_capacity(plan.arrivals.len());
+    let mut window = Some(at_window);
+    let mut window_out = None;
+    for (a, slot) in plan.arrivals.iter().zip(&slots) {
+        if a.at >= plan.warmup
+            && let Some(f) = window.take()
+        {
+            tokio::time::sleep_until(start + plan.warmup).await;
+            window_out = Some(f().await);
+        }
+        tokio::time::sleep_until(start + a.at).await;
+        let (client, route, model, slot) = (
+            client.clone(),
+            route.clone(),
+            model.to_owned(),
+            slot.clone(),
+        );
+        let conv = match &a.body {
+            Body::ChatTurn { conversation, .. } => conversations.get(*conversation).cloned(),
+            Body::Completion { .. } => None,
+        };
+        let body = a.body.clone();
+        let due = start + a.at;
+        tasks.push(tokio::spawn(async move {
+            one(&client, &route, &model, body, conv, due, start, &slot).await;
+        }));
+    }
+    if let Some(f) = window.take() {
+        tokio::time::sleep_until(start + plan.warmup).await;
+        window_out = Some(f().await);
+    }
+    let deadline = start + plan.warmup + plan.measure + drain;
+    for t in &mut tasks {
+        if tokio::time::timeout_at(deadline, &mut *t).await.is_err() {
+            t.abort();
+        }
+    }
+    let now = Instant::now();
+    let samples = slots
+        .iter()
+        .map(|s| {
+            let mut s = s.lock().map(|g| g.clone()).unwrap_or_default();
+            if !s.ok && !s.gave_up && s.finished_at.is_zero() {
+                s.gave_up = true;
+                let sent = start + plan.arrivals[s.index].at + s.late;
+                let waited = now.saturating_duration_since(sent);
+                s.latency = waited;
+                if s.ttft.is_none() {
+                    s.ttft = Some(waited);
+                }
+            }
+            s
+        })
+        .collect();
+    (samples, window_out.expect("the window future ran"))
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn one(
+    client: &HttpClient,
+    route: &Route,
+    model: &str,
+    body: Body,
+    conv: Option<Arc<tokio::sync::Mutex<Conversation>>>,
+    due: Instant,
+    start: Instant,
+    slot: &std::sync::Mutex<Sample>,
+) {
+    let (api, json_body, max_tokens) = match &body {
+        Body::Completion { prompt, max_tokens } => (
+            Api::Completions,
+            json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": true}),
+            *max_tokens,
+        ),
+        Body::ChatTurn { max_tokens, .. } => (Api::Chat, Value::Null, *max_tokens),
+    };
+    // A turn holds its conversation for its whole exchange.
+    let mut guard = match &conv {
+        Some(c) => Some(c.lock().await),
+        None => None,
+    };
+    let json_body = if let (Some(g), Body::ChatTurn { restart, user, .. }) = (guard.as_mut(), &body)
+    {
+        if let Some(m) = restart {
+            g.messages.clone_from(m);
+        }
+        g.messages.push(json!({"role": "user", "content": user}));
+        json!({"model": model, "messages": g.messages, "max_tokens": max_tokens, "stream": true})
+    } else {
+        json_body
+    };
+    let sent = Instant::now();
+    let late = sent.saturating_duration_since(due);
+    let bytes = serde_json::to_vec(&json_body).unwrap_or_default();
+    let body_hash = {
+        let mut h = DefaultHasher::new();
+        bytes.hash(&mut h);
+        h.finish()
+    };
+    if let Ok(mut s) = slot.lock() {
+        s.late = late;
+        s.body_hash = body_hash;
+    }
+    let (url, ticket, engine) = match route {
+        Route::Router(base, _) => (format!("{base}{}", api.path()), None, None),
+        Route::Oracle(o) => {
+            let Ok((i, ticket)) = o.decide(api, &json_body).await else {
+                if let Ok(mut s) = slot.lock() {
+                    s.finished_at = sent.duration_since(start);
+                }
+                return;
+            };
+            (
+                format!("{}{}", o.engine_url(i), api.path()),
+                Some((o.clone(), ticket)),
+                Some(o.engine_url(i).to_owned()),
+            )
+        }
+    };
+    let explain = matches!(route, Route::Router(_, true));
+    let result = stream(client, &url, bytes, api, explain, sent, |first| {
+        if first && let Some((o, t)) = &ticket {
+            o.first_token(*t);
+        }
+    })
+    .await;
+    if let Some((o, t)) = &ticket {
+        o.done(*t);
+    }
+    let ok = result.ok;
+    if let (Some(g), true) = (guard.as_mut(), true) {
+        if ok {
+            g.messages
+                .push(json!({"role": "assistant", "content": result.text}));
+        } else {
+            g.messages.pop();
+        }
+    }
+    drop(guard);
+    if let Ok(mut s) = slot.lock() {
+        s.ttft = result.ttft;
+        s.latency = result.latency;
+        s.chunks = result.chunks;
+        s.decode = result.decode;
+        s.ok = ok;
+        s.engine = engine.or(result.engine);
+        s.explain = result.explain;
+        s.finished_at = Instant::now().duration_since(start);
+    }
+}
+
+/// A streamed response's figures.
+#[derive(Debug, Default)]
+pub(crate) struct Streamed {
+    pub ok: bool,
+    pub ttft: Option<Duration>,
+    pub latency: Duration,
+    pub chunks: usize,
+    pub decode: Duration,
+    pub text: String,
+    /// `x-kinference-endpoint`, when the router set it.
+    pub engine: Option<String>,
+    /// `x-kinference-explain`, when asked for.
+    pub explain: Option<Value>,
+}
+
+/// POSTs `body` to `url` and reads the SSE stream; `on_token(true)` at the
+/// first content token.
+pub(crate) async fn stream(
+    client: &HttpClient,
+    url: &str,
+    body: Vec<u8>,
+    api: Api,
+    explain: bool,
+    sent: Instant,
+    mut on_token: impl FnMut(bool),
+) -> Streamed {
+    let mut out = Streamed::default();
+    let mut req = http::Request::post(url).header("content-type", "application/json");
+    if explain {
+        req = req.header("x-kinference-debug", "1");
+    }
+    let Ok(req) = req.body(Full::new(Bytes::from(body))) else {
+        return out;
+    };
+    let Ok(resp) = client.request(req).await else {
+        out.latency = sent.elapsed();
+        return out;
+    };
+    out.engine = resp
+        .headers()
+        .get("x-kinference-endpoint")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    out.explain = resp
+        .headers()
+        .get("x-kinference-explain")
+        .and_then(|v| serde_json::from_slice(v.as_bytes()).ok());
+    if !resp.status().is_success() {
+        let _ = resp.into_body().collect().await;
+        out.latency = sent.elapsed();
+        return out;
+    }
+    let mut body = resp.into_body();
+    let mut buf = String::new();
+    let mut first_at: Option<Instant> = None;
+    let mut last_at: Option<Instant> = None;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { break };
+        let Some(data) = frame.data_ref() else {
+            continue;
+        };
+        buf.push_str(&String::from_utf8_lossy(data));
+        while let Some(i) = buf.find("\n\n") {
+            let event: String = buf.drain(..i + 2).collect();
+            for line in event.lines() {
+                let Some(payload) = line.strip_prefix("data: ") else {
+                    continue;
+                };
+                if payload == "[DONE]" {
+                    out.ok = true;
+                    continue;
+                }
+                let Ok(v) = serde_json::from_str::<Value>(payload) else {
+                    continue;
+                };
+                let choice = &v["choices"][0];
+                let text = match api {
+                    Api::Completions => choice["text"].as_str(),
+                    Api::Chat => choice["delta"]["content"].as_str(),
+                };
+                if let Some(text) = text
+                    && !text.is_empty()
+                {
+                    let now = Instant::now();
+                    if first_at.is_none() {
+                        first_at = Some(now);
+                        out.ttft = Some(now.duration_since(sent));
+                        on_token(true);
+                    }
+                    last_at = Some(now);
+                    out.chunks += 1;
+                    out.text.push_str(text);
+                }
+            }
+        }
+    }
+    out.latency = sent.elapsed();
+    if let (Some(f), Some(l)) = (first_at, last_at) {
+        out.decode = l.duration_since(f);
+    }
+    out.text = out.text.trim().to_owned();
+    out
+}

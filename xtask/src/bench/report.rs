@@ -1,0 +1,807 @@
+//! Figures of a run, and the outputs: a table on stdout, CSV, JSON and SVG
+//! plots.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+
+use super::drive::Sample;
+
+/// Nearest-rank percentile of sorted values (NaN when empty).
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+/// Median of values (mean of the two middle ones; NaN when empty).
+pub(crate) fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| !x.is_nan()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        f64::midpoint(v[n / 2 - 1], v[n / 2])
+    }
+}
+
+/// JSON has no NaN: serde_json writes it as `null`; read `null` back as NaN.
+fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+/// One (workload, rate, policy, repeat) run's figures.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Row {
+    pub workload: String,
+    /// Offered rate, requests per second.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub rate: f64,
+    /// Rate ÷ the workload's knee.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub load: f64,
+    pub policy: String,
+    pub repeat: u32,
+    /// Requests in the measured window.
+    pub requests: usize,
+    pub ok: usize,
+    /// Still running at the drain deadline (their TTFT counts as the time
+    /// waited, a lower bound).
+    pub gave_up: usize,
+    /// Multi-turn turns sent late because their conversation's previous
+    /// turn was still running.
+    pub late: usize,
+    /// Prefix-cache hit rate over the window, from the engines' counters.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub hit_rate: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub ttft_p50_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub ttft_p90_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub ttft_p99_ms: f64,
+    /// Inter-token latency: per request (last − first chunk) ÷ (chunks − 1),
+    /// median and p90 over requests.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub itl_p50_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub itl_p90_ms: f64,
+    /// Completed requests per second over the window (to the last completion).
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub req_per_s: f64,
+    /// Streamed (scaled) tokens per second over the window.
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub tokens_per_s: f64,
+    /// Router CPU (user + system) per measured request, µs; NaN for the
+    /// oracle (no router).
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub router_cpu_us_per_req: f64,
+    /// Requests per engine, most loaded ÷ mean (1 = even).
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub imbalance: f64,
+    /// Hash of every request body sent, in plan order: equal across policies
+    /// when they replayed identical streams.
+    pub fingerprint: String,
+}
+
+/// What the harness measured around the window.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Window {
+    pub hit_rate: f64,
+    pub router_cpu_s: Option<f64>,
+}
+
+/// Summarises a run's samples.
+pub(crate) fn summarize(
+    samples: &[Sample],
+    window: Window,
+    measure_s: f64,
+    key: (&str, f64, f64, &str, u32),
+) -> Row {
+    let measured: Vec<&Sample> = samples.iter().filter(|s| s.measured).collect();
+    let mut ttft: Vec<f64> = measured
+        .iter()
+        .filter_map(|s| s.ttft)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .collect();
+    ttft.sort_by(f64::total_cmp);
+    let mut itl: Vec<f64> = measured
+        .iter()
+        .filter(|s| s.ok && s.chunks > 1)
+        .map(|s| s.decode.as_secs_f64() * 1e3 / (s.chunks - 1) as f64)
+        .collect();
+    itl.sort_by(f64::total_cmp);
+    let ok: Vec<&&Sample> = measured.iter().filter(|s| s.ok).collect();
+    let first = measured
+        .iter()
+        .map(|s| s.finished_at.as_secs_f64() - s.latency.as_secs_f64())
+        .fold(f64::INFINITY, f64::min);
+    let last = ok
+        .iter()
+        .map(|s| s.finished_at.as_secs_f64())
+        .fold(0.0, f64::max);
+    let span = if last > first && first.is_finite() {
+        (last - first).max(measure_s)
+    } else {
+        measure_s
+    };
+    let mut per_engine: BTreeMap<&str, usize> = BTreeMap::new();
+    for s in &measured {
+        if let Some(e) = &s.engine {
+            *per_engine.entry(e.as_str()).or_default() += 1;
+        }
+    }
+    let imbalance = if per_engine.is_empty() {
+        f64::NAN
+    } else {
+        let max = per_engine.values().copied().max().unwrap_or(0) as f64;
+        let mean = per_engine.values().sum::<usize>() as f64 / per_engine.len() as f64;
+        max / mean
+    };
+    let fingerprint = {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        let mut v: Vec<(usize, u64)> = samples.iter().map(|s| (s.index, s.body_hash)).collect();
+        v.sort_unstable();
+        v.hash(&mut h);
+        format!("{:016x}", h.finish())
+    };
+    let (workload, rate, load, policy, repeat) = key;
+    Row {
+        workload: workload.to_owned(),
+        rate,
+        load,
+        policy: policy.to_owned(),
+        repeat,
+        requests: measured.len(),
+        ok: ok.len(),
+        gave_up: measured.iter().filter(|s| s.gave_up).count(),
+        late: measured.iter().filter(|s| s.late.as_millis() > 10).count(),
+        hit_rate: window.hit_rate,
+        ttft_p50_ms: percentile(&ttft, 0.5),
+        ttft_p90_ms: percentile(&ttft, 0.9),
+        ttft_p99_ms: percentile(&ttft, 0.99),
+        itl_p50_ms: percentile(&itl, 0.5),
+        itl_p90_ms: percentile(&itl, 0.9),
+        req_per_s: ok.len() as f64 / span,
+        tokens_per_s: ok.iter().map(|s| s.chunks).sum::<usize>() as f64 / span,
+        router_cpu_us_per_req: window
+            .router_cpu_s
+            .map_or(f64::NAN, |c| c * 1e6 / measured.len().max(1) as f64),
+        imbalance,
+        fingerprint,
+    }
+}
+
+/// The CSV header and one line per row.
+pub(crate) fn csv(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "workload,rate,load,policy,repeat,requests,ok,gave_up,late,hit_rate,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,req_per_s,tokens_per_s,router_cpu_us_per_req,imbalance,fingerprint\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "{},{:.3},{:.3},{},{},{},{},{},{},{:.4},{:.1},{:.1},{:.1},{:.2},{:.2},{:.3},{:.1},{:.1},{:.3},{}",
+            r.workload,
+            r.rate,
+            r.load,
+            r.policy,
+            r.repeat,
+            r.requests,
+            r.ok,
+            r.gave_up,
+            r.late,
+            r.hit_rate,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            r.itl_p50_ms,
+            r.itl_p90_ms,
+            r.req_per_s,
+            r.tokens_per_s,
+            r.router_cpu_us_per_req,
+            r.imbalance,
+            r.fingerprint
+        );
+    }
+    s
+}
+
+/// Medians over repeats, per (workload, rate, policy), in first-seen order.
+pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
+    let mut groups: Vec<(String, f64, String, Vec<&Row>)> = Vec::new();
+    for r in rows {
+        if let Some(g) = groups
+            .iter_mut()
+            .find(|g| g.0 == r.workload && (g.1 - r.rate).abs() < 1e-9 && g.2 == r.policy)
+        {
+            g.3.push(r);
+        } else {
+            groups.push((r.workload.clone(), r.rate, r.policy.clone(), vec![r]));
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(_, _, _, rs)| {
+            let m = |f: fn(&Row) -> f64| median(&rs.iter().map(|r| f(r)).collect::<Vec<_>>());
+            let mu = |f: fn(&Row) -> usize| {
+                median(&rs.iter().map(|r| f(r) as f64).collect::<Vec<_>>()).round() as usize
+            };
+            let first = rs[0];
+            Row {
+                workload: first.workload.clone(),
+                rate: first.rate,
+                load: first.load,
+                policy: first.policy.clone(),
+                repeat: rs.len() as u32,
+                requests: mu(|r| r.requests),
+                ok: mu(|r| r.ok),
+                gave_up: mu(|r| r.gave_up),
+                late: mu(|r| r.late),
+                hit_rate: m(|r| r.hit_rate),
+                ttft_p50_ms: m(|r| r.ttft_p50_ms),
+                ttft_p90_ms: m(|r| r.ttft_p90_ms),
+                ttft_p99_ms: m(|r| r.ttft_p99_ms),
+                itl_p50_ms: m(|r| r.itl_p50_ms),
+                itl_p90_ms: m(|r| r.itl_p90_ms),
+                req_per_s: m(|r| r.req_per_s),
+                tokens_per_s: m(|r| r.tokens_per_s),
+                router_cpu_us_per_req: m(|r| r.router_cpu_us_per_req),
+                imbalance: m(|r| r.imbalance),
+                fingerprint: first.fingerprint.clone(),
+            }
+        })
+        .collect()
+}
+
+/// The oracle's row for the same workload and rate.
+fn oracle_of<'a>(rows: &'a [Row], r: &Row) -> Option<&'a Row> {
+    rows.iter().find(|o| {
+        o.policy == "oracle" && o.workload == r.workload && (o.rate - r.rate).abs() < 1e-9
+    })
+}
+
+/// The table (medians over repeats), with ratios to the oracle.
+pub(crate) fn table(rows: &[Row]) -> String {
+    let rows = medians(rows);
+    let mut s = String::new();
+    let mut last = (String::new(), f64::NAN);
+    for r in &rows {
+        if r.workload != last.0 || (r.rate - last.1).abs() > 1e-9 {
+            let _ = writeln!(
+                s,
+                "\n{} at {:.2} req/s ({:.2}× knee)\n{:<20} {:>5} {:>5} {:>6} {:>8} {:>9} {:>9} {:>9} {:>7} {:>7} {:>7} {:>8} {:>9} {:>9}",
+                r.workload,
+                r.rate,
+                r.load,
+                "policy",
+                "reqs",
+                "ok",
+                "hit %",
+                "vs orcl",
+                "TTFT p50",
+                "TTFT p90",
+                "TTFT p99",
+                "p90/or",
+                "ITL p50",
+                "req/s",
+                "tok/s",
+                "CPU µs/r",
+                "max/mean"
+            );
+            last = (r.workload.clone(), r.rate);
+        }
+        let oracle = oracle_of(&rows, r);
+        let hit_ratio = oracle.map_or(f64::NAN, |o| r.hit_rate / o.hit_rate);
+        let ttft_ratio = oracle.map_or(f64::NAN, |o| r.ttft_p90_ms / o.ttft_p90_ms);
+        let _ = writeln!(
+            s,
+            "{:<20} {:>5} {:>5} {:>6.1} {:>8.2} {:>7.0}ms {:>7.0}ms {:>7.0}ms {:>7.2} {:>5.1}ms {:>7.2} {:>8.0} {:>9.0} {:>9.2}",
+            r.policy,
+            r.requests,
+            r.ok,
+            r.hit_rate * 100.0,
+            hit_ratio,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            ttft_ratio,
+            r.itl_p50_ms,
+            r.req_per_s,
+            r.tokens_per_s,
+            r.router_cpu_us_per_req,
+            r.imbalance
+        );
+    }
+    s
+}
+
+/// Issue 9's goals, checked on shared-prefix at the knee (load 1.0, medians
+/// over repeats), as Markdown lines; empty when that row is missing.
+pub(crate) fn goals(rows: &[Row]) -> String {
+    let rows = medians(rows);
+    let at = |p: &str| {
+        rows.iter()
+            .find(|r| r.workload == "shared-prefix" && (r.load - 1.0).abs() < 1e-6 && r.policy == p)
+    };
+    let Some(ours) = at("kinference") else {
+        return String::new();
+    };
+    let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
+    let mut out = String::from(
+        "| goal (shared-prefix at the knee, TTFT p90) | measured | |\n|---|---|---|\n",
+    );
+    let mut push = |goal: &str, figure: String, ok: bool| {
+        let _ = writeln!(out, "| {goal} | {figure} | {} |", verdict(ok));
+    };
+    for (p, label) in [
+        ("round-robin", "beats round robin"),
+        ("least-inflight", "beats least in-flight"),
+    ] {
+        if let Some(b) = at(p) {
+            push(
+                label,
+                format!("{:.0} ms vs {:.0} ms", ours.ttft_p90_ms, b.ttft_p90_ms),
+                ours.ttft_p90_ms < b.ttft_p90_ms,
+            );
+        }
+    }
+    if let Some(o) = at("oracle") {
+        let r = ours.ttft_p90_ms / o.ttft_p90_ms;
+        push(
+            "TTFT p90 ≤ 1.25 × the oracle's",
+            format!(
+                "{r:.2} × ({:.0} vs {:.0} ms)",
+                ours.ttft_p90_ms, o.ttft_p90_ms
+            ),
+            r <= 1.25,
+        );
+        let h = ours.hit_rate / o.hit_rate;
+        push(
+            "hit rate ≥ 95 % of the oracle's",
+            format!(
+                "{:.1} % ({:.1} vs {:.1} %)",
+                h * 100.0,
+                ours.hit_rate * 100.0,
+                o.hit_rate * 100.0
+            ),
+            h >= 0.95,
+        );
+    }
+    if let Some(rr) = at("round-robin") {
+        let r = rr.ttft_p90_ms / ours.ttft_p90_ms;
+        push(
+            "≥ 10 × better than round robin",
+            format!("{r:.1} ×"),
+            r >= 10.0,
+        );
+    }
+    for p in ["llm-d-blend", "llm-d-default", "dynamo-cost"] {
+        if let Some(b) = at(p) {
+            push(
+                &format!("ahead of {p}"),
+                format!("{:.0} ms vs {:.0} ms", ours.ttft_p90_ms, b.ttft_p90_ms),
+                ours.ttft_p90_ms < b.ttft_p90_ms,
+            );
+        }
+    }
+    out
+}
+
+/// The same table as Markdown (for docs/benchmarks.md).
+pub(crate) fn markdown(rows: &[Row]) -> String {
+    let rows = medians(rows);
+    let mut s = String::new();
+    let mut last = (String::new(), f64::NAN);
+    for r in &rows {
+        if r.workload != last.0 || (r.rate - last.1).abs() > 1e-9 {
+            let _ = writeln!(
+                s,
+                "\n**{}, {:.2} req/s ({:.2}× knee)**\n\n| policy | hit rate | ÷ oracle | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | p90 ÷ oracle | ITL p50 ms | req/s | router CPU µs/req |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+                r.workload, r.rate, r.load
+            );
+            last = (r.workload.clone(), r.rate);
+        }
+        let oracle = oracle_of(&rows, r);
+        let hit_ratio = oracle.map_or(f64::NAN, |o| r.hit_rate / o.hit_rate);
+        let ttft_ratio = oracle.map_or(f64::NAN, |o| r.ttft_p90_ms / o.ttft_p90_ms);
+        let name = if r.policy == "kinference" {
+            format!("**{}**", r.policy)
+        } else {
+            r.policy.clone()
+        };
+        let cpu = if r.router_cpu_us_per_req.is_nan() {
+            "–".to_owned()
+        } else {
+            format!("{:.0}", r.router_cpu_us_per_req)
+        };
+        let _ = writeln!(
+            s,
+            "| {name} | {:.1} % | {:.2} | {:.0} | {:.0} | {:.0} | {:.2} | {:.1} | {:.2} | {cpu} |",
+            r.hit_rate * 100.0,
+            hit_ratio,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p99_ms,
+            ttft_ratio,
+            r.itl_p50_ms,
+            r.req_per_s
+        );
+    }
+    s
+}
+
+const COLORS: [(u8, u8, u8); 8] = [
+    (214, 39, 40),
+    (31, 119, 180),
+    (255, 127, 14),
+    (44, 160, 44),
+    (148, 103, 189),
+    (140, 86, 75),
+    (227, 119, 194),
+    (30, 30, 30),
+];
+
+/// Draws `series` (one line per policy, ours thicker) with a legend.
+macro_rules! draw_lines {
+    ($chart:expr, $series:expr, $x_desc:expr, $y_desc:expr, $legend:expr) => {{
+        $chart
+            .configure_mesh()
+            .x_desc($x_desc)
+            .y_desc($y_desc)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(RGBColor(245, 245, 245))
+            .draw()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        for (i, (policy, points)) in $series.iter().enumerate() {
+            let (r, g, b) = COLORS[i % COLORS.len()];
+            let color = RGBColor(r, g, b);
+            let width = if policy == "kinference" { 3 } else { 1 };
+            $chart
+                .draw_series(LineSeries::new(points.clone(), color.stroke_width(width)))
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .label(policy.as_str())
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(width))
+                });
+            $chart
+                .draw_series(points.iter().map(|pt| Circle::new(*pt, 3, color.filled())))
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+        }
+        $chart
+            .configure_series_labels()
+            .position($legend)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    }};
+}
+
+/// Plots one workload: TTFT p90 (log scale) vs rate, and hit rate vs rate,
+/// one line per policy.
+pub(crate) fn plots(rows: &[Row], workload: &str, dir: &Path) -> Result<Vec<std::path::PathBuf>> {
+    use plotters::prelude::*;
+    let rows: Vec<Row> = medians(rows)
+        .into_iter()
+        .filter(|r| r.workload == workload)
+        .collect();
+    if rows.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut policies: Vec<String> = Vec::new();
+    for r in &rows {
+        if !policies.contains(&r.policy) {
+            policies.push(r.policy.clone());
+        }
+    }
+    let series = |f: fn(&Row) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+        policies
+            .iter()
+            .map(|p| {
+                let pts = rows
+                    .iter()
+                    .filter(|r| &r.policy == p)
+                    .map(|r| (r.rate, f(r)))
+                    .filter(|(_, y)| y.is_finite())
+                    .collect();
+                (p.clone(), pts)
+            })
+            .collect()
+    };
+    let max_rate = rows.iter().map(|r| r.rate).fold(0.0, f64::max) * 1.05;
+    let x_desc = "requests per second";
+    let mut out = Vec::new();
+
+    let ttft = series(|r| r.ttft_p90_ms.max(1.0));
+    let ys = ttft.iter().flat_map(|(_, p)| p.iter().map(|(_, y)| *y));
+    let (lo, hi) = ys.fold((f64::INFINITY, 1.0f64), |(lo, hi), y| {
+        (lo.min(y), hi.max(y))
+    });
+    let path = dir.join(format!("{workload}-ttft-p90.svg"));
+    {
+        let root = SVGBackend::new(&path, (760, 480)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("{workload}: TTFT p90 vs request rate"),
+                ("sans-serif", 20),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(
+                0.0..max_rate,
+                ((lo.min(hi) / 1.5).max(1.0)..hi * 1.5).log_scale(),
+            )
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        draw_lines!(
+            chart,
+            ttft,
+            x_desc,
+            "TTFT p90, ms (log)",
+            SeriesLabelPosition::UpperLeft
+        );
+        root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    out.push(path);
+
+    let hits = series(|r| r.hit_rate * 100.0);
+    let path = dir.join(format!("{workload}-hit-rate.svg"));
+    {
+        let root = SVGBackend::new(&path, (760, 480)).into_drawing_area();
+        root.fill(&WHITE).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                format!("{workload}: prefix-cache hit rate vs request rate"),
+                ("sans-serif", 20),
+            )
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0.0..max_rate, 0.0..100.0)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        draw_lines!(
+            chart,
+            hits,
+            x_desc,
+            "prefix-cache hit rate, %",
+            SeriesLabelPosition::LowerLeft
+        );
+        root.present().map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    out.push(path);
+    Ok(out)
+}
+
+/// Writes `results.csv`, `results.json` (with `meta`), `results.md` and the
+/// plots into `dir`.
+pub(crate) fn write_all(
+    dir: &Path,
+    meta: &serde_json::Value,
+    rows: &[Row],
+) -> Result<Vec<std::path::PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut files = Vec::new();
+    let csv_path = dir.join("results.csv");
+    std::fs::write(&csv_path, csv(rows))?;
+    files.push(csv_path);
+    let json_path = dir.join("results.json");
+    let doc = serde_json::json!({"meta": meta, "rows": rows, "medians": medians(rows)});
+    std::fs::write(&json_path, serde_json::to_string_pretty(&doc)?)?;
+    files.push(json_path);
+    let md_path = dir.join("results.md");
+    std::fs::write(&md_path, format!("{}\n{}", goals(rows), markdown(rows)))?;
+    files.push(md_path);
+    let mut workloads: Vec<&str> = Vec::new();
+    for r in rows {
+        if !workloads.contains(&r.workload.as_str()) {
+            workloads.push(&r.workload);
+        }
+    }
+    for w in workloads {
+        files.extend(plots(rows, w, dir)?);
+    }
+    Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank_and_medians_interpolate() {
+        let v: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert!((percentile(&v, 0.5) - 5.0).abs() < 1e-9);
+        assert!((percentile(&v, 0.9) - 9.0).abs() < 1e-9);
+        assert!((percentile(&v, 0.99) - 10.0).abs() < 1e-9);
+        assert!((percentile(&v, 0.0) - 1.0).abs() < 1e-9);
+        assert!(percentile(&[], 0.5).is_nan());
+        assert!((median(&[3.0, 1.0, 2.0]) - 2.0).abs() < 1e-9);
+        assert!((median(&[4.0, 1.0, 2.0, 3.0]) - 2.5).abs() < 1e-9);
+        assert!((median(&[f64::NAN, 5.0]) - 5.0).abs() < 1e-9);
+    }
+
+    fn sample(index: usize, ttft_ms: u64, ok: bool) -> Sample {
+        Sample {
+            index,
+            measured: index >= 2,
+            ttft: Some(Duration::from_millis(ttft_ms)),
+            latency: Duration::from_millis(ttft_ms + 90),
+            chunks: 10,
+            decode: Duration::from_millis(90),
+            ok,
+            engine: Some(format!("e{}", index % 2)),
+            body_hash: index as u64,
+            finished_at: Duration::from_millis(1000 + index as u64 * 100),
+            ..Sample::default()
+        }
+    }
+
+    fn row(policy: &str, repeat: u32, ttft: f64) -> Row {
+        let samples: Vec<Sample> = (0..12).map(|i| sample(i, 100 + i as u64, true)).collect();
+        let mut r = summarize(
+            &samples,
+            Window {
+                hit_rate: 0.5,
+                router_cpu_s: Some(0.001),
+            },
+            10.0,
+            ("shared-prefix", 4.0, 0.5, policy, repeat),
+        );
+        r.ttft_p90_ms = ttft;
+        r
+    }
+
+    #[test]
+    fn summaries_count_the_window_only() {
+        let samples: Vec<Sample> = (0..12).map(|i| sample(i, 100 + i as u64, i != 5)).collect();
+        let r = summarize(
+            &samples,
+            Window {
+                hit_rate: 0.25,
+                router_cpu_s: Some(0.002),
+            },
+            10.0,
+            ("w", 2.0, 1.0, "p", 0),
+        );
+        assert_eq!(r.requests, 10);
+        assert_eq!(r.ok, 9);
+        // Window TTFTs 102..=111 ms: p50 106, p90 110.
+        assert!((r.ttft_p50_ms - 106.0).abs() < 1e-9);
+        assert!((r.ttft_p90_ms - 110.0).abs() < 1e-9);
+        assert!((r.itl_p50_ms - 10.0).abs() < 1e-9);
+        assert!((r.router_cpu_us_per_req - 200.0).abs() < 1e-9);
+        assert!((r.imbalance - 1.0).abs() < 1e-9);
+        assert!((r.req_per_s - 0.9).abs() < 1e-9);
+        // The same bodies give the same fingerprint; another body changes it.
+        let mut other = samples.clone();
+        assert_eq!(
+            summarize(&other, Window::default(), 10.0, ("w", 2.0, 1.0, "q", 0)).fingerprint,
+            r.fingerprint
+        );
+        other[3].body_hash = 99;
+        assert_ne!(
+            summarize(&other, Window::default(), 10.0, ("w", 2.0, 1.0, "q", 0)).fingerprint,
+            r.fingerprint
+        );
+    }
+
+    #[test]
+    fn csv_and_json_have_one_record_per_row_and_parse_back() {
+        let mut rows = vec![row("kinference", 0, 200.0), row("oracle", 0, 100.0)];
+        rows[1].router_cpu_us_per_req = f64::NAN;
+        let c = csv(&rows);
+        let lines: Vec<&str> = c.lines().collect();
+        assert_eq!(lines.len(), 3);
+        let columns = lines[0].split(',').count();
+        assert_eq!(columns, 20);
+        assert!(lines[1..].iter().all(|l| l.split(',').count() == columns));
+        assert!(lines[1].starts_with("shared-prefix,4.000,0.500,kinference,0,"));
+        let json = serde_json::to_string(&rows).expect("serialises");
+        let back: Vec<Row> = serde_json::from_str(&json).expect("parses");
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[0].policy, "kinference");
+        assert!((back[1].ttft_p90_ms - 100.0).abs() < 1e-9);
+        // NaN (no router for the oracle) goes out as null and comes back.
+        assert!(json.contains("\"router_cpu_us_per_req\":null"));
+        assert!(back[1].router_cpu_us_per_req.is_nan());
+    }
+
+    #[test]
+    fn medians_group_repeats_and_the_table_divides_by_the_oracle() {
+        let rows = vec![
+            row("kinference", 0, 200.0),
+            row("kinference", 1, 300.0),
+            row("kinference", 2, 250.0),
+            row("oracle", 0, 100.0),
+        ];
+        let m = medians(&rows);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m[0].repeat, 3);
+        assert!((m[0].ttft_p90_ms - 250.0).abs() < 1e-9);
+        let t = table(&rows);
+        let ours = t
+            .lines()
+            .find(|l| l.starts_with("kinference"))
+            .expect("a row");
+        // p90 ÷ oracle = 2.50, hit rate ÷ oracle = 1.00.
+        assert!(ours.contains(" 2.50 "), "{ours}");
+        assert!(ours.contains(" 1.00 "), "{ours}");
+        let md = markdown(&rows);
+        assert!(md.contains("| **kinference** | 50.0 % | 1.00 | "), "{md}");
+    }
+
+    #[test]
+    fn goals_are_checked_at_the_knee() {
+        let mut rows = vec![
+            row("kinference", 0, 120.0),
+            row("round-robin", 0, 3000.0),
+            row("oracle", 0, 100.0),
+            row("dynamo-cost", 0, 110.0),
+        ];
+        for r in &mut rows {
+            r.load = 1.0;
+        }
+        rows[2].hit_rate = 0.6;
+        let g = goals(&rows);
+        assert!(
+            g.contains("| beats round robin | 120 ms vs 3000 ms | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains("| TTFT p90 ≤ 1.25 × the oracle's | 1.20 × (120 vs 100 ms) | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains(
+                "| hit rate ≥ 95 % of the oracle's | 83.3 % (50.0 vs 60.0 %) | **missed** |"
+            ),
+            "{g}"
+        );
+        assert!(
+            g.contains("| ≥ 10 × better than round robin | 25.0 × | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains("| ahead of dynamo-cost | 120 ms vs 110 ms | **missed** |"),
+            "{g}"
+        );
+        assert!(!g.contains("least in-flight"));
+        for r in &mut rows {
+            r.load = 0.5;
+        }
+        assert!(goals(&rows).is_empty());
+    }
+
+    #[test]
+    fn plots_are_svg_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rows = vec![row("kinference", 0, 200.0), row("oracle", 0, 100.0)];
+        let mut more = rows.clone();
+        for r in &mut more {
+            r.rate = 8.0;
+            r.ttft_p90_ms *= 3.0;
+        }
+        rows.extend(more);
+        let files = plots(&rows, "shared-prefix", dir.path()).expect("plots");
+        assert_eq!(files.len(), 2);
+        for f in files {
+            let s = std::fs::read_to_string(&f).expect("written");
+            assert!(s.starts_with("<svg"), "{}", &s[..s.len().min(80)]);
+            assert!(s.contains("kinference"));
+        }
+    }
+}

@@ -1,0 +1,792 @@
+//! `cargo xtask bench routing`: routing quality, policies side by side.
+//!
+//! For each workload × rate × policy: a fresh `kinference-sim` process with
+//! N engines (fresh caches), the router with that policy (or the oracle in
+//! the harness), the same request plan, and the figures (see
+//! [`super::report::Row`]).
+//!
+//! # Scaling
+//!
+//! Token counts ÷ k (prompts, answers, KV capacity, the step's token
+//! budget), per-token costs × k (prefill per prompt token, decode per
+//! sequence per step); the step's fixed cost stays. Prefill work and step
+//! times are then those of the unscaled fleet; each streamed token stands
+//! for k tokens, so decoding finishes k× sooner in real-token terms.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+
+use super::drive::{self, Route};
+use super::oracle::{Oracle, StepModel};
+use super::report::{self, Row, Window};
+use super::workload::{self, Scale, Workload, WorkloadKind};
+use crate::load;
+use crate::procs::{self, Proc};
+
+/// Every policy, ours first, the oracle last.
+pub(crate) const POLICIES: [&str; 8] = [
+    "kinference",
+    "round-robin",
+    "least-inflight",
+    "llm-d-blend",
+    "llm-d-default",
+    "dynamo-cost",
+    "sglang-cache-aware",
+    "oracle",
+];
+
+/// The simulator's unscaled defaults (its README: fitted to vLLM on an L4),
+/// and llm-d's published per-pod KV capacity.
+const STEP_BASE_MS: f64 = 5.0;
+const PREFILL_MS_PER_TOKEN: f64 = 0.086;
+const DECODE_MS_PER_SEQ: f64 = 0.065;
+const STEP_TOKEN_BUDGET: u32 = 2048;
+const BLOCK_SIZE: u32 = 16;
+/// llm-d's shared-prefix benchmark: 307,328 KV tokens per pod, sized so the
+/// workload's 1.8M resident tokens fill 73 % of 8 pods.
+const KV_TOKENS_PER_ENGINE: u32 = 307_328;
+const MODEL: &str = "kinference/sim";
+/// The simulator's default context length (real tokens).
+const MAX_MODEL_LEN: u32 = 32_768;
+
+/// Options of `bench routing`.
+#[derive(Clone, Debug)]
+pub(crate) struct RoutingOptions {
+    pub workloads: Vec<WorkloadKind>,
+    /// Absolute rates (req/s) for every workload; else `loads`.
+    pub rates: Option<Vec<f64>>,
+    /// Rates as multiples of each workload's knee; `None` = the defaults.
+    pub loads: Option<Vec<f64>>,
+    pub policies: Vec<String>,
+    pub engines: usize,
+    pub scale: u32,
+    /// Population scale: groups and KV capacity ÷ this.
+    pub population: u32,
+    pub warmup: Duration,
+    pub measure: Duration,
+    pub drain: Duration,
+    pub repeat: u32,
+    pub seed: u64,
+    pub out: PathBuf,
+    pub release: bool,
+    pub port_base: u16,
+    pub quick: bool,
+    /// Ask the router to explain every decision (kept in the samples).
+    pub explain: bool,
+    /// Use the binaries in this directory instead of building them.
+    pub bin_dir: Option<PathBuf>,
+}
+
+impl RoutingOptions {
+    pub(crate) fn defaults(root: &Path) -> Self {
+        Self {
+            workloads: WorkloadKind::ALL.to_vec(),
+            rates: None,
+            loads: None,
+            policies: POLICIES.iter().map(ToString::to_string).collect(),
+            engines: 8,
+            scale: 10,
+            population: 5,
+            warmup: Duration::from_secs(10),
+            measure: Duration::from_secs(25),
+            drain: Duration::from_secs(30),
+            repeat: 1,
+            seed: 1,
+            out: root.join("target").join("bench"),
+            release: true,
+            port_base: 18500,
+            quick: false,
+            explain: false,
+            bin_dir: None,
+        }
+    }
+}
+
+/// The scaled fleet.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub(crate) struct Fleet {
+    pub engines: usize,
+    pub scale: Scale,
+    pub population: u32,
+    pub step: StepModel,
+    pub num_gpu_blocks: u32,
+}
+
+impl Fleet {
+    pub(crate) fn new(engines: usize, k: u32, population: u32) -> Self {
+        let scale = Scale { k: k.max(1) };
+        let population = population.max(1);
+        let kf = f64::from(scale.k);
+        Self {
+            engines,
+            scale,
+            population,
+            step: StepModel {
+                base_ms: STEP_BASE_MS,
+                prefill_ms_per_token: PREFILL_MS_PER_TOKEN * kf,
+                decode_ms_per_seq: DECODE_MS_PER_SEQ * kf,
+                budget: scale.tokens(STEP_TOKEN_BUDGET),
+                block_size: BLOCK_SIZE,
+            },
+            // + vLLM's null block.
+            num_gpu_blocks: scale
+                .tokens(KV_TOKENS_PER_ENGINE / population)
+                .div_ceil(BLOCK_SIZE)
+                + 1,
+        }
+    }
+
+    /// One engine's prefill throughput with full steps, in real tokens/s.
+    pub(crate) fn prefill_tokens_per_s(&self) -> f64 {
+        let budget = f64::from(self.step.budget);
+        let step_ms = self.step.base_ms + budget * self.step.prefill_ms_per_token;
+        budget * f64::from(self.scale.k) / step_ms * 1e3
+    }
+
+    /// KV tokens per engine, real.
+    pub(crate) fn kv_tokens_per_engine(&self) -> f64 {
+        f64::from(KV_TOKENS_PER_ENGINE / self.population)
+    }
+
+    /// The workload for this fleet's population scale.
+    pub(crate) fn workload(&self, kind: WorkloadKind) -> Workload {
+        Workload::of(kind).with_population(self.population)
+    }
+
+    /// The rate at which the fleet's prefill saturates when nothing is
+    /// reused: N × prefill throughput ÷ prompt tokens.
+    pub(crate) fn knee(&self, w: &Workload) -> f64 {
+        self.engines as f64 * self.prefill_tokens_per_s() / w.mean_prompt_tokens()
+    }
+
+    /// The same with perfect reuse (only new text computed).
+    pub(crate) fn knee_with_reuse(&self, w: &Workload) -> f64 {
+        self.engines as f64 * self.prefill_tokens_per_s() / w.mean_new_tokens()
+    }
+
+    fn sim_args(&self, port_base: u16) -> Vec<String> {
+        let s = self.step;
+        [
+            "--engines".to_owned(),
+            self.engines.to_string(),
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            http_port(port_base, 0).to_string(),
+            "--kv-port".into(),
+            kv_port(port_base, 0).to_string(),
+            "--replay-port".into(),
+            (kv_port(port_base, 0) + 100).to_string(),
+            "--num-gpu-blocks".into(),
+            self.num_gpu_blocks.to_string(),
+            "--max-model-len".into(),
+            self.scale.tokens(MAX_MODEL_LEN).to_string(),
+            "--block-size".into(),
+            s.block_size.to_string(),
+            "--max-num-batched-tokens".into(),
+            s.budget.to_string(),
+            "--step-base-ms".into(),
+            s.base_ms.to_string(),
+            "--prefill-ms-per-token".into(),
+            s.prefill_ms_per_token.to_string(),
+            "--decode-ms-per-seq".into(),
+            s.decode_ms_per_seq.to_string(),
+            "--seed".into(),
+            "1".into(),
+        ]
+        .to_vec()
+    }
+
+    /// The router's objects: pool `bench`, worker set `sim`, a profile with
+    /// the scaled simulator's latency, and one EndpointSlice per engine.
+    fn manifests(&self, root: &Path, port_base: u16) -> String {
+        let tokenizer = root.join("examples").join("word-level");
+        let s = self.step;
+        let mut y = format!(
+            "apiVersion: kinference.buoyant.io/v1alpha1
+kind: InferencePool
+metadata: {{name: bench}}
+spec:
+  workerSets: [{{name: sim}}]
+---
+apiVersion: kinference.buoyant.io/v1alpha1
+kind: RoutingProfile
+metadata: {{name: bench}}
+spec:
+  tokenization:
+    mode: local
+    tokenizer: {{path: {}}}
+  latency:
+    prefillTokensPerSecond: {:.1}
+    decodeCostMillis: {}
+    calibrate: true
+---
+apiVersion: kinference.buoyant.io/v1alpha1
+kind: InferenceWorkerSet
+metadata: {{name: sim}}
+spec:
+  profile: bench
+  kvBlockSize: {}
+  serviceRef: {{name: sim, port: http}}
+  kvEvents: {{port: kv}}
+  models:
+    - name: {MODEL}
+",
+            tokenizer.display(),
+            1e3 / s.prefill_ms_per_token,
+            s.decode_ms_per_seq,
+            s.block_size,
+        );
+        for i in 0..self.engines {
+            let _ = write!(
+                y,
+                "---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: sim-{i}
+  labels: {{kubernetes.io/service-name: sim}}
+addressType: IPv4
+ports: [{{name: http, port: {}}}, {{name: kv, port: {}}}]
+endpoints:
+  - addresses: [\"127.0.0.1\"]
+    conditions: {{ready: true}}
+",
+                http_port(port_base, i),
+                kv_port(port_base, i)
+            );
+        }
+        y
+    }
+}
+
+fn http_port(base: u16, i: usize) -> u16 {
+    base + i as u16
+}
+fn kv_port(base: u16, i: usize) -> u16 {
+    base + 100 + i as u16
+}
+fn listen_addr(base: u16) -> String {
+    format!("127.0.0.1:{}", base + 300)
+}
+fn admin_addr(base: u16) -> String {
+    format!("127.0.0.1:{}", base + 301)
+}
+
+/// The default ladder, as multiples of the knee.
+fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
+    match (kind, quick) {
+        (WorkloadKind::SharedPrefix, false) => vec![0.25, 0.5, 0.75, 1.0, 1.5],
+        (WorkloadKind::SharedPrefix, true) | (WorkloadKind::NoReuse, false) => vec![0.5, 1.0],
+        (WorkloadKind::MultiTurn, false) => vec![0.5, 1.0, 1.5],
+        (_, true) => vec![1.0],
+    }
+}
+
+/// `utime + stime` of a process, seconds.
+pub(crate) fn cpu_seconds(pid: u32, ticks_per_s: f64) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_cpu_ticks(&stat).map(|t| t as f64 / ticks_per_s)
+}
+
+/// `utime + stime` (clock ticks) from a `/proc/PID/stat` line.
+pub(crate) fn parse_cpu_ticks(stat: &str) -> Option<u64> {
+    // The command name may contain spaces: fields start after the last ')'.
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest[0] is field 3 (state); utime is field 14, stime 15.
+    let utime: u64 = f.get(11)?.parse().ok()?;
+    let stime: u64 = f.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+fn clock_ticks() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or(100.0)
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Waits until the router sees `engines` endpoints with KV streams
+/// connected and the tokenizer checked.
+pub(crate) async fn wait_connected(admin: &str, engines: usize, router: &mut Proc) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        router.check_running()?;
+        if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/endpoints")).await {
+            let v: serde_json::Value = serde_json::from_slice(&body)?;
+            let eps = v["endpoints"].as_array().cloned().unwrap_or_default();
+            let tokenizer_ready = v["worker_sets"][0]["tokenizer"]["state"] == "checked";
+            if eps.len() == engines
+                && tokenizer_ready
+                && eps.iter().all(|e| {
+                    e["kv"]
+                        .as_array()
+                        .is_some_and(|k| k.iter().all(|s| s["connected"] == true) && !k.is_empty())
+                })
+            {
+                return Ok(());
+            }
+        }
+        if tokio::time::Instant::now() > deadline {
+            bail!("the router did not connect to every engine's KV events within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+pub(crate) fn run(root: &Path, opts: &RoutingOptions) -> Result<ExitCode> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        tokio::select! {
+            r = routing(root, opts) => r.map(|_| ExitCode::SUCCESS),
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("\ninterrupted: stopping everything the benchmark started");
+                Ok(ExitCode::from(130))
+            }
+        }
+    })
+}
+
+/// Runs the benchmark and returns its rows (also written to `opts.out`).
+pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Row>> {
+    for p in &opts.policies {
+        if !POLICIES.contains(&p.as_str()) {
+            bail!("unknown policy {p:?}; known: {}", POLICIES.join(", "));
+        }
+    }
+    let fleet = Fleet::new(opts.engines, opts.scale, opts.population);
+    let bin = if let Some(dir) = &opts.bin_dir {
+        dir.clone()
+    } else {
+        println!(
+            "building kinference-sim and kinference-router ({})…",
+            if opts.release { "release" } else { "debug" }
+        );
+        procs::build(root, opts.release, &["kinference-sim", "kinference-router"])?
+    };
+    std::fs::create_dir_all(&opts.out)?;
+    let logs = opts.out.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let manifests = opts.out.join("manifests");
+    std::fs::create_dir_all(&manifests)?;
+    std::fs::write(
+        manifests.join("bench.yaml"),
+        fleet.manifests(root, opts.port_base),
+    )?;
+    let ticks = clock_ticks();
+    let engines: Vec<String> = (0..opts.engines)
+        .map(|i| format!("http://127.0.0.1:{}", http_port(opts.port_base, i)))
+        .collect();
+    let load_before = loadavg();
+    println!(
+        "fleet: {} simulated engines, token scale k = {} (prompts and KV ÷ {k}, per-token costs × {k}), population ÷ {} (groups and KV); step = {} ms + {:.3} ms/prompt token + {:.3} ms/decoding sequence, ≤ {} tokens; {} KV blocks of {} tokens per engine",
+        fleet.engines,
+        fleet.scale.k,
+        fleet.population,
+        fleet.step.base_ms,
+        fleet.step.prefill_ms_per_token,
+        fleet.step.decode_ms_per_seq,
+        fleet.step.budget,
+        fleet.num_gpu_blocks,
+        fleet.step.block_size,
+        k = fleet.scale.k,
+    );
+    println!(
+        "prefill capacity: {:.0} real tokens/s per engine, {:.0} for the fleet; load average {load_before}",
+        fleet.prefill_tokens_per_s(),
+        fleet.prefill_tokens_per_s() * fleet.engines as f64
+    );
+    let mut meta = json!({
+        "fleet": fleet,
+        "unscaled": {"step_base_ms": STEP_BASE_MS, "prefill_ms_per_token": PREFILL_MS_PER_TOKEN,
+                      "decode_ms_per_seq": DECODE_MS_PER_SEQ, "step_token_budget": STEP_TOKEN_BUDGET,
+                      "kv_tokens_per_engine": KV_TOKENS_PER_ENGINE},
+        "prefill_tokens_per_s_per_engine": fleet.prefill_tokens_per_s(),
+        "warmup_s": opts.warmup.as_secs_f64(),
+        "measure_s": opts.measure.as_secs_f64(),
+        "drain_s": opts.drain.as_secs_f64(),
+        "repeat": opts.repeat,
+        "seed": opts.seed,
+        "load_average_before": load_before,
+        "workloads": {},
+    });
+    let mut rows: Vec<Row> = Vec::new();
+    for &kind in &opts.workloads {
+        let w = fleet.workload(kind);
+        let knee = fleet.knee(&w);
+        let rates: Vec<f64> = match (&opts.rates, &opts.loads) {
+            (Some(r), _) => r.clone(),
+            (None, Some(l)) => l.iter().map(|x| x * knee).collect(),
+            (None, None) => default_loads(kind, opts.quick)
+                .iter()
+                .map(|x| x * knee)
+                .collect(),
+        };
+        meta["workloads"][kind.name()] = json!({
+            "shape_real_tokens": w,
+            "knee_req_per_s": knee,
+            "knee_with_reuse_req_per_s": fleet.knee_with_reuse(&w),
+            "resident_tokens_real": w.resident_tokens(),
+            "resident_fraction_of_fleet_kv": w.resident_tokens() / (fleet.kv_tokens_per_engine() * opts.engines as f64),
+            "rates": rates,
+        });
+        let with_reuse = fleet.knee_with_reuse(&w);
+        println!(
+            "\n== {}: knee {knee:.2} req/s (prefill-bound with no reuse: {:.0} prompt tokens each); with perfect reuse {}; resident set {:.0}% of the fleet's KV; rates {}",
+            kind.name(),
+            w.mean_prompt_tokens(),
+            if with_reuse > 20.0 * knee {
+                "prefill is not the limit".to_owned()
+            } else {
+                format!("{with_reuse:.1} req/s")
+            },
+            100.0 * w.resident_tokens() / (fleet.kv_tokens_per_engine() * opts.engines as f64),
+            rates
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for &rate in &rates {
+            let plan = workload::plan(&w, fleet.scale, rate, opts.warmup, opts.measure, opts.seed);
+            for repeat in 0..opts.repeat {
+                for policy in &opts.policies {
+                    let tag = format!("{}-{rate:.2}-{policy}-{repeat}", kind.name());
+                    let row = one_run(
+                        &bin,
+                        &fleet,
+                        opts,
+                        &engines,
+                        &manifests,
+                        &logs,
+                        &plan,
+                        policy,
+                        ticks,
+                        &tag,
+                        (kind.name(), rate, rate / knee, repeat),
+                    )
+                    .await
+                    .with_context(|| format!("run {tag}; logs in {}", logs.display()))?;
+                    println!(
+                        "  {:<20} {rate:>6.2} req/s  reqs {:>4} ok {:>4}  hit {:>5.1}%  TTFT p50 {:>7.0} p90 {:>7.0} p99 {:>7.0} ms  ITL {:>5.1} ms  {:>6.2} req/s  CPU {:>5.0} µs/req  [load {}]",
+                        policy,
+                        row.requests,
+                        row.ok,
+                        row.hit_rate * 100.0,
+                        row.ttft_p50_ms,
+                        row.ttft_p90_ms,
+                        row.ttft_p99_ms,
+                        row.itl_p50_ms,
+                        row.req_per_s,
+                        row.router_cpu_us_per_req,
+                        loadavg()
+                    );
+                    rows.push(row);
+                    meta["load_average_after"] = json!(loadavg());
+                    report::write_all(&opts.out, &meta, &rows)?;
+                }
+                check_fingerprints(&rows, kind.name(), rate);
+            }
+        }
+    }
+    println!("{}\n{}", report::table(&rows), report::goals(&rows));
+    let files = report::write_all(&opts.out, &meta, &rows)?;
+    println!(
+        "load average before {load_before}, after {}; wrote {}",
+        loadavg(),
+        files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(rows)
+}
+
+/// Warns when policies did not replay identical streams.
+fn check_fingerprints(rows: &[Row], workload: &str, rate: f64) {
+    let prints: Vec<(&str, &str)> = rows
+        .iter()
+        .filter(|r| r.workload == workload && (r.rate - rate).abs() < 1e-9)
+        .map(|r| (r.policy.as_str(), r.fingerprint.as_str()))
+        .collect();
+    if let Some((_, first)) = prints.first()
+        && prints.iter().any(|(_, f)| f != first)
+    {
+        println!("  warning: request streams differ across policies: {prints:?}");
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn one_run(
+    bin: &Path,
+    fleet: &Fleet,
+    opts: &RoutingOptions,
+    engines: &[String],
+    manifests: &Path,
+    logs: &Path,
+    plan: &workload::Plan,
+    policy: &str,
+    ticks: f64,
+    tag: &str,
+    key: (&str, f64, f64, u32),
+) -> Result<Row> {
+    let mut sim = Proc::spawn(
+        "kinference-sim",
+        &bin.join("kinference-sim"),
+        &fleet.sim_args(opts.port_base),
+        &logs.join(format!("sim-{tag}.log")),
+    )?;
+    for e in engines {
+        procs::wait_ok(&format!("{e}/health"), Duration::from_secs(30), &mut sim)
+            .await
+            .context("the simulator did not start")?;
+    }
+    let admin = admin_addr(opts.port_base);
+    let mut router = None;
+    let route = if policy == "oracle" {
+        Route::Oracle(std::sync::Arc::new(Oracle::new(
+            engines.to_vec(),
+            fleet.step,
+        )))
+    } else {
+        let args: Vec<String> = [
+            "serve",
+            "--manifests",
+            &manifests.display().to_string(),
+            "--pool",
+            "bench",
+            "--listen",
+            &listen_addr(opts.port_base),
+            "--admin",
+            &admin,
+            "--policy",
+            policy,
+            "--scrape-interval-s",
+            "1",
+        ]
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+        let mut r = Proc::spawn(
+            "kinference-router",
+            &bin.join("kinference-router"),
+            &args,
+            &logs.join(format!("router-{tag}.log")),
+        )?;
+        procs::wait_ok(
+            &format!("http://{admin}/readyz"),
+            Duration::from_secs(30),
+            &mut r,
+        )
+        .await
+        .context("the router did not become ready")?;
+        wait_connected(&admin, engines.len(), &mut r).await?;
+        router = Some(r);
+        Route::Router(
+            format!("http://{}", listen_addr(opts.port_base)),
+            opts.explain,
+        )
+    };
+    let pid = router.as_ref().and_then(Proc::pid);
+    let (samples, (counters_before, cpu_before)) =
+        drive::drive(plan, &route, MODEL, opts.drain, || async {
+            (
+                load::prefix_cache_counters(engines).await,
+                pid.and_then(|p| cpu_seconds(p, ticks)),
+            )
+        })
+        .await;
+    let counters_after = load::prefix_cache_counters(engines).await;
+    // Every request's outcome, one JSON object a line, for analysis.
+    let lines: Vec<String> = samples
+        .iter()
+        .filter_map(|s| serde_json::to_string(s).ok())
+        .collect();
+    let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
+    let cpu_after = pid.and_then(|p| cpu_seconds(p, ticks));
+    if policy == "kinference" {
+        // Keep the last decisions for looking into predictions afterwards.
+        if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/explain")).await {
+            let _ = std::fs::write(logs.join(format!("explain-{tag}.json")), &body);
+        }
+    }
+    if let Some(r) = router {
+        r.stop().await;
+    }
+    sim.stop().await;
+    let queries = counters_after.1 - counters_before.1;
+    let window = Window {
+        hit_rate: if queries > 0.0 {
+            (counters_after.0 - counters_before.0) / queries
+        } else {
+            0.0
+        },
+        router_cpu_s: cpu_before.zip(cpu_after).map(|(b, a)| a - b),
+    };
+    let (workload, rate, load, repeat) = key;
+    Ok(report::summarize(
+        &samples,
+        window,
+        plan.measure.as_secs_f64(),
+        (workload, rate, load, policy, repeat),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_stat_cpu_fields() {
+        let stat = "1234 (kinference-ro ter) S 1 1234 1234 0 -1 4194560 2040 0 0 0 250 37 0 0 20 0 9 0 5263 1220608000 4521 18446744073709551615";
+        assert_eq!(parse_cpu_ticks(stat), Some(287));
+        assert_eq!(parse_cpu_ticks("garbage"), None);
+        let own = cpu_seconds(std::process::id(), 100.0);
+        assert!(own.is_some_and(|s| s >= 0.0));
+    }
+
+    #[test]
+    fn the_scaled_fleet_keeps_prefill_time_and_llm_d_s_kv_ratio() {
+        let f = Fleet::new(8, 10, 1);
+        assert_eq!(f.step.budget, 204);
+        assert!((f.step.prefill_ms_per_token - 0.86).abs() < 1e-12);
+        assert!((f.step.decode_ms_per_seq - 0.65).abs() < 1e-12);
+        // 30,732 scaled tokens = 1,921 blocks, + the null block.
+        assert_eq!(f.num_gpu_blocks, 1922);
+        // Same real prefill throughput scaled and unscaled (within the
+        // budget's rounding).
+        let unscaled = Fleet::new(8, 1, 1).prefill_tokens_per_s();
+        assert!((f.prefill_tokens_per_s() / unscaled - 1.0).abs() < 0.01);
+        // Knee of the shared-prefix workload: 8 × ~11.3k ÷ 7,200 ≈ 12.6/s.
+        let knee = f.knee(&Workload::of(WorkloadKind::SharedPrefix));
+        assert!((knee - 12.56).abs() < 0.1, "{knee}");
+        // A fifth of the groups and of the KV: 6,146 tokens in 385 blocks,
+        // + the null block.
+        let small = Fleet::new(8, 10, 5);
+        assert_eq!(small.num_gpu_blocks, 386);
+        assert!((small.knee(&small.workload(WorkloadKind::SharedPrefix)) - knee).abs() < 1e-9);
+    }
+
+    /// The whole harness for a few seconds: two debug-built engines, ours
+    /// and the oracle, then the output files parsed back.
+    #[test]
+    fn smoke_two_engines_two_policies() {
+        let root = crate::workspace_root();
+        // This test's target dir is locked by the cargo that runs it: build
+        // the binaries into a directory of their own next to it.
+        let exe = std::env::current_exe().expect("test binary path");
+        let target = exe
+            .ancestors()
+            .nth(3)
+            .expect("target/debug/deps/xtask-… lives three levels down")
+            .join("xtask-smoke");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let status = std::process::Command::new(cargo)
+            .current_dir(&root)
+            .env("CARGO_TARGET_DIR", &target)
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "kinference-sim",
+                "-p",
+                "kinference-router",
+            ])
+            .status()
+            .expect("runs cargo");
+        assert!(
+            status.success(),
+            "building kinference-sim and kinference-router failed"
+        );
+        let out = tempfile::tempdir().expect("tempdir");
+        let opts = RoutingOptions {
+            workloads: vec![WorkloadKind::SharedPrefix],
+            loads: Some(vec![0.5]),
+            policies: vec!["kinference".into(), "oracle".into()],
+            engines: 2,
+            warmup: Duration::from_secs(1),
+            measure: Duration::from_secs(4),
+            drain: Duration::from_secs(30),
+            out: out.path().to_path_buf(),
+            release: false,
+            port_base: 18900,
+            bin_dir: Some(target.join("debug")),
+            ..RoutingOptions::defaults(&root)
+        };
+        let rt = tokio::runtime::Runtime::new().expect("runtime");
+        let rows = rt
+            .block_on(routing(&root, &opts))
+            .expect("the benchmark runs");
+        assert_eq!(rows.len(), 2);
+        for r in &rows {
+            assert!(r.requests > 0 && r.ok == r.requests, "{r:?}");
+            assert!(r.ttft_p90_ms > 0.0 && r.ttft_p90_ms.is_finite(), "{r:?}");
+            assert!((0.0..=1.0).contains(&r.hit_rate), "{r:?}");
+        }
+        assert!(rows[0].router_cpu_us_per_req > 0.0, "{:?}", rows[0]);
+        assert!(rows[1].router_cpu_us_per_req.is_nan());
+        assert_eq!(
+            rows[0].fingerprint, rows[1].fingerprint,
+            "identical streams"
+        );
+        let csv = std::fs::read_to_string(out.path().join("results.csv")).expect("csv written");
+        assert_eq!(csv.lines().count(), 3);
+        let json: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(out.path().join("results.json")).expect("json written"),
+        )
+        .expect("json parses");
+        assert_eq!(json["rows"].as_array().map(Vec::len), Some(2));
+        let back: Vec<Row> = serde_json::from_value(json["rows"].clone()).expect("rows parse");
+        assert_eq!(back[1].policy, "oracle");
+        assert!(
+            json["meta"]["workloads"]["shared-prefix"]["knee_req_per_s"]
+                .as_f64()
+                .is_some_and(|k| k > 0.0)
+        );
+        for f in ["shared-prefix-ttft-p90.svg", "shared-prefix-hit-rate.svg"] {
+            let svg = std::fs::read_to_string(out.path().join(f)).expect("plot written");
+            assert!(svg.starts_with("<svg") && svg.contains("oracle"), "{f}");
+        }
+        let samples = std::fs::read_dir(out.path().join("logs"))
+            .expect("logs")
+            .filter(|e| {
+                e.as_ref()
+                    .is_ok_and(|e| e.file_name().to_string_lossy().starts_with("samples-"))
+            })
+            .count();
+        assert_eq!(samples, 2);
+    }
+
+    #[test]
+    fn manifests_list_every_engine_and_the_scaled_profile() {
+        let f = Fleet::new(3, 10, 5);
+        let y = f.manifests(Path::new("/repo"), 19000);
+        assert_eq!(y.matches("kind: EndpointSlice").count(), 3);
+        assert!(y.contains("port: 19002}, {name: kv, port: 19102}"));
+        assert!(y.contains("prefillTokensPerSecond: 1162.8"));
+        assert!(y.contains("path: /repo/examples/word-level"));
+    }
+}

@@ -1,0 +1,590 @@
+//! Workloads as deterministic request plans.
+//!
+//! A [`Plan`] is a pure function of the workload, the rate, the durations and
+//! the seed: every policy replays the same arrivals with the same prompts.
+//! Multi-turn conversations append the engine's answers to their history;
+//! the simulator answers a prompt identically on every engine (same seed,
+//! same prompt, same output), so those histories are identical too, which
+//! each run's fingerprint checks.
+//!
+//! Prompts are words of the word-level tokenizer (`w0`…`w65535`, one token
+//! each). Sizes are given in real tokens (as llm-d publishes them) and
+//! divided by the token scale `k` (see [`Scale`]).
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{Value, json};
+
+/// The word-level tokenizer's vocabulary of words.
+const WORDS: u64 = 65_536;
+
+/// How the benchmark shrinks the workload to fit two cores: token counts
+/// ÷ `k`, per-token costs × `k`.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub(crate) struct Scale {
+    pub k: u32,
+}
+
+impl Scale {
+    /// `real` tokens in scaled tokens (at least 1).
+    pub(crate) fn tokens(self, real: u32) -> u32 {
+        (real / self.k.max(1)).max(1)
+    }
+}
+
+/// The workloads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub(crate) enum WorkloadKind {
+    /// llm-d's shared-prefix workload: groups of users sharing a long system
+    /// prompt, each user asking the same question again.
+    SharedPrefix,
+    /// Chats whose history grows each turn.
+    MultiTurn,
+    /// Every prompt distinct: routing can only balance load.
+    NoReuse,
+}
+
+impl WorkloadKind {
+    pub(crate) const ALL: [Self; 3] = [Self::SharedPrefix, Self::MultiTurn, Self::NoReuse];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::SharedPrefix => "shared-prefix",
+            Self::MultiTurn => "multi-turn",
+            Self::NoReuse => "no-reuse",
+        }
+    }
+}
+
+/// A workload's shape in real tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub(crate) enum Workload {
+    /// `groups` × `prompts_per_group` distinct prompts (system prompt of the
+    /// group + the user's question); each arrival picks one uniformly.
+    SharedPrefix {
+        groups: u32,
+        prompts_per_group: u32,
+        system_tokens: u32,
+        question_tokens: u32,
+        output_tokens: u32,
+    },
+    /// `groups` × `users_per_group` conversations; a group shares a system
+    /// prompt; each turn adds `user_tokens` and the answer; after `turns`
+    /// turns a conversation starts over with a new user. Conversations start
+    /// staggered at turns 0..turns with a synthetic earlier history, so the
+    /// run is in steady state from the start.
+    MultiTurn {
+        groups: u32,
+        users_per_group: u32,
+        system_tokens: u32,
+        user_tokens: u32,
+        output_tokens: u32,
+        turns: u32,
+    },
+    /// A fresh random prompt per request.
+    NoReuse {
+        prompt_tokens: u32,
+        output_tokens: u32,
+    },
+}
+
+impl Workload {
+    /// The benchmark's definition of each workload, in real tokens.
+    pub(crate) fn of(kind: WorkloadKind) -> Self {
+        match kind {
+            // llm-d's published shared-prefix benchmark (inference-perf
+            // `shared_prefix`: 150 groups × 5 prompts, 6,000-token system
+            // prompt, 1,200-token question, 1,000-token answer).
+            WorkloadKind::SharedPrefix => Self::SharedPrefix {
+                groups: 150,
+                prompts_per_group: 5,
+                system_tokens: 6_000,
+                question_tokens: 1_200,
+                output_tokens: 1_000,
+            },
+            // Sized like the shared-prefix workload: its resident set is
+            // about 75 % of the fleet's KV at llm-d's capacity.
+            WorkloadKind::MultiTurn => Self::MultiTurn {
+                groups: 40,
+                users_per_group: 16,
+                system_tokens: 2_000,
+                user_tokens: 400,
+                output_tokens: 300,
+                turns: 8,
+            },
+            WorkloadKind::NoReuse => Self::NoReuse {
+                prompt_tokens: 7_200,
+                output_tokens: 1_000,
+            },
+        }
+    }
+
+    /// The workload with `p`× fewer groups (at least one), for a fleet with
+    /// `p`× less KV: the resident set keeps its share of the fleet's KV and
+    /// the caches warm `p`× sooner.
+    pub(crate) fn with_population(self, p: u32) -> Self {
+        let p = p.max(1);
+        match self {
+            Self::SharedPrefix {
+                groups,
+                prompts_per_group,
+                system_tokens,
+                question_tokens,
+                output_tokens,
+            } => Self::SharedPrefix {
+                groups: (groups / p).max(1),
+                prompts_per_group,
+                system_tokens,
+                question_tokens,
+                output_tokens,
+            },
+            Self::MultiTurn {
+                groups,
+                users_per_group,
+                system_tokens,
+                user_tokens,
+                output_tokens,
+                turns,
+            } => Self::MultiTurn {
+                groups: (groups / p).max(1),
+                users_per_group,
+                system_tokens,
+                user_tokens,
+                output_tokens,
+                turns,
+            },
+            Self::NoReuse { .. } => self,
+        }
+    }
+
+    /// Mean prompt tokens per request (real), for the knee.
+    pub(crate) fn mean_prompt_tokens(&self) -> f64 {
+        match *self {
+            Self::SharedPrefix {
+                system_tokens,
+                question_tokens,
+                ..
+            } => f64::from(system_tokens + question_tokens),
+            Self::MultiTurn {
+                system_tokens,
+                user_tokens,
+                output_tokens,
+                turns,
+                ..
+            } => {
+                // Turn t carries t earlier exchanges.
+                let mean_history = f64::from(turns - 1) / 2.0;
+                f64::from(system_tokens)
+                    + f64::from(user_tokens)
+                    + mean_history * f64::from(user_tokens + output_tokens)
+            }
+            Self::NoReuse { prompt_tokens, .. } => f64::from(prompt_tokens),
+        }
+    }
+
+    /// Mean prompt tokens per request that no routing can avoid computing
+    /// (real), for the knee with perfect reuse: new text only.
+    pub(crate) fn mean_new_tokens(&self) -> f64 {
+        match *self {
+            // Exact repeats: in steady state only the last token.
+            Self::SharedPrefix { .. } => 1.0,
+            Self::MultiTurn { user_tokens, .. } => f64::from(user_tokens),
+            Self::NoReuse { prompt_tokens, .. } => f64::from(prompt_tokens),
+        }
+    }
+
+    /// KV tokens the workload keeps resident with perfect placement (real).
+    pub(crate) fn resident_tokens(&self) -> f64 {
+        match *self {
+            Self::SharedPrefix {
+                groups,
+                prompts_per_group,
+                system_tokens,
+                question_tokens,
+                ..
+            } => f64::from(groups) * f64::from(system_tokens + prompts_per_group * question_tokens),
+            Self::MultiTurn {
+                groups,
+                users_per_group,
+                system_tokens,
+                user_tokens,
+                output_tokens,
+                turns,
+            } => {
+                let convs = f64::from(groups * users_per_group);
+                f64::from(groups) * f64::from(system_tokens)
+                    + convs * f64::from(turns) / 2.0 * f64::from(user_tokens + output_tokens)
+            }
+            Self::NoReuse { .. } => 0.0,
+        }
+    }
+}
+
+/// What one arrival sends.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Body {
+    /// `/v1/completions` with this prompt.
+    Completion { prompt: String, max_tokens: u32 },
+    /// `/v1/chat/completions`: a turn of `conversation`. With `restart`, the
+    /// conversation's history is first replaced by these messages.
+    ChatTurn {
+        conversation: usize,
+        restart: Option<Vec<Value>>,
+        user: String,
+        max_tokens: u32,
+    },
+}
+
+/// One request of a plan.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Arrival {
+    /// Position in the plan.
+    pub index: usize,
+    /// When to send it, from the start of the run.
+    pub at: Duration,
+    pub body: Body,
+    /// What it is, for per-request analysis: `g3p1` (group 3, prompt 1),
+    /// `c12t4` (conversation 12, turn 4), `n17`.
+    pub label: String,
+}
+
+/// A run's requests: arrivals in `[0, warmup + measure)`; those before
+/// `warmup` warm the caches and are not counted.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Plan {
+    pub arrivals: Vec<Arrival>,
+    pub warmup: Duration,
+    pub measure: Duration,
+    /// Conversations (multi-turn), 0 otherwise.
+    pub conversations: usize,
+}
+
+/// SplitMix64: small, seedable, stable.
+#[derive(Clone, Debug)]
+pub(crate) struct SplitMix(pub u64);
+
+impl SplitMix {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1).
+    pub(crate) fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next() % n }
+    }
+}
+
+/// `n` pseudo-random words drawn from a generator seeded by `key`.
+pub(crate) fn words(key: u64, n: u32) -> String {
+    let mut rng = SplitMix(key ^ 0x5157_4f52_4453);
+    let mut s = String::with_capacity(n as usize * 6);
+    for i in 0..n {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push('w');
+        s.push_str(&(rng.next() % WORDS).to_string());
+    }
+    s
+}
+
+/// A key for `words` from a namespace and two indices.
+fn key(space: u64, a: u64, b: u64) -> u64 {
+    let mut r =
+        SplitMix(space.wrapping_mul(0x100_0000_01B3) ^ a.rotate_left(21) ^ b.rotate_left(42));
+    r.next()
+}
+
+/// Poisson arrival times at `rate` per second in `[0, total)`.
+pub(crate) fn arrival_times(rate: f64, total: Duration, seed: u64) -> Vec<Duration> {
+    let mut rng = SplitMix(seed ^ 0xA221_7A15);
+    let mut t = 0.0;
+    let end = total.as_secs_f64();
+    let mut out = Vec::new();
+    if rate <= 0.0 {
+        return out;
+    }
+    loop {
+        t += -(1.0 - rng.unit()).ln() / rate;
+        if t >= end {
+            return out;
+        }
+        out.push(Duration::from_secs_f64(t));
+    }
+}
+
+/// The plan of `workload` (real tokens, scaled by `scale`) at `rate`.
+pub(crate) fn plan(
+    workload: &Workload,
+    scale: Scale,
+    rate: f64,
+    warmup: Duration,
+    measure: Duration,
+    seed: u64,
+) -> Plan {
+    let times = arrival_times(rate, warmup + measure, seed);
+    let mut pick = SplitMix(seed ^ 0x0C40_1CE5);
+    let mut arrivals = Vec::with_capacity(times.len());
+    let mut conversations = 0;
+    match *workload {
+        Workload::SharedPrefix {
+            groups,
+            prompts_per_group,
+            system_tokens,
+            question_tokens,
+            output_tokens,
+        } => {
+            let (sys, q, out) = (
+                scale.tokens(system_tokens),
+                scale.tokens(question_tokens),
+                scale.tokens(output_tokens),
+            );
+            for (index, at) in times.into_iter().enumerate() {
+                let g = pick.below(u64::from(groups));
+                let p = pick.below(u64::from(prompts_per_group));
+                let prompt = format!("{} {}", words(key(1, g, 0), sys), words(key(2, g, p), q));
+                arrivals.push(Arrival {
+                    index,
+                    at,
+                    body: Body::Completion {
+                        prompt,
+                        max_tokens: out,
+                    },
+                    label: format!("g{g}p{p}"),
+                });
+            }
+        }
+        Workload::NoReuse {
+            prompt_tokens,
+            output_tokens,
+        } => {
+            let (n, out) = (scale.tokens(prompt_tokens), scale.tokens(output_tokens));
+            for (index, at) in times.into_iter().enumerate() {
+                let prompt = words(key(3, seed, index as u64), n);
+                arrivals.push(Arrival {
+                    index,
+                    at,
+                    body: Body::Completion {
+                        prompt,
+                        max_tokens: out,
+                    },
+                    label: format!("n{index}"),
+                });
+            }
+        }
+        Workload::MultiTurn {
+            groups,
+            users_per_group,
+            system_tokens,
+            user_tokens,
+            output_tokens,
+            turns,
+        } => {
+            let (sys, user, out) = (
+                scale.tokens(system_tokens),
+                scale.tokens(user_tokens),
+                scale.tokens(output_tokens),
+            );
+            let n = (groups * users_per_group) as usize;
+            conversations = n;
+            let turns = turns.max(1);
+            // A fixed visiting order: conversation order[i % n] takes arrival i.
+            let mut order: Vec<usize> = (0..n).collect();
+            for i in (1..n).rev() {
+                let j = pick.below(i as u64 + 1) as usize;
+                order.swap(i, j);
+            }
+            // Per conversation: the user generation and the next turn.
+            let mut generation = vec![0u64; n];
+            let mut turn: Vec<u32> = (0..n).map(|c| c as u32 % turns).collect();
+            let mut started = vec![false; n];
+            for (index, at) in times.into_iter().enumerate() {
+                let c = order[index % n];
+                let group = c as u64 / u64::from(users_per_group);
+                if turn[c] >= turns {
+                    turn[c] = 0;
+                    generation[c] += 1;
+                    started[c] = false;
+                }
+                let user_id = (c as u64) << 20 | generation[c];
+                let restart = (!started[c]).then(|| {
+                    let mut m = vec![json!({"role": "system", "content": words(key(4, group, 0), sys)})];
+                    // A synthetic earlier history for staggered starts.
+                    for t in 0..turn[c] {
+                        m.push(json!({"role": "user", "content": words(key(5, user_id, u64::from(t)), user)}));
+                        m.push(json!({"role": "assistant", "content": words(key(6, user_id, u64::from(t)), out)}));
+                    }
+                    m
+                });
+                started[c] = true;
+                arrivals.push(Arrival {
+                    index,
+                    at,
+                    body: Body::ChatTurn {
+                        conversation: c,
+                        restart,
+                        user: words(key(5, user_id, u64::from(turn[c])), user),
+                        max_tokens: out,
+                    },
+                    label: format!("c{c}t{}", turn[c]),
+                });
+                turn[c] += 1;
+            }
+        }
+    }
+    Plan {
+        arrivals,
+        warmup,
+        measure,
+        conversations,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan_of(kind: WorkloadKind, seed: u64) -> Plan {
+        plan(
+            &Workload::of(kind).with_population(5),
+            Scale { k: 10 },
+            8.0,
+            Duration::from_secs(5),
+            Duration::from_secs(20),
+            seed,
+        )
+    }
+
+    #[test]
+    fn plans_are_identical_for_a_seed_and_differ_across_seeds() {
+        for kind in WorkloadKind::ALL {
+            let a = plan_of(kind, 7);
+            assert_eq!(a, plan_of(kind, 7), "{kind:?}");
+            assert_ne!(a, plan_of(kind, 8), "{kind:?}");
+            assert!(!a.arrivals.is_empty());
+        }
+    }
+
+    #[test]
+    fn arrivals_are_poisson_at_the_rate() {
+        let t = arrival_times(50.0, Duration::from_secs(200), 1);
+        let n = t.len() as f64;
+        // 10,000 expected; a Poisson count's sd is 100.
+        assert!((n - 10_000.0).abs() < 400.0, "{n}");
+        assert!(t.windows(2).all(|w| w[0] <= w[1]));
+        assert!(t.last().is_some_and(|l| *l < Duration::from_secs(200)));
+        // Exponential gaps: the mean gap is 1/rate and about 36.8 % exceed it.
+        let gaps: Vec<f64> = t
+            .windows(2)
+            .map(|w| w[1].saturating_sub(w[0]).as_secs_f64())
+            .collect();
+        let over = gaps.iter().filter(|g| **g > 0.02).count() as f64 / gaps.len() as f64;
+        assert!((over - (-1.0f64).exp()).abs() < 0.02, "{over}");
+    }
+
+    #[test]
+    fn shared_prefix_prompts_share_their_group_prefix_at_scale() {
+        let p = plan_of(WorkloadKind::SharedPrefix, 3);
+        let prompts: Vec<&str> = p
+            .arrivals
+            .iter()
+            .map(|a| match &a.body {
+                Body::Completion { prompt, max_tokens } => {
+                    assert_eq!(*max_tokens, 100);
+                    prompt.as_str()
+                }
+                Body::ChatTurn { .. } => panic!("completions expected"),
+            })
+            .collect();
+        for pr in &prompts {
+            assert_eq!(pr.split(' ').count(), 600 + 120);
+        }
+        // 30 × 5 distinct prompts; 200 arrivals repeat some and share
+        // system prompts within a group (600 words).
+        let systems: std::collections::HashSet<String> = prompts
+            .iter()
+            .map(|p| p.split(' ').take(600).collect::<Vec<_>>().join(" "))
+            .collect();
+        assert_eq!(systems.len(), 30);
+        let distinct: std::collections::HashSet<&&str> = prompts.iter().collect();
+        assert!(distinct.len() <= 150 && distinct.len() < prompts.len());
+    }
+
+    #[test]
+    fn no_reuse_prompts_are_distinct() {
+        let p = plan_of(WorkloadKind::NoReuse, 3);
+        let firsts: std::collections::HashSet<String> = p
+            .arrivals
+            .iter()
+            .map(|a| match &a.body {
+                Body::Completion { prompt, .. } => prompt.split(' ').take(4).collect::<String>(),
+                Body::ChatTurn { .. } => panic!("completions expected"),
+            })
+            .collect();
+        assert_eq!(firsts.len(), p.arrivals.len());
+    }
+
+    #[test]
+    fn multi_turn_visits_conversations_in_a_cycle_and_restarts_each_once() {
+        let p = plan_of(WorkloadKind::MultiTurn, 3);
+        assert_eq!(p.conversations, 128);
+        let mut seen = vec![0usize; 128];
+        for a in &p.arrivals {
+            let Body::ChatTurn {
+                conversation,
+                restart,
+                user,
+                max_tokens,
+            } = &a.body
+            else {
+                panic!("chat expected")
+            };
+            assert_eq!(user.split(' ').count(), 40);
+            assert_eq!(*max_tokens, 30);
+            // The first visit carries the (staggered) history; later ones
+            // only when the conversation starts over.
+            if seen[*conversation] == 0 {
+                let m = restart.as_ref().expect("first visit restarts");
+                assert_eq!(m.len(), 1 + 2 * (*conversation % 8));
+            }
+            seen[*conversation] += 1;
+        }
+        let (lo, hi) = (seen.iter().min(), seen.iter().max());
+        assert!(hi.zip(lo).is_some_and(|(h, l)| h - l <= 1), "{seen:?}");
+    }
+
+    #[test]
+    fn scale_divides_tokens_and_keeps_at_least_one() {
+        let s = Scale { k: 10 };
+        assert_eq!(s.tokens(6_000), 600);
+        assert_eq!(s.tokens(5), 1);
+        assert_eq!(Scale { k: 1 }.tokens(1_200), 1_200);
+    }
+
+    #[test]
+    fn the_shared_prefix_working_set_is_llm_d_s() {
+        let w = Workload::of(WorkloadKind::SharedPrefix);
+        assert!((w.resident_tokens() - 1_800_000.0).abs() < 1e-6);
+        assert!((w.mean_prompt_tokens() - 7_200.0).abs() < 1e-6);
+        let small = w.with_population(5);
+        assert!((small.resident_tokens() - 360_000.0).abs() < 1e-6);
+        // Multi-turn's resident set is about as large.
+        let m = Workload::of(WorkloadKind::MultiTurn);
+        assert!(
+            (m.resident_tokens() / w.resident_tokens() - 1.0).abs() < 0.1,
+            "{}",
+            m.resident_tokens()
+        );
+    }
+}
