@@ -208,6 +208,8 @@ pub struct KvReport {
     pub replays: u64,
     /// Publisher restarts seen.
     pub restarts: u64,
+    /// Anchored checks after reconnects and idle spells.
+    pub checks: u64,
     /// Undecodable batches.
     pub decode_errors: u64,
     /// Blocks the index holds for it.
@@ -226,6 +228,7 @@ impl KvReport {
             gaps: h.gaps,
             replays: h.replays,
             restarts: h.restarts,
+            checks: h.checks,
             decode_errors: h.decode_errors,
             blocks_held: h.blocks_held,
             observed_widths: h.observed_widths.clone(),
