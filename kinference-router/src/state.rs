@@ -48,7 +48,8 @@ pub struct Config {
     /// few microseconds with the prefix cache warm); larger ones on the
     /// blocking pool under `tokenize_timeout`.
     pub tokenize_inline_bytes: usize,
-    /// Longest wait for an engine's response headers.
+    /// Longest wait for an engine's response headers, and between two chunks
+    /// of a streamed response.
     pub upstream_timeout: Duration,
     /// Attempts per request on different endpoints (connect failures, 503).
     pub max_attempts: usize,
