@@ -206,7 +206,8 @@ impl Endpoint {
         }
     }
 
-    /// Records whether a probe (or a `/tokenize` call) reached the engine.
+    /// Records whether a probe (or a `/tokenize` call that failed to
+    /// connect) reached the engine.
     ///
     /// [`PROBE_FAILURES_TO_EJECT`] unreachable probes in a row eject the
     /// endpoint (with the same growing backoff as failed requests) and wake

@@ -112,12 +112,9 @@ pub async fn ids(
             )
             .await
             {
-                Err(_) => {
-                    // No answer in time is what a hung engine looks like:
-                    // it counts as a failed probe.
-                    e.record_probe(false, Instant::now());
-                    Err("timeout")
-                }
+                // Not a probe failure: a busy engine tokenizes slowly, and
+                // taking busy engines out would pile their load on the rest.
+                Err(_) => Err("timeout"),
                 Ok(Err(err)) => {
                     // The error never carries the engine's answer: it may
                     // quote the prompt.

@@ -8,7 +8,6 @@
 
 mod support;
 
-use std::io::Read as _;
 use std::path::Path;
 use std::time::Duration;
 
@@ -439,47 +438,14 @@ async fn mutated_bodies_through_the_router_get_2xx_or_4xx() {
 /// carrying `marker` in every place a prompt can be (and some that fail in
 /// the router, the tokenizer and the engine), and returns its log.
 async fn router_log(sim: &kinference_sim::SimHandle, level: &str, marker: &str) -> String {
-    let dir = tempfile::tempdir().unwrap();
-    write_manifests(dir.path(), &manifests_yaml(&[EngineAddr::of(sim)], &WorkerSetOpts::default()));
-    let log = dir.path().join("router.log");
-    let port = |l: std::net::TcpListener| l.local_addr().unwrap().port();
-    let api = port(std::net::TcpListener::bind("127.0.0.1:0").unwrap());
-    let admin = port(std::net::TcpListener::bind("127.0.0.1:0").unwrap());
-    let out = std::fs::File::create(&log).unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kinference-router"))
-        .args([
-            "serve",
-            "--pool",
-            "test",
-            "--manifests",
-            dir.path().to_str().unwrap(),
-            "--listen",
-            &format!("127.0.0.1:{api}"),
-            "--admin",
-            &format!("127.0.0.1:{admin}"),
-            "--scrape-interval-s",
-            "0.5",
-            "--upstream-timeout-s",
-            "5",
-        ])
-        .env("RUST_LOG", level)
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .expect("the router binary starts");
-    let api: std::net::SocketAddr = format!("127.0.0.1:{api}").parse().unwrap();
-    let admin: std::net::SocketAddr = format!("127.0.0.1:{admin}").parse().unwrap();
-    eventually(Duration::from_secs(30), "the router is ready", || async {
-        let req = http::Request::get(format!("http://{admin}/debug/endpoints"))
-            .body(Full::new(Bytes::new()))
-            .ok()?;
-        let resp = client().request(req).await.ok()?;
-        let b = resp.into_body().collect().await.ok()?.to_bytes();
-        let v: Value = serde_json::from_slice(&b).ok()?;
-        let ep = &v["endpoints"][0];
-        (v["ready"] == true && ep["healthy"] == true && ep["models"].as_array().is_some_and(|m| !m.is_empty())).then_some(())
-    })
+    let p = RouterProc::start(
+        &[EngineAddr::of(sim)],
+        &WorkerSetOpts::default(),
+        &["--upstream-timeout-s", "5"],
+        level,
+    )
     .await;
+    let api = p.api;
     let m = marker;
     let bodies = [
         (CHAT, json!({"model": MODEL, "messages": [{"role": "system", "content": m}, {"role": "user", "content": m}], "max_tokens": 2})),
@@ -499,14 +465,7 @@ async fn router_log(sim: &kinference_sim::SimHandle, level: &str, marker: &str) 
     }
     let raw = format!("{{\"model\":\"{MODEL}\",\"prompt\":\"{m}");
     let _ = send(api, "POST", COMPL, &[], Bytes::from(raw)).await;
-    let _ = child.kill();
-    let _ = child.wait();
-    let mut text = String::new();
-    std::fs::File::open(&log)
-        .unwrap()
-        .read_to_string(&mut text)
-        .unwrap();
-    text
+    p.stop()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
