@@ -20,8 +20,8 @@
 //! (`cargo xtask bench-faults` does it) and `KINFERENCE_FUZZ_SEED` picks
 //! another sequence.
 
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use kinference_kvindex::codec::frames;
 use kinference_kvindex::{
@@ -40,7 +40,11 @@ impl Rng {
         z ^ (z >> 31)
     }
     fn below(&mut self, n: usize) -> usize {
-        if n == 0 { 0 } else { (self.next() % n as u64) as usize }
+        if n == 0 {
+            0
+        } else {
+            (self.next() % n as u64) as usize
+        }
     }
 }
 
@@ -195,9 +199,13 @@ fn exercise(input: &[u8], index: &KvIndex, worker: kinference_kvindex::WorkerId)
             let _ = index.apply_batch(worker, &batch);
             // Whatever decodes re-encodes to the same events.
             for form in [EncodeForm::VllmMap, EncodeForm::VllmArray] {
-                let again = decode_batch(&encode_batch(&batch, form))
-                    .expect("an encoded batch decodes");
-                assert_eq!(again.events.len(), batch.events.len(), "re-encoding lost events");
+                let again =
+                    decode_batch(&encode_batch(&batch, form)).expect("an encoded batch decodes");
+                assert_eq!(
+                    again.events.len(),
+                    batch.events.len(),
+                    "re-encoding lost events"
+                );
             }
             true
         }
@@ -226,7 +234,10 @@ fn hostile_kv_event_bytes_never_panic() {
     let worker = index
         .register_worker(WorkerRef::new("fuzz", 0), 4)
         .expect("registers");
-    let started = Instant::now();
+    // The figure's throughput needs a clock (tests may read one; the
+    // crate's code may not).
+    #[allow(clippy::disallowed_methods)]
+    let started = std::time::Instant::now();
     let mut decoded = 0u64;
     let mut failures: Vec<String> = Vec::new();
     let mut input = Vec::new();
@@ -247,7 +258,10 @@ fn hostile_kv_event_bytes_never_panic() {
                     .cloned()
                     .or_else(|| e.downcast_ref::<&str>().map(|s| (*s).to_owned()))
                     .unwrap_or_default();
-                let hex: String = input.iter().map(|b| format!("{b:02x}")).collect();
+                let hex = input.iter().fold(String::new(), |mut h, b| {
+                    let _ = write!(h, "{b:02x}");
+                    h
+                });
                 if failures.len() < 10 {
                     failures.push(format!("input {i}: {msg}: {hex}"));
                 }
@@ -266,5 +280,8 @@ fn hostile_kv_event_bytes_never_panic() {
         failures.len()
     );
     assert!(failures.is_empty(), "panics:\n{}", failures.join("\n"));
-    assert!(decoded > 0, "no mutated input decoded: the mutations are too coarse to test the decoder");
+    assert!(
+        decoded > 0,
+        "no mutated input decoded: the mutations are too coarse to test the decoder"
+    );
 }

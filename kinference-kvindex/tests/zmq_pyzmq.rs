@@ -245,7 +245,11 @@ async fn fixture_captures_then_a_publisher_restart() {
     // blocks (what was published meanwhile cannot be known); a subscriber
     // that missed the disconnect sees the sequence go down instead.
     let s = wait_for(&h, "the restart", |s| s.resets == 1 && s.batches == 3).await;
-    assert_eq!((s.blocks_held, s.gaps, s.last_seq), (5, 0, Some(0)), "{s:?}");
+    assert_eq!(
+        (s.blocks_held, s.gaps, s.last_seq),
+        (5, 0, Some(0)),
+        "{s:?}"
+    );
     assert_eq!(s.restarts + s.checks, 1, "{s:?}");
     publ.proceed().await;
     publ.expect_line("PLAN DONE").await;

@@ -5,6 +5,10 @@
 //! `docs/reliability.md`; `cargo xtask bench-faults` runs the same
 //! scenarios on release builds, several times, with medians.
 
+// Scenario code: short names (`r` router, `a` audit, `t` time, `k` prompt
+// number) keep the steps readable.
+#![allow(clippy::many_single_char_names)]
+
 mod support;
 
 use std::collections::{HashMap, HashSet};
@@ -73,15 +77,19 @@ fn retries(r: &Router, reason: &'static str) -> u64 {
 /// The router's in-flight requests over all endpoints, from `/debug/endpoints`.
 async fn in_flight(r: &Router) -> u64 {
     let e = endpoints(r).await;
-    e["endpoints"]
-        .as_array()
-        .map_or(0, |eps| eps.iter().filter_map(|ep| ep["load"]["requests"].as_u64()).sum())
+    e["endpoints"].as_array().map_or(0, |eps| {
+        eps.iter()
+            .filter_map(|ep| ep["load"]["requests"].as_u64())
+            .sum()
+    })
 }
 
 async fn wait_no_load(r: &Router) {
-    eventually(Duration::from_secs(10), "in-flight back to zero", || async {
-        (in_flight(r).await == 0).then_some(())
-    })
+    eventually(
+        Duration::from_secs(10),
+        "in-flight back to zero",
+        || async { (in_flight(r).await == 0).then_some(()) },
+    )
     .await;
 }
 
@@ -113,7 +121,9 @@ async fn always_503() -> (SocketAddr, tokio::task::JoinHandle<()>) {
                         http::Response::builder()
                             .status(503)
                             .header("content-type", "application/json")
-                            .body(http_body_util::Full::new(Bytes::from_static(body.as_bytes())))
+                            .body(http_body_util::Full::new(Bytes::from_static(
+                                body.as_bytes(),
+                            )))
                             .unwrap(),
                     )
                 });
@@ -181,12 +191,11 @@ fn truth_keys(sim: &SimHandle) -> (HashSet<u64>, usize) {
                             prev = *k;
                             break;
                         }
-                        match by_hash.get(&p) {
-                            Some(pb) => path.push(pb),
-                            None => {
-                                ok = false;
-                                break;
-                            }
+                        if let Some(pb) = by_hash.get(&p) {
+                            path.push(pb);
+                        } else {
+                            ok = false;
+                            break;
                         }
                     }
                 }
@@ -219,8 +228,10 @@ fn router_keys(r: &Router, sim: &SimHandle) -> HashSet<u64> {
         .collect()
 }
 
-/// The router's view of one engine against the engine's truth.
+/// The router's view of one engine against the engine's truth (printed
+/// whole in the figures).
 #[derive(Debug, Clone, Copy, Default)]
+#[allow(dead_code)]
 struct Audit {
     /// Keys the router holds.
     router: usize,
@@ -273,12 +284,19 @@ async fn send_prompt(r: &Router, ids: &[u32]) {
 /// Waits until the router holds no stale block of `sim` and knows the
 /// `fresh` prompts as deeply as the engine does; returns how long that took
 /// and the final audit. Panics (with the audit) when it never happens.
-async fn converge(r: &Router, sim: &SimHandle, fresh: &[Vec<u32>], what: &str) -> (Duration, Audit) {
+async fn converge(
+    r: &Router,
+    sim: &SimHandle,
+    fresh: &[Vec<u32>],
+    what: &str,
+) -> (Duration, Audit) {
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs(15);
     loop {
         let a = audit(r, sim);
-        let fresh_ok = fresh.iter().all(|p| router_depth(r, p) == truth_depth(sim, p));
+        let fresh_ok = fresh
+            .iter()
+            .all(|p| router_depth(r, p) == truth_depth(sim, p));
         if a.stale == 0 && fresh_ok {
             return (t0.elapsed(), a);
         }
@@ -414,13 +432,19 @@ async fn an_engine_killed_mid_stream() {
             elsewhere.push(ending);
         }
     }
-    eprintln!("FIGURE killed-engine: streams on the dead engine ended as {on_victim:?} (bytes received); others {elsewhere:?}");
+    eprintln!(
+        "FIGURE killed-engine: streams on the dead engine ended as {on_victim:?} (bytes received); others {elsewhere:?}"
+    );
     assert!(!on_victim.is_empty());
     for (e, _) in &on_victim {
         assert_eq!(*e, Ending::Error, "a cut stream must surface as an error");
     }
     for e in &elsewhere {
-        assert_eq!(*e, Ending::Complete, "streams on live engines are unaffected");
+        assert_eq!(
+            *e,
+            Ending::Complete,
+            "streams on live engines are unaffected"
+        );
     }
     let h = endpoints(&r).await;
     let dead_report = h["endpoints"]
@@ -453,7 +477,12 @@ async fn never_answers(r: &Router, hung: &str, prefix: &str, what: &str) {
             let resp = post_streaming(
                 api,
                 "/v1/chat/completions",
-                &chat(MODEL, &format!("{prefix} {}", words(k as usize * 300, 20)), stream, 4),
+                &chat(
+                    MODEL,
+                    &format!("{prefix} {}", words(k as usize * 300, 20)),
+                    stream,
+                    4,
+                ),
             )
             .await;
             let status = resp.status().as_u16();
@@ -484,7 +513,10 @@ async fn never_answers(r: &Router, hung: &str, prefix: &str, what: &str) {
             format!("{status}")
         };
         *outcomes
-            .entry(format!("{}:{outcome}", if stream { "stream" } else { "plain" }))
+            .entry(format!(
+                "{}:{outcome}",
+                if stream { "stream" } else { "plain" }
+            ))
             .or_default() += 1;
         took.push(elapsed.as_secs_f64());
         assert!(
@@ -581,7 +613,13 @@ async fn an_engine_whose_core_hangs() {
         })
         .await
         .unwrap();
-    never_answers(&r, &sims[0].http_addr().to_string(), &prefix, "hung-engine (core stalled)").await;
+    never_answers(
+        &r,
+        &sims[0].http_addr().to_string(),
+        &prefix,
+        "hung-engine (core stalled)",
+    )
+    .await;
     r.shutdown().await;
 }
 
@@ -614,7 +652,10 @@ async fn an_engine_that_answers_503() {
     eprintln!(
         "FIGURE 503-engine: {ok}/40 requests succeeded; {refused} were refused by the 503 engine first and retried elsewhere"
     );
-    assert!(refused >= 1, "the 503 engine was never tried: the scenario tested nothing");
+    assert!(
+        refused >= 1,
+        "the 503 engine was never tried: the scenario tested nothing"
+    );
     wait_no_load(&r).await;
     bad_task.abort();
     r.shutdown().await;
@@ -814,10 +855,19 @@ async fn kv_last_batches_missed_while_the_engine_goes_idle() {
         send_prompt(&r, &prompt(400, 10)).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
         let idle = audit(&r, &sim);
-        assert!(idle.stale > 0, "the fault hid nothing: the scenario tests nothing ({idle:?})");
+        assert!(
+            idle.stale > 0,
+            "the fault hid nothing: the scenario tests nothing ({idle:?})"
+        );
         if keep {
             // The subscriber's idle check replays what it missed.
-            let (t, a) = converge(&r, &sim, &[prompt(400, 10)], "after missed batches, kept for replay").await;
+            let (t, a) = converge(
+                &r,
+                &sim,
+                &[prompt(400, 10)],
+                "after missed batches, kept for replay",
+            )
+            .await;
             eprintln!(
                 "FIGURE kv-missed-tail (replayable): {} stale blocks 200 ms after the last request; none {:?} after it; {a:?}",
                 idle.stale,
@@ -829,7 +879,13 @@ async fn kv_last_batches_missed_while_the_engine_goes_idle() {
             tokio::time::sleep(Duration::from_secs(3)).await;
             let still = audit(&r, &sim);
             send_prompt(&r, &prompt(401, 10)).await;
-            let (t, a) = converge(&r, &sim, &[prompt(401, 10)], "after lost batches, once the engine publishes again").await;
+            let (t, a) = converge(
+                &r,
+                &sim,
+                &[prompt(401, 10)],
+                "after lost batches, once the engine publishes again",
+            )
+            .await;
             eprintln!(
                 "FIGURE kv-missed-tail (lost): {} stale blocks while the engine is idle ({} after 3 s more); none {t:?} after its next request; {a:?}",
                 idle.stale, still.stale

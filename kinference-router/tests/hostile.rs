@@ -50,7 +50,12 @@ struct Case {
     want: &'static [u16],
 }
 
-fn case(name: &'static str, path: &'static str, body: impl Into<Vec<u8>>, want: &'static [u16]) -> Case {
+fn case(
+    name: &'static str,
+    path: &'static str,
+    body: impl Into<Vec<u8>>,
+    want: &'static [u16],
+) -> Case {
     Case {
         name,
         method: "POST",
@@ -107,27 +112,122 @@ fn cases() -> Vec<Case> {
             &json!({"model": MODEL, "messages": [{"role": "user", "content": nested}]}),
             &[400, 422],
         ),
-        json_case("model a number", CHAT, &json!({"model": 5, "messages": [{"role": "user", "content": "hi"}]}), &[400]),
-        json_case("stream a string", CHAT, &json!({"model": MODEL, "stream": "yes", "messages": [{"role": "user", "content": "hi"}]}), &[400]),
-        json_case("messages an object", CHAT, &json!({"model": MODEL, "messages": {}}), &[400]),
-        json_case("messages of numbers", CHAT, &json!({"model": MODEL, "messages": [1, 2]}), &[400, 422]),
-        json_case("content a number", CHAT, &json!({"model": MODEL, "messages": [{"role": "user", "content": 5}]}), &[400, 422]),
-        json_case("role missing", CHAT, &json!({"model": MODEL, "messages": [{"content": "hi"}]}), &[400, 422]),
-        json_case("prompt an object", COMPL, &json!({"model": MODEL, "prompt": {}}), &[400]),
-        json_case("model missing", CHAT, &json!({"messages": [{"role": "user", "content": "hi"}]}), &[400]),
+        json_case(
+            "model a number",
+            CHAT,
+            &json!({"model": 5, "messages": [{"role": "user", "content": "hi"}]}),
+            &[400],
+        ),
+        json_case(
+            "stream a string",
+            CHAT,
+            &json!({"model": MODEL, "stream": "yes", "messages": [{"role": "user", "content": "hi"}]}),
+            &[400],
+        ),
+        json_case(
+            "messages an object",
+            CHAT,
+            &json!({"model": MODEL, "messages": {}}),
+            &[400],
+        ),
+        json_case(
+            "messages of numbers",
+            CHAT,
+            &json!({"model": MODEL, "messages": [1, 2]}),
+            &[400, 422],
+        ),
+        json_case(
+            "content a number",
+            CHAT,
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": 5}]}),
+            &[400, 422],
+        ),
+        json_case(
+            "role missing",
+            CHAT,
+            &json!({"model": MODEL, "messages": [{"content": "hi"}]}),
+            &[400, 422],
+        ),
+        json_case(
+            "prompt an object",
+            COMPL,
+            &json!({"model": MODEL, "prompt": {}}),
+            &[400],
+        ),
+        json_case(
+            "model missing",
+            CHAT,
+            &json!({"messages": [{"role": "user", "content": "hi"}]}),
+            &[400],
+        ),
         json_case("messages missing", CHAT, &json!({"model": MODEL}), &[400]),
-        json_case("messages empty", CHAT, &json!({"model": MODEL, "messages": []}), &[400]),
+        json_case(
+            "messages empty",
+            CHAT,
+            &json!({"model": MODEL, "messages": []}),
+            &[400],
+        ),
         json_case("prompt missing", COMPL, &json!({"model": MODEL}), &[400]),
-        json_case("unknown model", CHAT, &json!({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}), &[404]),
-        json_case("a 1 MB model name", CHAT, &json!({"model": "m".repeat(1 << 20), "messages": [{"role": "user", "content": "hi"}]}), &[404, 413]),
-        json_case("a NUL in the model name", CHAT, &json!({"model": "kinference/sim\u{0}", "messages": [{"role": "user", "content": "hi"}]}), &[404]),
-        json_case("token ids out of range", COMPL, &json!({"model": MODEL, "prompt": [-1, 4_294_967_296_u64, 3], "max_tokens": 1}), &[400, 422]),
-        json_case("max_tokens negative", COMPL, &json!({"model": MODEL, "prompt": "w1 w2", "max_tokens": -5}), &[400, 422]),
-        json_case("max_tokens a string", COMPL, &json!({"model": MODEL, "prompt": "w1 w2", "max_tokens": "many"}), &[400, 422]),
-        json_case("prompt over the context length", COMPL, &json!({"model": MODEL, "prompt": ids(CONTEXT), "max_tokens": 1}), &[400]),
-        json_case("prompt 100× the context length", COMPL, &json!({"model": MODEL, "prompt": ids(CONTEXT * 100), "max_tokens": 1}), &[400]),
-        json_case("text prompt 400× the context length", COMPL, &json!({"model": MODEL, "prompt": words(0, CONTEXT * 400), "max_tokens": 1}), &[400]),
-        json_case("chat over the context length", CHAT, &json!({"model": MODEL, "messages": [{"role": "user", "content": words(0, CONTEXT * 2)}], "max_tokens": 1}), &[400]),
+        json_case(
+            "unknown model",
+            CHAT,
+            &json!({"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}),
+            &[404],
+        ),
+        json_case(
+            "a 1 MB model name",
+            CHAT,
+            &json!({"model": "m".repeat(1 << 20), "messages": [{"role": "user", "content": "hi"}]}),
+            &[404, 413],
+        ),
+        json_case(
+            "a NUL in the model name",
+            CHAT,
+            &json!({"model": "kinference/sim\u{0}", "messages": [{"role": "user", "content": "hi"}]}),
+            &[404],
+        ),
+        json_case(
+            "token ids out of range",
+            COMPL,
+            &json!({"model": MODEL, "prompt": [-1, 4_294_967_296_u64, 3], "max_tokens": 1}),
+            &[400, 422],
+        ),
+        json_case(
+            "max_tokens negative",
+            COMPL,
+            &json!({"model": MODEL, "prompt": "w1 w2", "max_tokens": -5}),
+            &[400, 422],
+        ),
+        json_case(
+            "max_tokens a string",
+            COMPL,
+            &json!({"model": MODEL, "prompt": "w1 w2", "max_tokens": "many"}),
+            &[400, 422],
+        ),
+        json_case(
+            "prompt over the context length",
+            COMPL,
+            &json!({"model": MODEL, "prompt": ids(CONTEXT), "max_tokens": 1}),
+            &[400],
+        ),
+        json_case(
+            "prompt 100× the context length",
+            COMPL,
+            &json!({"model": MODEL, "prompt": ids(CONTEXT * 100), "max_tokens": 1}),
+            &[400],
+        ),
+        json_case(
+            "text prompt 400× the context length",
+            COMPL,
+            &json!({"model": MODEL, "prompt": words(0, CONTEXT * 400), "max_tokens": 1}),
+            &[400],
+        ),
+        json_case(
+            "chat over the context length",
+            CHAT,
+            &json!({"model": MODEL, "messages": [{"role": "user", "content": words(0, CONTEXT * 2)}], "max_tokens": 1}),
+            &[400],
+        ),
         case("body over the limit", CHAT, vec![b' '; 3 << 20], &[413]),
         Case {
             name: "GET on an inference path",
@@ -201,7 +301,11 @@ async fn hostile_cases(opts: &WorkerSetOpts, mode: &str) {
     let stream = post_streaming(r.api(), CHAT, &chat(MODEL, "w9 w8 w7", true, 230)).await;
     assert_eq!(stream.status(), 200);
     let reader = tokio::spawn(async move {
-        let b = stream.into_body().collect().await.expect("the stream completes");
+        let b = stream
+            .into_body()
+            .collect()
+            .await
+            .expect("the stream completes");
         String::from_utf8_lossy(&b.to_bytes()).into_owned()
     });
 
@@ -228,14 +332,27 @@ async fn hostile_cases(opts: &WorkerSetOpts, mode: &str) {
     }
     // At the context length exactly: served.
     let at: Vec<u32> = (0..CONTEXT as u32 - 1).map(|i| 10 + i).collect();
-    let reply = post(r.api(), COMPL, &json!({"model": MODEL, "prompt": at, "max_tokens": 1})).await;
-    assert_eq!(reply.status, 200, "{mode}: a prompt at the context length: {}", reply.text());
+    let reply = post(
+        r.api(),
+        COMPL,
+        &json!({"model": MODEL, "prompt": at, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(
+        reply.status,
+        200,
+        "{mode}: a prompt at the context length: {}",
+        reply.text()
+    );
     statuses.push("prompt at the context length → 200".into());
 
     // A body sent chunked, without a length, past the limit.
-    let chunks = futures::stream::iter(
-        (0..40).map(|_| Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(Bytes::from(vec![b' '; 64 << 10])))),
-    );
+    let chunks = futures::stream::iter((0..40).map(|_| {
+        Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(Bytes::from(vec![
+            b' ';
+            64 << 10
+        ])))
+    }));
     let req = http::Request::post(format!("http://{}{CHAT}", r.api()))
         .header("content-type", "application/json")
         .body(http_body_util::StreamBody::new(chunks))
@@ -252,24 +369,38 @@ async fn hostile_cases(opts: &WorkerSetOpts, mode: &str) {
         }
         Err(e) => {
             let why = format!("{e:?}");
-            assert!(why.contains("BodyWrite"), "{mode}: a chunked body past the limit: {why}");
-            statuses.push("chunked body past the limit → 413, connection closed while the client wrote".into());
+            assert!(
+                why.contains("BodyWrite"),
+                "{mode}: a chunked body past the limit: {why}"
+            );
+            statuses.push(
+                "chunked body past the limit → 413, connection closed while the client wrote"
+                    .into(),
+            );
         }
     }
     normal_request_works(&r, "a chunked body").await;
 
     let text = reader.await.unwrap();
-    assert!(text.trim_end().ends_with("data: [DONE]"), "{mode}: the stream running meanwhile was disturbed");
+    assert!(
+        text.trim_end().ends_with("data: [DONE]"),
+        "{mode}: the stream running meanwhile was disturbed"
+    );
     let metrics = get(r.admin(), "/metrics").await.text();
     let five = metrics
         .lines()
-        .filter(|l| l.starts_with("kinference_router_requests_total") && l.contains("class=\"5xx\""))
+        .filter(|l| {
+            l.starts_with("kinference_router_requests_total") && l.contains("class=\"5xx\"")
+        })
         .collect::<Vec<_>>();
     assert!(
         five.iter().all(|l| l.ends_with(" 0")),
         "{mode}: the router answered 5xx: {five:?}"
     );
-    eprintln!("FIGURE hostile-requests ({mode} tokenization): {}", statuses.join("; "));
+    eprintln!(
+        "FIGURE hostile-requests ({mode} tokenization): {}",
+        statuses.join("; ")
+    );
     r.shutdown().await;
 }
 
@@ -296,18 +427,40 @@ impl Rng {
         z ^ (z >> 31)
     }
     fn below(&mut self, n: usize) -> usize {
-        if n == 0 { 0 } else { (self.next() % n as u64) as usize }
+        if n == 0 {
+            0
+        } else {
+            (self.next() % n as u64) as usize
+        }
     }
 }
 
 fn seed_bodies() -> Vec<(openai::Endpoint, Vec<u8>)> {
     let v = [
-        (openai::Endpoint::Chat, json!({"model": MODEL, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w1 w2 w3"}], "max_tokens": 2, "stream": false})),
-        (openai::Endpoint::Chat, json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "w4 w5"}]}], "max_tokens": 2, "stream": true, "cache_salt": "s"})),
-        (openai::Endpoint::Chat, json!({"model": ALIAS, "messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "max_tokens": 1})),
-        (openai::Endpoint::Completions, json!({"model": MODEL, "prompt": "w1 w2 w3 w4", "max_tokens": 2})),
-        (openai::Endpoint::Completions, json!({"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "stream": true})),
-        (openai::Endpoint::Completions, json!({"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 1})),
+        (
+            openai::Endpoint::Chat,
+            json!({"model": MODEL, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "w1 w2 w3"}], "max_tokens": 2, "stream": false}),
+        ),
+        (
+            openai::Endpoint::Chat,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "w4 w5"}]}], "max_tokens": 2, "stream": true, "cache_salt": "s"}),
+        ),
+        (
+            openai::Endpoint::Chat,
+            json!({"model": ALIAS, "messages": [{"role": "user", "content": "w1"}], "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}], "max_tokens": 1}),
+        ),
+        (
+            openai::Endpoint::Completions,
+            json!({"model": MODEL, "prompt": "w1 w2 w3 w4", "max_tokens": 2}),
+        ),
+        (
+            openai::Endpoint::Completions,
+            json!({"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 1, "stream": true}),
+        ),
+        (
+            openai::Endpoint::Completions,
+            json!({"model": MODEL, "prompt": [[1, 2], [3]], "max_tokens": 1}),
+        ),
     ];
     v.into_iter()
         .map(|(e, b)| (e, serde_json::to_vec(&b).unwrap()))
@@ -315,13 +468,35 @@ fn seed_bodies() -> Vec<(openai::Endpoint, Vec<u8>)> {
 }
 
 const TOKENS: &[&[u8]] = &[
-    b"{", b"}", b"[", b"]", b"\"", b":", b",", b"null", b"true", b"-1", b"1e999", b"18446744073709551616",
-    b"\\u0000", b"\\ud800", b"\xff", b"\xc3\x28", b"\"model\"", b"\"messages\"", b"\"prompt\"", b"\"stream\"",
-    b"\"content\"", b"\"role\"", b"[[[[[[[[", b"]]]]]]]]", b"{\"a\":{\"a\":{\"a\":",
+    b"{",
+    b"}",
+    b"[",
+    b"]",
+    b"\"",
+    b":",
+    b",",
+    b"null",
+    b"true",
+    b"-1",
+    b"1e999",
+    b"18446744073709551616",
+    b"\\u0000",
+    b"\\ud800",
+    b"\xff",
+    b"\xc3\x28",
+    b"\"model\"",
+    b"\"messages\"",
+    b"\"prompt\"",
+    b"\"stream\"",
+    b"\"content\"",
+    b"\"role\"",
+    b"[[[[[[[[",
+    b"]]]]]]]]",
+    b"{\"a\":{\"a\":{\"a\":",
 ];
 
 fn mutate(rng: &mut Rng, body: &mut Vec<u8>) {
-    for _ in 0..1 + rng.below(3) {
+    for _ in 0..=rng.below(3) {
         let len = body.len();
         match rng.below(6) {
             0 if len > 0 => {
@@ -356,8 +531,9 @@ fn mutated_bodies_never_panic_the_parser_or_the_tokenizer() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(100_000);
-    let tokenizer = kinference_tokenize::ModelTokenizer::from_dir(Path::new(&workspace("examples/word-level")))
-        .expect("the word-level tokenizer loads");
+    let tokenizer =
+        kinference_tokenize::ModelTokenizer::from_dir(Path::new(&workspace("examples/word-level")))
+            .expect("the word-level tokenizer loads");
     let seeds = seed_bodies();
     let mut rng = Rng(0x6f70_656e_6169);
     let started = std::time::Instant::now();
@@ -382,28 +558,29 @@ fn mutated_bodies_never_panic_the_parser_or_the_tokenizer() {
             };
             (true, tokenizer.tokenize(te, &v).is_ok())
         }));
-        match r {
-            Ok((p, t)) => {
-                parsed += u64::from(p);
-                tokenized += u64::from(t);
-            }
-            Err(_) => panic!(
-                "input {i} panicked: {}",
-                String::from_utf8_lossy(&body)
-            ),
-        }
+        let Ok((p, t)) = r else {
+            panic!("input {i} panicked: {}", String::from_utf8_lossy(&body));
+        };
+        parsed += u64::from(p);
+        tokenized += u64::from(t);
     }
     eprintln!(
         "FIGURE fuzz-requests: {n} mutated bodies in {:.1} s: {parsed} parsed, {tokenized} tokenized locally, 0 panics",
         started.elapsed().as_secs_f64()
     );
-    assert!(parsed > 0 && tokenized > 0, "the mutations never produced a parsable body");
+    assert!(
+        parsed > 0 && tokenized > 0,
+        "the mutations never produced a parsable body"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutated_bodies_through_the_router_get_2xx_or_4xx() {
     let sims = engines(1, |c| c.max_model_len = CONTEXT).await;
-    for (mode, opts) in [("engine", WorkerSetOpts::default()), ("local", local_profile())] {
+    for (mode, opts) in [
+        ("engine", WorkerSetOpts::default()),
+        ("local", local_profile()),
+    ] {
         let r = router(&[EngineAddr::of(&sims[0])], &opts, &[]).await;
         wait_routable(&r, 1, true).await;
         let seeds = seed_bodies();
@@ -427,7 +604,9 @@ async fn mutated_bodies_through_the_router_get_2xx_or_4xx() {
             *by_status.entry(reply.status).or_default() += 1;
         }
         normal_request_works(&r, "mutated bodies").await;
-        eprintln!("FIGURE fuzz-requests through the router ({mode} tokenization): 300 mutated bodies → {by_status:?}");
+        eprintln!(
+            "FIGURE fuzz-requests through the router ({mode} tokenization): 300 mutated bodies → {by_status:?}"
+        );
         r.shutdown().await;
     }
 }
@@ -448,16 +627,34 @@ async fn router_log(sim: &kinference_sim::SimHandle, level: &str, marker: &str) 
     let api = p.api;
     let m = marker;
     let bodies = [
-        (CHAT, json!({"model": MODEL, "messages": [{"role": "system", "content": m}, {"role": "user", "content": m}], "max_tokens": 2})),
-        (CHAT, json!({"model": MODEL, "messages": [{"role": "user", "content": m}], "max_tokens": 2, "stream": true})),
+        (
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "system", "content": m}, {"role": "user", "content": m}], "max_tokens": 2}),
+        ),
+        (
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": m}], "max_tokens": 2, "stream": true}),
+        ),
         (COMPL, json!({"model": MODEL, "prompt": m, "max_tokens": 2})),
         // Fails at the engine (too long), at its /tokenize (bad content), in
         // the router (wrong types, unknown model).
-        (COMPL, json!({"model": MODEL, "prompt": format!("{m} {}", words(0, 40_000)), "max_tokens": 2})),
-        (CHAT, json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": m}, {"type": m}]}]})),
-        (CHAT, json!({"model": MODEL, "messages": [{"role": m, "content": m}]})),
+        (
+            COMPL,
+            json!({"model": MODEL, "prompt": format!("{m} {}", words(0, 40_000)), "max_tokens": 2}),
+        ),
+        (
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": m}, {"type": m}]}]}),
+        ),
+        (
+            CHAT,
+            json!({"model": MODEL, "messages": [{"role": m, "content": m}]}),
+        ),
         (CHAT, json!({"model": MODEL, "messages": m})),
-        (CHAT, json!({"model": m, "messages": [{"role": "user", "content": m}]})),
+        (
+            CHAT,
+            json!({"model": m, "messages": [{"role": "user", "content": m}]}),
+        ),
         (COMPL, json!({"model": MODEL, "prompt": {"text": m}})),
     ];
     for (path, b) in &bodies {
@@ -477,12 +674,22 @@ async fn prompts_are_never_logged() {
     for level in ["info", "debug"] {
         let log = router_log(&sim, level, marker).await;
         let lines = log.lines().count();
-        assert!(lines > 3, "the router logged nothing at {level}: the check would prove nothing\n{log}");
+        assert!(
+            lines > 3,
+            "the router logged nothing at {level}: the check would prove nothing\n{log}"
+        );
         let leaks: Vec<&str> = log
             .lines()
             .filter(|l| l.contains("PROMPT-MARKER") || l.contains("w4242"))
             .collect();
-        eprintln!("FIGURE logging at {level}: {lines} lines, {} with a prompt", leaks.len());
-        assert!(leaks.is_empty(), "prompts in the log at {level}:\n{}", leaks.join("\n"));
+        eprintln!(
+            "FIGURE logging at {level}: {lines} lines, {} with a prompt",
+            leaks.len()
+        );
+        assert!(
+            leaks.is_empty(),
+            "prompts in the log at {level}:\n{}",
+            leaks.join("\n")
+        );
     }
 }

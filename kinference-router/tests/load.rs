@@ -129,7 +129,9 @@ async fn thousands_of_held_streams_leave_nothing_behind() {
         }
         // All open at once: the router holds them all.
         opened.wait().await;
-        let held = get_json(admin, "/debug/endpoints").await.expect("debug page")["endpoints"]
+        let held = get_json(admin, "/debug/endpoints")
+            .await
+            .expect("debug page")["endpoints"]
             .as_array()
             .unwrap()
             .iter()
@@ -151,16 +153,20 @@ async fn thousands_of_held_streams_leave_nothing_behind() {
             }
         }
         // Accounting back to zero: the debug view and the gauges.
-        eventually(Duration::from_secs(10), "in-flight back to zero", || async {
-            let e = get_json(admin, "/debug/endpoints").await?;
-            let load: u64 = e["endpoints"]
-                .as_array()?
-                .iter()
-                .map(|e| e["load"]["requests"].as_u64().unwrap_or(1))
-                .sum();
-            let (n, sum) = in_flight_gauges(&get(admin, "/metrics").await.text());
-            (load == 0 && n == 4 && sum == 0.0).then_some(())
-        })
+        eventually(
+            Duration::from_secs(10),
+            "in-flight back to zero",
+            || async {
+                let e = get_json(admin, "/debug/endpoints").await?;
+                let load: u64 = e["endpoints"]
+                    .as_array()?
+                    .iter()
+                    .map(|e| e["load"]["requests"].as_u64().unwrap_or(1))
+                    .sum();
+                let (n, sum) = in_flight_gauges(&get(admin, "/metrics").await.text());
+                (load == 0 && n == 4 && sum == 0.0).then_some(())
+            },
+        )
         .await;
         let rss = r.rss_mib();
         after_round.push(rss);
@@ -169,7 +175,12 @@ async fn thousands_of_held_streams_leave_nothing_behind() {
             errors.len(),
             t0.elapsed().as_secs_f64()
         );
-        assert!(errors.is_empty(), "round {round}: {} errors, first: {}", errors.len(), errors[0]);
+        assert!(
+            errors.is_empty(),
+            "round {round}: {} errors, first: {}",
+            errors.len(),
+            errors[0]
+        );
         assert_eq!(
             held as usize, streams,
             "round {round}: not every stream was held by the router at once"

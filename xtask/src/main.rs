@@ -3,6 +3,10 @@
 //! - `cargo xtask gen-crds [--check]`: write `deploy/crds/*.yaml` from
 //!   kinference-api, or check that they are up to date.
 //! - `cargo xtask demo`: the README's main command.
+//! - `cargo xtask bench-faults`: the reliability suite (engines that die,
+//!   hang, refuse or crawl; KV-event faults audited against the engines'
+//!   caches; thousands of held streams and a soak; an API-server restart;
+//!   the fuzzers) on release builds, with figures.
 //! - `cargo xtask chart`: check the Helm chart (lint, render, RBAC against
 //!   the code) and the Dockerfiles; `gen-crds` also copies the CRDs into the
 //!   chart.
@@ -15,6 +19,7 @@ use clap::{Parser, Subcommand};
 
 mod chart;
 mod demo;
+mod faults;
 mod gen_crds;
 mod load;
 mod procs;
@@ -55,6 +60,27 @@ enum Command {
     /// Check the Helm chart and the Dockerfiles (needs helm-python-sdk and
     /// hadolint from PyPI).
     Chart,
+    /// The reliability suite with figures: dead, hung, refusing and slow
+    /// engines; KV-event faults against the engines' caches; held streams
+    /// and a soak; an API-server restart; the fuzzers (release builds).
+    BenchFaults {
+        /// Runs of each short scenario (figures are medians).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Streams held through the router at once in the load scenario.
+        #[arg(long, default_value_t = 5000)]
+        streams: usize,
+        /// Length of the load soak, seconds.
+        #[arg(long, default_value_t = 300)]
+        soak_s: u64,
+        /// Inputs of the KV-event fuzzer (the request fuzzer gets a fifth).
+        #[arg(long, default_value_t = 10_000_000)]
+        fuzz_inputs: u64,
+        /// Only these scenarios: killed, hung, stalled, refusing, slow, kv,
+        /// load, k8s, fuzz (comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -72,6 +98,19 @@ fn main() -> ExitCode {
         Command::Chart => chart::run(&workspace_root()),
         Command::BenchProxy { seconds } => proxy_bench::run(proxy_bench::Options { seconds }),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
+        Command::BenchFaults {
+            runs,
+            streams,
+            soak_s,
+            fuzz_inputs,
+            only,
+        } => faults::run(faults::Options {
+            runs: runs.max(1),
+            streams,
+            soak_s,
+            fuzz_inputs,
+            only,
+        }),
     };
     match result {
         Ok(code) => code,

@@ -402,15 +402,20 @@ impl RouterProc {
         };
         let n = engines.len();
         let admin = p.admin;
-        eventually(Duration::from_secs(30), "the router process is ready", || async {
-            let v = get_json(admin, "/debug/endpoints").await?;
-            let eps = v["endpoints"].as_array()?;
-            let ok = eps.len() == n
-                && eps.iter().all(|ep| {
-                    ep["healthy"] == true && ep["models"].as_array().is_some_and(|m| !m.is_empty())
-                });
-            (v["ready"] == true && ok).then_some(())
-        })
+        eventually(
+            Duration::from_secs(30),
+            "the router process is ready",
+            || async {
+                let v = get_json(admin, "/debug/endpoints").await?;
+                let eps = v["endpoints"].as_array()?;
+                let ok = eps.len() == n
+                    && eps.iter().all(|ep| {
+                        ep["healthy"] == true
+                            && ep["models"].as_array().is_some_and(|m| !m.is_empty())
+                    });
+                (v["ready"] == true && ok).then_some(())
+            },
+        )
         .await;
         p
     }
