@@ -588,8 +588,7 @@ impl<S: EventSink> Run<S> {
             // Contiguous with what we applied, or a first join (nothing to
             // be contiguous with: a partial back-fill beats none).
             Ok(batches)
-                if self.next_seq.is_none()
-                    || batches.first().is_none_or(|(s, _)| *s <= from) =>
+                if self.next_seq.is_none() || batches.first().is_none_or(|(s, _)| *s <= from) =>
             {
                 if !batches.is_empty() {
                     self.h().replays += 1;

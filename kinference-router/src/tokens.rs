@@ -270,8 +270,8 @@ async fn post_tokenize(
     if !status.is_success() {
         return Err(fail(true, format!("POST /tokenize: HTTP {status}")));
     }
-    let t: TokenizeAnswer = serde_json::from_slice(&body)
-        .map_err(|e| fail(true, format!("/tokenize answer: {e}")))?;
+    let t: TokenizeAnswer =
+        serde_json::from_slice(&body).map_err(|e| fail(true, format!("/tokenize answer: {e}")))?;
     Ok(t.tokens)
 }
 
