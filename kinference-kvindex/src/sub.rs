@@ -13,11 +13,30 @@
 //! * first batch, or first after a restart, with `seq > 0` and a replay
 //!   endpoint: back-fill by replaying from 0 (the slow-joiner case);
 //! * `seq` = expected: apply;
-//! * `seq` > expected (a gap): replay from the expected seq if a replay
-//!   endpoint is configured, buffering live batches meanwhile; if there is
-//!   none, or the replay fails or starts late, drop that worker's blocks;
+//! * `seq` > expected (a gap): catch up from the replay endpoint if one is
+//!   configured, buffering live batches meanwhile; if there is none, or the
+//!   replay fails or starts late, drop that worker's blocks;
 //! * `seq` < expected: the engine restarted: drop its blocks;
 //! * a payload that does not decode is a lost batch: drop its blocks.
+//!
+//! **Catching up is anchored.** A restarted publisher counts from 0 again,
+//! and a subscriber that reconnects late (its reconnect backs off while
+//! the publisher is down) may first hear a number *above* the one it
+//! expects: a restart that looks like a gap. Replaying from the expected
+//! number would then graft the new process's events onto the old one's
+//! blocks and keep blocks the engine no longer has. So every catch-up asks
+//! from the last batch applied, `expected − 1`, and goes on only if the
+//! reply starts with that very batch (same payload digest); otherwise the
+//! publisher is a new one: the worker's blocks are dropped and its replay
+//! ring is read from 0 (a suffix of a stream applied to an empty state
+//! never claims a block the engine does not hold).
+//!
+//! **No heartbeats in ZeroMQ PUB/SUB**, so two more checks run the same
+//! anchored catch-up: when the socket reconnects after a disconnect (what
+//! was published meanwhile is lost to us; without a replay endpoint the
+//! worker's blocks are dropped instead), and when the stream has been idle
+//! for [`SubscriberConfig::idle_check`] (the last batches before an engine
+//! went idle can be lost on the wire, and nothing later would reveal it).
 //!
 //! The task stops when its [`SubscriberHandle`] is dropped (or
 //! [`SubscriberHandle::stop`] is called); sockets close with it.
@@ -81,11 +100,15 @@ pub struct SubscriberConfig {
     /// Live batches buffered while a replay runs; past it, the replay is
     /// abandoned and the worker's blocks are dropped.
     pub max_buffered: usize,
+    /// With a replay endpoint: after this long without a batch, check with
+    /// an anchored replay that nothing was missed (`None`: never).
+    pub idle_check: Option<Duration>,
 }
 
 impl SubscriberConfig {
     /// Defaults for an endpoint: no replay, all topics, 500 ms connect
-    /// timeout, 250 ms retry, 2 s replay timeout, 10 000 buffered batches.
+    /// timeout, 250 ms retry, 2 s replay timeout, 10 000 buffered batches,
+    /// an idle check every 2 s (with replay).
     pub fn new(endpoint: impl Into<String>) -> Self {
         SubscriberConfig {
             endpoint: endpoint.into(),
@@ -95,6 +118,7 @@ impl SubscriberConfig {
             retry_interval: Duration::from_millis(250),
             replay_timeout: Duration::from_secs(2),
             max_buffered: 10_000,
+            idle_check: Some(Duration::from_secs(2)),
         }
     }
 
@@ -134,8 +158,11 @@ pub struct StreamHealth {
     pub replays: u64,
     /// Replays that failed, timed out, overflowed or started too late.
     pub replay_failures: u64,
-    /// Sequence decreases (engine restarts).
+    /// Publisher restarts: the sequence went down, or a catch-up found a
+    /// different stream than the one followed.
     pub restarts: u64,
+    /// Anchored checks after a reconnect or an idle spell.
+    pub checks: u64,
     /// Payloads that did not decode (and messages of the wrong shape).
     pub decode_errors: u64,
     /// Times this worker's blocks were dropped (restart, unrecovered gap,
@@ -233,6 +260,10 @@ pub fn spawn<S: EventSink>(
         sink,
         health: Arc::clone(&health),
         next_seq: None,
+        last_digest: None,
+        last_activity: Instant::now(),
+        disconnected: false,
+        reconnected: false,
     };
     let task = tokio::spawn(async move { run.run().await });
     SubscriberHandle {
@@ -250,11 +281,31 @@ struct Run<S> {
     health: Arc<Mutex<StreamHealth>>,
     /// The next sequence number expected; `None` before the first batch.
     next_seq: Option<u64>,
+    /// Digest of the payload of the batch `next_seq − 1`, the anchor of
+    /// catch-ups.
+    last_digest: Option<u64>,
+    /// The last batch, or the last check.
+    last_activity: Instant,
+    /// The socket lost its publisher and has not reconnected yet.
+    disconnected: bool,
+    /// It reconnected after a disconnect: check what was missed.
+    reconnected: bool,
 }
 
 enum Live {
     Batch(u64, Bytes),
     Event(SocketEvent),
+    Idle,
+}
+
+fn digest(payload: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(payload)
+}
+
+/// Live batches received while a replay runs.
+struct Buffered {
+    batches: Vec<(u64, Bytes)>,
+    overflow: bool,
 }
 
 impl<S: EventSink> Run<S> {
@@ -298,6 +349,7 @@ impl<S: EventSink> Run<S> {
         }
         tracing::info!(endpoint = %self.config.endpoint, worker = self.worker.0, "kv events connected");
         loop {
+            let idle = self.idle_deadline();
             let next = tokio::select! {
                 m = sub.recv() => match m {
                     Ok(m) => self.live(&m),
@@ -308,22 +360,61 @@ impl<S: EventSink> Run<S> {
                     }
                 },
                 ev = monitor.next() => ev.map(Live::Event),
+                () = async { tokio::time::sleep_until(idle.unwrap_or_else(Instant::now)).await }, if idle.is_some() => Some(Live::Idle),
             };
             match next {
                 Some(Live::Batch(seq, payload)) => {
-                    self.on_batch(&mut sub, &mut monitor, seq, &payload).await;
+                    self.on_batch(&mut sub, &mut monitor, seq, payload).await;
                 }
                 Some(Live::Event(ev)) => self.on_socket_event(&ev),
+                Some(Live::Idle) => {
+                    self.h().checks += 1;
+                    self.catch_up(&mut sub, &mut monitor, None).await;
+                    self.last_activity = Instant::now();
+                }
                 None => {}
+            }
+            if std::mem::take(&mut self.reconnected) && self.next_seq.is_some() {
+                self.h().checks += 1;
+                if self.config.replay_endpoint.is_some() {
+                    self.catch_up(&mut sub, &mut monitor, None).await;
+                } else {
+                    // What was published while we were away is lost, and
+                    // nothing can tell what it was.
+                    tracing::info!(endpoint = %self.config.endpoint, "kv publisher reconnected without a replay endpoint: dropping the worker's blocks");
+                    self.forget();
+                }
             }
         }
     }
 
-    fn on_socket_event(&self, ev: &SocketEvent) {
+    /// When the idle check is due, if it applies.
+    fn idle_deadline(&self) -> Option<Instant> {
+        let every = self.config.idle_check?;
+        (self.config.replay_endpoint.is_some() && self.next_seq.is_some() && !self.disconnected)
+            .then(|| self.last_activity + every)
+    }
+
+    /// Drops the worker's blocks and forgets the stream's position: the next
+    /// batch is a first one.
+    fn forget(&mut self) {
+        self.reset();
+        self.next_seq = None;
+        self.last_digest = None;
+    }
+
+    fn on_socket_event(&mut self, ev: &SocketEvent) {
         match ev {
-            SocketEvent::Connected(..) => self.h().connected = true,
+            SocketEvent::Connected(..) => {
+                self.h().connected = true;
+                if std::mem::take(&mut self.disconnected) {
+                    tracing::info!(endpoint = %self.config.endpoint, "kv publisher reconnected");
+                    self.reconnected = true;
+                }
+            }
             SocketEvent::Disconnected(_) => {
                 self.h().connected = false;
+                self.disconnected = true;
                 tracing::info!(endpoint = %self.config.endpoint, "kv publisher disconnected");
             }
             _ => {}
@@ -348,33 +439,33 @@ impl<S: EventSink> Run<S> {
         sub: &mut SubSocket,
         monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
         seq: u64,
-        payload: &[u8],
+        payload: Bytes,
     ) {
+        self.last_activity = Instant::now();
         match self.next_seq {
-            Some(n) if seq == n => self.apply(seq, payload),
-            None if seq == 0 || self.config.replay_endpoint.is_none() => self.apply(seq, payload),
+            Some(n) if seq == n => self.apply(seq, &payload),
+            None if seq == 0 || self.config.replay_endpoint.is_none() => self.apply(seq, &payload),
             Some(n) if seq < n => {
                 self.h().restarts += 1;
                 tracing::info!(endpoint = %self.config.endpoint, seq, expected = n, "kv publisher restarted");
-                self.reset();
-                self.next_seq = None;
+                self.forget();
                 if seq == 0 || self.config.replay_endpoint.is_none() {
-                    self.apply(seq, payload);
+                    self.apply(seq, &payload);
                 } else {
-                    self.replay(sub, monitor, 0, seq, payload).await;
+                    self.catch_up(sub, monitor, Some((seq, payload))).await;
                 }
             }
             Some(n) => {
                 self.h().gaps += 1;
                 tracing::info!(endpoint = %self.config.endpoint, seq, expected = n, "kv sequence gap");
                 if self.config.replay_endpoint.is_some() {
-                    self.replay(sub, monitor, n, seq, payload).await;
+                    self.catch_up(sub, monitor, Some((seq, payload))).await;
                 } else {
                     self.reset();
-                    self.apply(seq, payload);
+                    self.apply(seq, &payload);
                 }
             }
-            None => self.replay(sub, monitor, 0, seq, payload).await,
+            None => self.catch_up(sub, monitor, Some((seq, payload))).await,
         }
     }
 
@@ -402,37 +493,31 @@ impl<S: EventSink> Run<S> {
             }
         }
         self.next_seq = Some(seq.wrapping_add(1));
+        self.last_digest = Some(digest(payload));
     }
 
-    /// Replays from `from` while buffering live batches (the first one,
-    /// `(seq, payload)`, already received), then applies everything in
-    /// order. On failure the worker's blocks are dropped and the buffered
-    /// batches applied.
-    async fn replay(
+    /// Fetches one replay from `from` while buffering live batches into
+    /// `buf`.
+    async fn fetch(
         &mut self,
         sub: &mut SubSocket,
         monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+        endpoint: String,
         from: u64,
-        seq: u64,
-        payload: &[u8],
-    ) {
-        let Some(endpoint) = self.config.replay_endpoint.clone() else {
-            return;
-        };
-        let mut buffered: Vec<(u64, Bytes)> = vec![(seq, Bytes::copy_from_slice(payload))];
-        let mut overflow = false;
+        buf: &mut Buffered,
+    ) -> Result<Vec<(u64, Bytes)>, String> {
         let fetch = fetch_replay(endpoint, from, self.options(), self.config.replay_timeout);
         tokio::pin!(fetch);
-        let result = loop {
+        loop {
             tokio::select! {
-                r = &mut fetch => break r,
+                r = &mut fetch => return r,
                 m = sub.recv() => match m {
                     Ok(m) => {
                         if let Some(Live::Batch(s, p)) = self.live(&m) {
-                            if buffered.len() < self.config.max_buffered {
-                                buffered.push((s, p));
+                            if buf.batches.len() < self.config.max_buffered {
+                                buf.batches.push((s, p));
                             } else {
-                                overflow = true;
+                                buf.overflow = true;
                             }
                         }
                     }
@@ -441,9 +526,61 @@ impl<S: EventSink> Run<S> {
                 },
                 ev = monitor.next() => if let Some(ev) = ev { self.on_socket_event(&ev) },
             }
+        }
+    }
+
+    /// Catches up from the replay endpoint (the live batch that showed the
+    /// need, if any, already received), buffering live batches meanwhile,
+    /// then applies everything in order.
+    ///
+    /// With a position, the replay is anchored (see the module docs): it
+    /// asks from the last batch applied and goes on only if the reply
+    /// starts with that batch; otherwise the stream is a new one and is
+    /// read again from 0 onto dropped blocks. Without a position (a first
+    /// join, or after a restart) it back-fills from 0. When the replay
+    /// fails, the worker's blocks are dropped and the buffered batches
+    /// applied.
+    async fn catch_up(
+        &mut self,
+        sub: &mut SubSocket,
+        monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+        live: Option<(u64, Bytes)>,
+    ) {
+        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+            return;
         };
+        let mut buf = Buffered {
+            batches: live.into_iter().collect(),
+            overflow: false,
+        };
+        let anchor = match (self.next_seq, self.last_digest) {
+            (Some(n), Some(d)) if n > 0 => Some((n - 1, d)),
+            _ => None,
+        };
+        let from = anchor.map_or(0, |(a, _)| a);
+        let mut result = self
+            .fetch(sub, monitor, endpoint.clone(), from, &mut buf)
+            .await;
+        if let (Some((a, d)), Ok(batches)) = (anchor, &result) {
+            let continues = batches
+                .first()
+                .is_some_and(|(s, p)| *s == a && digest(p) == d);
+            if continues {
+                // Drop the anchor itself: it is applied already.
+                if let Ok(b) = &mut result {
+                    b.remove(0);
+                }
+            } else {
+                let starts = batches.first().map(|(s, _)| *s);
+                self.h().restarts += 1;
+                tracing::info!(endpoint = %self.config.endpoint, anchor = a, reply_starts = ?starts, "kv publisher is not the stream followed (restarted): dropping the worker's blocks and replaying from 0");
+                self.forget();
+                result = self.fetch(sub, monitor, endpoint, 0, &mut buf).await;
+            }
+        }
+        let from = self.next_seq.unwrap_or(0);
         let replayed = match result {
-            Ok(r) if !overflow => Ok(r),
+            Ok(r) if !buf.overflow => Ok(r),
             Ok(_) => Err("live buffer overflowed during replay".to_owned()),
             Err(e) => Err(e),
         };
@@ -451,10 +588,11 @@ impl<S: EventSink> Run<S> {
             // Contiguous with what we applied, or a first join (nothing to
             // be contiguous with: a partial back-fill beats none).
             Ok(batches)
-                if batches.first().is_some_and(|(s, _)| *s <= from)
-                    || (self.next_seq.is_none() && !batches.is_empty()) =>
+                if self.next_seq.is_none() || batches.first().is_none_or(|(s, _)| *s <= from) =>
             {
-                self.h().replays += 1;
+                if !batches.is_empty() {
+                    self.h().replays += 1;
+                }
                 for (s, p) in batches {
                     if s >= from && self.next_seq.is_none_or(|n| s >= n) {
                         self.apply(s, &p);
@@ -471,12 +609,11 @@ impl<S: EventSink> Run<S> {
                 };
                 tracing::warn!(endpoint = %self.config.endpoint, from, reason = %why, "kv replay failed: dropping the worker's blocks");
                 self.h().replay_failures += 1;
-                self.reset();
-                self.next_seq = None;
+                self.forget();
             }
         }
         // Then the live batches buffered meanwhile, skipping replayed ones.
-        for (s, p) in buffered {
+        for (s, p) in buf.batches {
             match self.next_seq {
                 Some(n) if s < n => {}
                 Some(n) if s > n => {

@@ -1,6 +1,6 @@
 //! The admin port: `/metrics`, `/healthz`, `/readyz`, `/debug/explain`,
-//! `/debug/endpoints`. Kept off the serving port so it can be firewalled
-//! apart.
+//! `/debug/endpoints`, `/debug/kv`. Kept off the serving port so it can be
+//! firewalled apart.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -87,6 +87,7 @@ pub fn handle(
             }
         }
         "/debug/explain" => json(&shared.decisions()),
+        "/debug/kv" => json(&kv_keys(shared, req.uri().query())),
         "/debug/endpoints" => json(&serde_json::json!({
             "ready": shared.is_ready(),
             "problems": shared.problems(),
@@ -100,9 +101,31 @@ pub fn handle(
         _ => text(
             StatusCode::NOT_FOUND,
             "text/plain",
-            "admin paths: /metrics /healthz /readyz /debug/explain /debug/endpoints\n",
+            "admin paths: /metrics /healthz /readyz /debug/explain /debug/endpoints /debug/kv\n",
         ),
     }
+}
+
+/// `/debug/kv[?endpoint=ADDR]`: the block keys the KV index holds per
+/// worker (endpoint and DP rank), to audit against an engine's own view of
+/// its cache. One pass over the index per worker listed.
+fn kv_keys(shared: &Shared, query: Option<&str>) -> serde_json::Value {
+    let only = query.and_then(|q| {
+        q.split('&')
+            .find_map(|kv| kv.strip_prefix("endpoint="))
+            .map(str::to_owned)
+    });
+    let workers: Vec<serde_json::Value> = shared
+        .kv
+        .workers()
+        .into_iter()
+        .filter(|(_, r)| only.as_ref().is_none_or(|o| *o == r.endpoint))
+        .map(|(id, r)| {
+            let keys: Vec<u64> = shared.kv.worker_keys(id).into_iter().map(|k| k.0).collect();
+            serde_json::json!({"endpoint": r.endpoint, "rank": r.dp_rank, "keys": keys})
+        })
+        .collect();
+    serde_json::json!({ "workers": workers })
 }
 
 /// Serves the admin port until `shared.stop`.

@@ -92,7 +92,8 @@ pub struct ServeArgs {
     /// Largest request body, bytes.
     #[arg(long, env = "KINFERENCE_BODY_LIMIT", default_value_t = 32 << 20)]
     pub body_limit: usize,
-    /// Longest wait for an engine's response headers, seconds.
+    /// Longest wait for an engine's response headers, and between two
+    /// chunks of a streamed response, seconds.
     #[arg(long, env = "KINFERENCE_UPSTREAM_TIMEOUT_S", default_value_t = 600)]
     pub upstream_timeout_s: u64,
     /// The replay port is the KV-event port plus this (0: no replay).

@@ -132,8 +132,12 @@ async fn decide_in(
     req: &Ask<'_>,
 ) -> Option<Decision> {
     let (api, body, explain) = (req.api, req.body, req.explain);
-    // Ask the least loaded endpoint when the engine tokenizes.
-    let ask = endpoints.iter().min_by_key(|e| e.load.snapshot().requests);
+    // Ask the least loaded endpoint when the engine tokenizes, preferring
+    // those that have answered `/v1/models` (an engine that never answered
+    // has no load either, and every request would wait for it).
+    let ask = endpoints
+        .iter()
+        .min_by_key(|e| (e.models().is_empty(), e.load.snapshot().requests));
     let (ids, source) = tokens::ids(shared, rt, api, body, req.body_len, ask, &target.model).await;
     let lora = lora_name(endpoints, &target.model);
 

@@ -122,10 +122,18 @@ impl Load {
 struct Health {
     failures: u32,
     ejected_until: Option<Instant>,
+    /// Consecutive probes that could not reach the engine.
+    probe_failures: u32,
+    /// The ejection is the probes' doing (a probe success lifts it).
+    by_probe: bool,
 }
 
 /// The longest an endpoint is ejected after failures.
 const MAX_EJECTION: Duration = Duration::from_secs(30);
+
+/// Consecutive unreachable probes (connect errors, timeouts) that eject an
+/// endpoint. One is not enough: a busy engine can miss one probe deadline.
+pub const PROBE_FAILURES_TO_EJECT: u32 = 2;
 
 /// One endpoint.
 #[derive(Debug)]
@@ -139,6 +147,9 @@ pub struct Endpoint {
     /// Load sent by this router.
     pub load: Load,
     health: RwLock<Health>,
+    /// Woken when probes find the engine unreachable: requests still
+    /// waiting for its response headers move to another endpoint.
+    down: tokio::sync::Notify,
     models: RwLock<Vec<DiscoveredModel>>,
     models_error: RwLock<Option<String>>,
     scraped: RwLock<Option<Scraped>>,
@@ -156,6 +167,7 @@ impl Endpoint {
             key,
             load: Load::default(),
             health: RwLock::default(),
+            down: tokio::sync::Notify::new(),
             models: RwLock::default(),
             models_error: RwLock::default(),
             scraped: RwLock::default(),
@@ -169,10 +181,16 @@ impl Endpoint {
         self.health.read().ejected_until.is_none_or(|t| now >= t)
     }
 
-    /// Records a failure to connect or a refusal: ejects the endpoint for a
-    /// time that doubles with consecutive failures (0.5 s up to 30 s).
+    /// Records a failed request (a refusal, no answer in time, a stream
+    /// that stalled): ejects the endpoint for a time that doubles with
+    /// consecutive failures (0.5 s up to 30 s).
     pub fn record_failure(&self, now: Instant) {
         let mut h = self.health.write();
+        Self::eject(&mut h, now);
+        h.by_probe = false;
+    }
+
+    fn eject(h: &mut Health, now: Instant) {
         h.failures = h.failures.saturating_add(1);
         let backoff = Duration::from_millis(500)
             .saturating_mul(1 << (h.failures - 1).min(6))
@@ -183,9 +201,47 @@ impl Endpoint {
     /// Records a success: the endpoint is healthy again.
     pub fn record_success(&self) {
         let mut h = self.health.write();
-        if h.failures != 0 || h.ejected_until.is_some() {
+        if h.failures != 0 || h.ejected_until.is_some() || h.probe_failures != 0 {
             *h = Health::default();
         }
+    }
+
+    /// Records whether a probe (or a `/tokenize` call that failed to
+    /// connect) reached the engine.
+    ///
+    /// [`PROBE_FAILURES_TO_EJECT`] unreachable probes in a row eject the
+    /// endpoint (with the same growing backoff as failed requests) and wake
+    /// the requests waiting for its response headers, which then try
+    /// another endpoint: an engine that stopped answering is found without
+    /// waiting for requests to time out on it, and without traffic at all.
+    /// A probe that reaches the engine lifts an ejection the probes caused
+    /// (not one caused by failed requests: their backoff runs out). Returns
+    /// whether this call ejected the endpoint.
+    pub fn record_probe(&self, reachable: bool, now: Instant) -> bool {
+        let mut h = self.health.write();
+        if reachable {
+            if h.by_probe {
+                *h = Health::default();
+            } else {
+                h.probe_failures = 0;
+            }
+            return false;
+        }
+        h.probe_failures = h.probe_failures.saturating_add(1);
+        if h.probe_failures < PROBE_FAILURES_TO_EJECT {
+            return false;
+        }
+        Self::eject(&mut h, now);
+        h.by_probe = true;
+        drop(h);
+        self.down.notify_waiters();
+        true
+    }
+
+    /// Resolves when probes next find the engine unreachable. Register
+    /// (call this) before sending, then await it alongside the response.
+    pub fn went_down(&self) -> tokio::sync::futures::Notified<'_> {
+        self.down.notified()
     }
 
     /// Consecutive failures so far.
@@ -464,6 +520,38 @@ mod tests {
         e.record_success();
         assert!(e.healthy(t0));
         assert_eq!(e.failures(), 0);
+    }
+
+    #[tokio::test]
+    async fn unreachable_probes_eject_and_wake_waiting_requests() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let t0 = Instant::now();
+        let waiting = e.went_down();
+        tokio::pin!(waiting);
+        // One miss is tolerated; two in a row eject and wake the waiters.
+        assert!(!e.record_probe(false, t0));
+        assert!(e.healthy(t0));
+        assert!(e.record_probe(false, t0));
+        assert!(!e.healthy(t0));
+        tokio::time::timeout(Duration::from_secs(1), &mut waiting)
+            .await
+            .expect("waiting requests are woken");
+        // A probe that reaches it again lifts the probes' ejection.
+        assert!(!e.record_probe(true, t0));
+        assert!(e.healthy(t0));
+        // An ejection by a failed request is not lifted by a probe.
+        e.record_failure(t0);
+        e.record_probe(true, t0);
+        assert!(!e.healthy(t0));
+        // Probe misses interleaved with successes never eject.
+        e.record_success();
+        for _ in 0..10 {
+            e.record_probe(false, t0);
+            e.record_probe(true, t0);
+        }
+        assert!(e.healthy(t0));
     }
 
     #[test]

@@ -44,7 +44,8 @@ pub struct DecisionLabels {
 /// Labels of an upstream attempt that was retried elsewhere.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RetryLabels {
-    /// `connect`, `unavailable`.
+    /// `connect`, `unavailable` (503), `down` (probes found the engine
+    /// unreachable while the request waited).
     pub reason: &'static str,
 }
 

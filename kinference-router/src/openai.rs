@@ -116,6 +116,17 @@ impl ApiError {
         }
     }
 
+    /// 504: the engine did not answer in time.
+    pub fn gateway_timeout(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::GATEWAY_TIMEOUT,
+            kind: "upstream_error",
+            message: message.into(),
+            param: None,
+            code: Some("upstream_timeout"),
+        }
+    }
+
     /// The JSON body.
     pub fn body(&self) -> Bytes {
         let v = serde_json::json!({

@@ -47,37 +47,58 @@ impl Default for ProbeIntervals {
     }
 }
 
+/// A probe that failed, and whether the engine answered at all.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProbeError {
+    /// The engine answered (an HTTP error, a body too large): it is up.
+    /// `false`: no connection, no answer in time, or the connection broke.
+    pub reached: bool,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for ProbeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
 async fn get(
     client: &ProbeClient,
     authority: &str,
     path: &str,
     timeout: Duration,
-) -> Result<Bytes, String> {
+) -> Result<Bytes, ProbeError> {
+    let fail = |reached: bool, message: String| ProbeError { reached, message };
     let uri: http::Uri = format!("http://{authority}{path}")
         .parse()
-        .map_err(|e| format!("bad address {authority}: {e}"))?;
+        .map_err(|e| fail(false, format!("bad address {authority}: {e}")))?;
     let call = async {
         let resp = client
             .get(uri)
             .await
-            .map_err(|e| format!("GET {path}: {e}"))?;
+            .map_err(|e| fail(false, format!("GET {path}: {e}")))?;
         let status = resp.status();
         // Engines are trusted, but a probe answer is never worth more memory than this.
         let body = http_body_util::Limited::new(resp.into_body(), MAX_PROBE_BODY)
             .collect()
             .await
             .map_err(|e| {
-                format!("GET {path}: reading the body (at most {MAX_PROBE_BODY} bytes): {e}")
+                let reached = e.is::<http_body_util::LengthLimitError>();
+                fail(
+                    reached,
+                    format!("GET {path}: reading the body (at most {MAX_PROBE_BODY} bytes): {e}"),
+                )
             })?
             .to_bytes();
         if !status.is_success() {
-            return Err(format!("GET {path}: HTTP {status}"));
+            return Err(fail(true, format!("GET {path}: HTTP {status}")));
         }
         Ok(body)
     };
     tokio::time::timeout(timeout, call)
         .await
-        .map_err(|_| format!("GET {path}: no answer within {timeout:?}"))?
+        .map_err(|_| fail(false, format!("GET {path}: no answer within {timeout:?}")))?
 }
 
 /// Parses a vLLM `/v1/models` answer.
@@ -216,11 +237,15 @@ pub async fn kv_event_sources(
     authority: &str,
     timeout: Duration,
 ) -> Result<Vec<KvSource>, String> {
-    let body = get(client, authority, "/kv_event_sources", timeout).await?;
+    let body = get(client, authority, "/kv_event_sources", timeout)
+        .await
+        .map_err(|e| e.message)?;
     parse_kv_sources(&body)
 }
 
-/// Polls one endpoint's `/v1/models` and `/metrics` until it leaves.
+/// Polls one endpoint's `/v1/models` and `/metrics` until it leaves. Each
+/// probe's reachability feeds the endpoint's health
+/// ([`Endpoint::record_probe`]).
 pub fn spawn(
     endpoint: Arc<Endpoint>,
     client: ProbeClient,
@@ -233,9 +258,12 @@ pub fn spawn(
         loop {
             let now = Instant::now();
             if now >= models_due {
-                let r = get(&client, &endpoint.authority, "/v1/models", every.timeout)
-                    .await
-                    .and_then(|b| parse_models(&b));
+                let r = get(&client, &endpoint.authority, "/v1/models", every.timeout).await;
+                let reached = r.as_ref().map_or_else(|e| e.reached, |_| true);
+                if endpoint.record_probe(reached, Instant::now()) {
+                    tracing::warn!(endpoint = %endpoint.authority, "engine unreachable: ejected");
+                }
+                let r = r.map_err(|e| e.message).and_then(|b| parse_models(&b));
                 if let Err(e) = &r {
                     tracing::debug!(endpoint = %endpoint.authority, error = %e, "model discovery failed");
                 }
@@ -254,10 +282,18 @@ pub fn spawn(
             }
             if now >= metrics_due {
                 match get(&client, &endpoint.authority, "/metrics", every.timeout).await {
-                    Ok(b) => endpoint
-                        .set_scraped(parse_metrics(&String::from_utf8_lossy(&b), Instant::now())),
+                    Ok(b) => {
+                        endpoint.record_probe(true, Instant::now());
+                        endpoint.set_scraped(parse_metrics(
+                            &String::from_utf8_lossy(&b),
+                            Instant::now(),
+                        ));
+                    }
                     Err(e) => {
                         tracing::debug!(endpoint = %endpoint.authority, error = %e, "metrics scrape failed");
+                        if endpoint.record_probe(e.reached, Instant::now()) {
+                            tracing::warn!(endpoint = %endpoint.authority, error = %e, "engine unreachable: ejected");
+                        }
                     }
                 }
                 metrics_due = Instant::now() + every.metrics;

@@ -7,6 +7,14 @@
 //! the request's [`InFlight`] guard travels with the body: the load it holds
 //! is released when the body ends, fails, or is dropped because the client
 //! went away.
+//!
+//! **Nothing waits forever.** Response headers must come within the
+//! upstream timeout, and so must every later chunk of a streamed body: an
+//! engine that accepted the request and then stalls ends the response with
+//! an error (never a hang, never a truncated stream presented as complete)
+//! and counts as a failure of the endpoint. A request still waiting for
+//! headers when probes find its engine unreachable moves to another
+//! endpoint (no byte has reached the client yet).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -86,15 +94,44 @@ pub fn upstream_request(
     Ok(req)
 }
 
+/// Errors of proxied response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why a request may go to another endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RetryReason {
+    /// The connection could not be made.
+    Connect,
+    /// The engine answered 503 (overloaded, draining, starting).
+    Unavailable,
+    /// Probes found the engine unreachable while the request waited.
+    Down,
+}
+
+impl RetryReason {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            RetryReason::Connect => "connect",
+            RetryReason::Unavailable => "unavailable",
+            RetryReason::Down => "down",
+        }
+    }
+}
+
 /// What happened when sending to one endpoint.
 #[derive(Debug)]
 pub enum Sent {
     /// The engine answered: stream this back.
     Answered(Response<Incoming>),
-    /// Could not connect, or the engine refused before answering (503):
-    /// safe to try another endpoint.
-    Retry(String),
-    /// Failed after the request may have reached the engine: not retried.
+    /// Not taken, or the engine is gone: safe to try another endpoint.
+    Retry(RetryReason, String),
+    /// No response headers within the upstream timeout: not retried (the
+    /// engine may be working on it; a request that hangs engines must not
+    /// hang them all).
+    TimedOut(String),
+    /// Failed after the request may have reached the engine (the
+    /// connection broke): not retried, for the same reason.
     Failed(String),
 }
 
@@ -108,6 +145,9 @@ pub async fn send(
     assume_first_token: Option<Instant>,
     timeout: Duration,
 ) -> Sent {
+    let endpoint = inflight.endpoint().clone();
+    let down = endpoint.went_down();
+    tokio::pin!(down);
     let call = client.request(req);
     tokio::pin!(call);
     let deadline = Instant::now() + timeout;
@@ -119,17 +159,20 @@ pub async fn send(
                 inflight.first_token();
                 assume = None;
             }
+            () = &mut down => {
+                return Sent::Retry(RetryReason::Down, "the engine stopped answering probes".into());
+            }
             () = tokio::time::sleep_until(deadline) => {
-                return Sent::Failed(format!("no response within {timeout:?}"));
+                return Sent::TimedOut(format!("no response within {timeout:?}"));
             }
         }
     };
     match result {
         Ok(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
-            Sent::Retry("the engine answered 503".into())
+            Sent::Retry(RetryReason::Unavailable, "the engine answered 503".into())
         }
         Ok(resp) => Sent::Answered(resp),
-        Err(e) if e.is_connect() => Sent::Retry(format!("connect: {e}")),
+        Err(e) if e.is_connect() => Sent::Retry(RetryReason::Connect, format!("connect: {e}")),
         Err(e) => Sent::Failed(e.to_string()),
     }
 }
@@ -138,13 +181,29 @@ pub async fn send(
 pub type OnFirstByte = Box<dyn FnOnce(Duration) + Send + Sync>;
 
 /// A proxied response body: passes frames through and keeps the request's
-/// load accounted until it ends.
+/// load accounted until it ends. A body that sends nothing for `idle`
+/// fails (the client sees the response cut, as when the engine dies) and
+/// counts as a failure of the endpoint.
 pub struct TrackedBody {
     inner: Incoming,
     inflight: Option<InFlight>,
     sent_at: Instant,
     on_first_byte: Option<OnFirstByte>,
+    idle: Duration,
+    idle_timer: Pin<Box<tokio::time::Sleep>>,
 }
+
+/// The engine sent nothing for too long.
+#[derive(Debug)]
+pub struct Stalled(pub Duration);
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the engine sent nothing for {:?}", self.0)
+    }
+}
+
+impl std::error::Error for Stalled {}
 
 impl std::fmt::Debug for TrackedBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -155,32 +214,50 @@ impl std::fmt::Debug for TrackedBody {
 }
 
 impl TrackedBody {
-    /// Wraps an engine's response body.
+    /// Wraps an engine's response body; it fails after `idle` without a
+    /// frame.
     pub fn new(
         inner: Incoming,
         inflight: InFlight,
         sent_at: Instant,
         on_first_byte: Option<OnFirstByte>,
+        idle: Duration,
     ) -> Self {
         Self {
             inner,
             inflight: Some(inflight),
             sent_at,
             on_first_byte,
+            idle,
+            idle_timer: Box::pin(tokio::time::sleep(idle)),
         }
     }
 }
 
 impl Body for TrackedBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        if polled.is_pending() {
+            if this.inflight.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
+                // Release the load now and mark the engine: it stalled.
+                if let Some(g) = this.inflight.take() {
+                    g.endpoint().record_failure(Instant::now());
+                    tracing::warn!(endpoint = %g.endpoint().authority, idle = ?this.idle, "engine stalled mid-response: cutting it");
+                }
+                return Poll::Ready(Some(Err(Box::new(Stalled(this.idle)))));
+            }
+            return Poll::Pending;
+        }
+        let deadline = Instant::now() + this.idle;
+        this.idle_timer.as_mut().reset(deadline);
+        let polled = polled.map(|o| o.map(|r| r.map_err(BoxError::from)));
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if frame.data_ref().is_some_and(|d| !d.is_empty()) {

@@ -3,8 +3,9 @@
 //!
 //! Each inference request is read whole (up to the body limit), checked for
 //! what routing needs, resolved to worker sets, decided ([`crate::decide`]),
-//! and proxied ([`crate::proxy`]). A connect failure or a 503 before any byte
-//! moves it to the next best endpoint. The response streams back unchanged
+//! and proxied ([`crate::proxy`]). A connect failure, a 503, or probes
+//! finding the engine gone before any byte moves it to the next best
+//! endpoint; no response headers within the upstream timeout is a 504. The response streams back unchanged
 //! with `x-kinference-endpoint` (and, with `x-kinference-debug: 1`, the
 //! decision) added.
 
@@ -34,7 +35,7 @@ use crate::proxy::{self, Sent, TrackedBody};
 use crate::state::{DecisionRecord, Shared};
 
 /// Response bodies: proxied streams or small local answers.
-pub type Body = UnsyncBoxBody<Bytes, hyper::Error>;
+pub type Body = UnsyncBoxBody<Bytes, proxy::BoxError>;
 
 /// The endpoint that served a request.
 pub const ENDPOINT_HEADER: HeaderName = HeaderName::from_static("x-kinference-endpoint");
@@ -355,25 +356,39 @@ async fn route(
                         rparts.headers.insert(EXPLAIN_HEADER, v);
                     }
                 }
-                let body = TrackedBody::new(rbody, inflight, sent_at, on_first).boxed_unsync();
+                let body = TrackedBody::new(
+                    rbody,
+                    inflight,
+                    sent_at,
+                    on_first,
+                    shared.config.upstream_timeout,
+                )
+                .boxed_unsync();
                 return Ok(Response::from_parts(rparts, body));
             }
-            Sent::Retry(why) => {
+            Sent::Retry(reason, why) => {
                 tracing::debug!(endpoint = %d.endpoint.authority, %why, "retrying on another endpoint");
-                d.endpoint.record_failure(Instant::now());
-                let reason = if why.contains("503") {
-                    "unavailable"
-                } else {
-                    "connect"
-                };
+                if reason != proxy::RetryReason::Down {
+                    // (Probes ejected it already.)
+                    d.endpoint.record_failure(Instant::now());
+                }
                 shared
                     .metrics
                     .retries
-                    .get_or_create(&RetryLabels { reason })
+                    .get_or_create(&RetryLabels {
+                        reason: reason.label(),
+                    })
                     .inc();
                 excluded.push(d.endpoint.id);
                 last_error = Some(ApiError::unavailable(format!(
                     "The engines serving this model did not take the request (last: {}: {why}).",
+                    d.endpoint.authority
+                )));
+            }
+            Sent::TimedOut(why) => {
+                d.endpoint.record_failure(Instant::now());
+                return Err(ApiError::gateway_timeout(format!(
+                    "The engine {} did not answer: {why}.",
                     d.endpoint.authority
                 )));
             }

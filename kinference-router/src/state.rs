@@ -48,7 +48,8 @@ pub struct Config {
     /// few microseconds with the prefix cache warm); larger ones on the
     /// blocking pool under `tokenize_timeout`.
     pub tokenize_inline_bytes: usize,
-    /// Longest wait for an engine's response headers.
+    /// Longest wait for an engine's response headers, and between two chunks
+    /// of a streamed response.
     pub upstream_timeout: Duration,
     /// Attempts per request on different endpoints (connect failures, 503).
     pub max_attempts: usize,
@@ -208,6 +209,8 @@ pub struct KvReport {
     pub replays: u64,
     /// Publisher restarts seen.
     pub restarts: u64,
+    /// Anchored checks after reconnects and idle spells.
+    pub checks: u64,
     /// Undecodable batches.
     pub decode_errors: u64,
     /// Blocks the index holds for it.
@@ -226,6 +229,7 @@ impl KvReport {
             gaps: h.gaps,
             replays: h.replays,
             restarts: h.restarts,
+            checks: h.checks,
             decode_errors: h.decode_errors,
             blocks_held: h.blocks_held,
             observed_widths: h.observed_widths.clone(),

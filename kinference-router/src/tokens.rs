@@ -112,9 +112,16 @@ pub async fn ids(
             )
             .await
             {
+                // Not a probe failure: a busy engine tokenizes slowly, and
+                // taking busy engines out would pile their load on the rest.
                 Err(_) => Err("timeout"),
                 Ok(Err(err)) => {
-                    tracing::debug!(endpoint = %e.authority, error = %err, "engine /tokenize failed");
+                    // The error never carries the engine's answer: it may
+                    // quote the prompt.
+                    tracing::debug!(endpoint = %e.authority, error = %err.message, "engine /tokenize failed");
+                    if !err.reached {
+                        e.record_probe(false, Instant::now());
+                    }
                     Err("error")
                 }
                 Ok(Ok(ids)) => Ok(ids),
@@ -218,11 +225,14 @@ async fn engine_tokenize(
     api: openai::Endpoint,
     body: &Value,
     model: &str,
-) -> Result<Vec<u32>, String> {
+) -> Result<Vec<u32>, crate::probe::ProbeError> {
     if let Some(ids) = ids_in_body(body) {
         return Ok(ids);
     }
-    let mut req = tokenize_body(api, body).ok_or("request has no prompt to tokenize")?;
+    let mut req = tokenize_body(api, body).ok_or_else(|| crate::probe::ProbeError {
+        reached: true,
+        message: "request has no prompt to tokenize".into(),
+    })?;
     // The engine knows its served name, not the pool's aliases.
     req["model"] = Value::String(model.to_owned());
     post_tokenize(shared, &e.authority, &req).await
@@ -233,29 +243,35 @@ struct TokenizeAnswer {
     tokens: Vec<u32>,
 }
 
-async fn post_tokenize(shared: &Shared, authority: &str, req: &Value) -> Result<Vec<u32>, String> {
-    let bytes = Bytes::from(serde_json::to_vec(req).map_err(|e| e.to_string())?);
+/// Asks `/tokenize`. Errors say whether the engine answered; they never
+/// quote its answer (it may quote the request).
+async fn post_tokenize(
+    shared: &Shared,
+    authority: &str,
+    req: &Value,
+) -> Result<Vec<u32>, crate::probe::ProbeError> {
+    let fail = |reached: bool, message: String| crate::probe::ProbeError { reached, message };
+    let bytes = Bytes::from(serde_json::to_vec(req).map_err(|e| fail(true, e.to_string()))?);
     let http = http::Request::post(format!("http://{authority}/tokenize"))
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(bytes))
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| fail(false, e.to_string()))?;
     let resp = shared
         .upstream
         .request(http)
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| fail(false, format!("POST /tokenize: {e}")))?;
     let status = resp.status();
-    let body = resp
-        .into_body()
+    let body = http_body_util::Limited::new(resp.into_body(), 64 << 20)
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| fail(false, format!("POST /tokenize: reading the answer: {e}")))?
         .to_bytes();
     if !status.is_success() {
-        return Err(format!("HTTP {status}: {}", String::from_utf8_lossy(&body)));
+        return Err(fail(true, format!("POST /tokenize: HTTP {status}")));
     }
     let t: TokenizeAnswer =
-        serde_json::from_slice(&body).map_err(|e| format!("/tokenize answer: {e}"))?;
+        serde_json::from_slice(&body).map_err(|e| fail(true, format!("/tokenize answer: {e}")))?;
     Ok(t.tokens)
 }
 
@@ -300,7 +316,9 @@ pub async fn self_check(
                 .map_err(|e| e.to_string())?
         };
         let req = tokenize_body(api, &body).ok_or("canary has no prompt")?;
-        let remote = post_tokenize(shared, authority, &req).await?;
+        let remote = post_tokenize(shared, authority, &req)
+            .await
+            .map_err(|e| e.message)?;
         let local = match local {
             Ok(t) => t.token_ids.into_iter().next().unwrap_or_default(),
             // A template that cannot render tools is not a mismatch by

@@ -6,8 +6,12 @@
 //! - `cargo xtask chart`: check the Helm chart (lint, render, RBAC against
 //!   the code) and the Dockerfiles; `gen-crds` also copies the CRDs into the
 //!   chart.
-//! - `cargo xtask bench routing|micro`: routing quality of every policy on
-//!   simulated engines; the core crates' micro-benchmarks against their goals.
+//! - `cargo xtask bench routing|micro|faults|proxy|report`: routing quality
+//!   of every policy on simulated engines; the core crates' micro-benchmarks
+//!   against their goals; the reliability suite (engines that die, hang,
+//!   refuse or crawl; KV-event faults audited against the engines' caches;
+//!   thousands of held streams and a soak; an API-server restart; the
+//!   fuzzers) with figures; the router's proxy overhead against nginx.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -18,6 +22,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod chart;
 mod demo;
+mod faults;
 mod gen_crds;
 mod load;
 mod procs;
@@ -37,13 +42,6 @@ enum Command {
         /// Do not write; exit non-zero when the files are stale.
         #[arg(long)]
         check: bool,
-    },
-    /// Measure the router's added latency, CPU per request and throughput
-    /// against direct calls and nginx (needs wrk and nginx).
-    BenchProxy {
-        /// Seconds per wrk run.
-        #[arg(long, default_value_t = 10)]
-        seconds: u64,
     },
     /// Show what kinference does, end to end, on this machine: simulated
     /// engines, the router, a shared-prefix workload, ours vs round robin.
@@ -78,7 +76,6 @@ fn main() -> ExitCode {
             })
         }),
         Command::Chart => chart::run(&workspace_root()),
-        Command::BenchProxy { seconds } => proxy_bench::run(proxy_bench::Options { seconds }),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
         Command::Bench { command } => bench::run(&workspace_root(), command),
     };

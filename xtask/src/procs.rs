@@ -58,6 +58,31 @@ impl Proc {
         })
     }
 
+    /// Starts a prepared command (arguments, environment), its output
+    /// appended to `log`.
+    pub(crate) fn spawn_command(
+        name: &str,
+        mut cmd: tokio::process::Command,
+        log: &Path,
+    ) -> Result<Self> {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .with_context(|| format!("opening {}", log.display()))?;
+        let err = out.try_clone()?;
+        let child = cmd
+            .stdout(out)
+            .stderr(err)
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {name}"))?;
+        Ok(Self {
+            name: name.to_owned(),
+            child,
+        })
+    }
+
     /// The process id, while it runs.
     pub(crate) fn pid(&self) -> Option<u32> {
         self.child.id()

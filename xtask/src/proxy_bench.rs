@@ -30,9 +30,10 @@ const ADMIN: &str = "127.0.0.1:28590";
 const NGINX_PORT: u16 = 28570;
 
 /// Options.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, clap::Args)]
 pub(crate) struct Options {
     /// Seconds per wrk run.
+    #[arg(long, default_value_t = 10)]
     pub seconds: u64,
 }
 

@@ -624,6 +624,25 @@ impl KvIndex {
             .map(|s| s.stats.clone())
     }
 
+    /// Every block key `id` holds (in any tier), sorted: what the index
+    /// believes the worker has cached, for audits against the engine's own
+    /// view (the router's `/debug/kv`, the reliability suite). One pass over
+    /// every shard under its read lock: O(keys), not for the request path.
+    pub fn worker_keys(&self, id: WorkerId) -> Vec<BlockKey> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let sh = read(&s.0);
+            out.extend(
+                sh.map
+                    .iter()
+                    .filter(|(_, hs)| hs.find(id.0).is_some())
+                    .map(|(k, _)| BlockKey(*k)),
+            );
+        }
+        out.sort_unstable();
+        out
+    }
+
     /// Ids of all registered workers.
     pub fn workers(&self) -> Vec<(WorkerId, WorkerRef)> {
         let wr = lock(&self.writer);

@@ -67,6 +67,10 @@ fn events_meet_request_keys_across_events_and_segments() {
         .expect("applies");
     assert_eq!(depth(&ix, &keys, w), (8, 8));
     assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
+    let mut held = keys[..8].to_vec();
+    held.sort_unstable();
+    assert_eq!(ix.worker_keys(w), held);
+    assert!(ix.worker_keys(WorkerId(w.0 + 1)).is_empty());
 }
 
 #[test]

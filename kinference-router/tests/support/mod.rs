@@ -337,3 +337,119 @@ pub async fn wait_routable(r: &Router, n: usize, kv: bool) {
     })
     .await;
 }
+
+/// The router binary as a child process on a manifests directory (its
+/// memory and logs apart from the test's), killed on drop.
+pub struct RouterProc {
+    pub child: std::process::Child,
+    pub api: SocketAddr,
+    pub admin: SocketAddr,
+    pub log: std::path::PathBuf,
+    pub dir: tempfile::TempDir,
+}
+
+impl RouterProc {
+    /// Starts `kinference-router serve` for `engines` with `extra_flags`,
+    /// logging at `rust_log` into a file, and waits until every engine is
+    /// routable.
+    pub async fn start(
+        engines: &[EngineAddr],
+        opts: &WorkerSetOpts,
+        extra_flags: &[&str],
+        rust_log: &str,
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        write_manifests(dir.path(), &manifests_yaml(engines, opts));
+        let log = dir.path().join("router.log");
+        let port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .expect("a free port")
+                .port()
+        };
+        let (api, admin) = (port(), port());
+        let out = std::fs::File::create(&log).expect("log file");
+        let mut args: Vec<String> = [
+            "serve",
+            "--pool",
+            "test",
+            "--manifests",
+            dir.path().to_str().expect("utf-8 path"),
+            "--listen",
+            &format!("127.0.0.1:{api}"),
+            "--admin",
+            &format!("127.0.0.1:{admin}"),
+            "--scrape-interval-s",
+            "0.5",
+        ]
+        .iter()
+        .map(|s| (*s).to_owned())
+        .collect();
+        args.extend(extra_flags.iter().map(|s| (*s).to_owned()));
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_kinference-router"))
+            .args(&args)
+            .env("RUST_LOG", rust_log)
+            .stdout(out.try_clone().expect("log file"))
+            .stderr(out)
+            .spawn()
+            .expect("the router binary starts");
+        let p = RouterProc {
+            child,
+            api: format!("127.0.0.1:{api}").parse().expect("address"),
+            admin: format!("127.0.0.1:{admin}").parse().expect("address"),
+            log,
+            dir,
+        };
+        let n = engines.len();
+        let admin = p.admin;
+        eventually(
+            Duration::from_secs(30),
+            "the router process is ready",
+            || async {
+                let v = get_json(admin, "/debug/endpoints").await?;
+                let eps = v["endpoints"].as_array()?;
+                let ok = eps.len() == n
+                    && eps.iter().all(|ep| {
+                        ep["healthy"] == true
+                            && ep["models"].as_array().is_some_and(|m| !m.is_empty())
+                    });
+                (v["ready"] == true && ok).then_some(())
+            },
+        )
+        .await;
+        p
+    }
+
+    /// Resident memory of the router process, MiB.
+    pub fn rss_mib(&self) -> f64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        s.lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .map_or(f64::NAN, |kb| kb / 1024.0)
+    }
+
+    /// Stops it and returns its log.
+    pub fn stop(mut self) -> String {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for RouterProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+    }
+}
+
+/// `GET` a JSON document, `None` on any failure (for polling).
+pub async fn get_json(addr: SocketAddr, path: &str) -> Option<Value> {
+    let req = http::Request::get(format!("http://{addr}{path}"))
+        .body(Full::new(Bytes::new()))
+        .ok()?;
+    let resp = client().request(req).await.ok()?;
+    let b = resp.into_body().collect().await.ok()?.to_bytes();
+    serde_json::from_slice(&b).ok()
+}

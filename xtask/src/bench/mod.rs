@@ -33,6 +33,13 @@ pub(crate) enum BenchCommand {
     /// The criterion benches of kvindex, scoring, tokenize and the router's
     /// decision path, summarised against their goals.
     Micro(MicroArgs),
+    /// The reliability suite with figures: dead, hung, refusing and slow
+    /// engines; KV-event faults against the engines' caches; held streams
+    /// and a soak; an API-server restart; the fuzzers (release builds).
+    Faults(crate::faults::Options),
+    /// The router's added latency, CPU per request and throughput against
+    /// direct calls and nginx (needs wrk and nginx).
+    Proxy(crate::proxy_bench::Options),
     /// Rewrite the table, Markdown and plots of a `bench routing` output
     /// directory from its results.json (e.g. several merged into one).
     Report {
@@ -117,6 +124,11 @@ pub(crate) struct MicroArgs {
 
 pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
     match cmd {
+        BenchCommand::Faults(mut o) => {
+            o.runs = o.runs.max(1);
+            crate::faults::run(o)
+        }
+        BenchCommand::Proxy(o) => crate::proxy_bench::run(o),
         BenchCommand::Routing(a) => {
             let mut o = routing::RoutingOptions::defaults(root);
             o.quick = a.quick;
