@@ -144,7 +144,15 @@ async fn one_writer_then_a_successor() {
         }
     })
     .await;
-    assert!(leader.ctx.stats(Kind::WorkerSet, &ns, "w").writes >= 1);
+    // The status can be visible before the leader's patch call has returned
+    // and been counted.
+    eventually("the leader counts its write", || async {
+        match leader.ctx.stats(Kind::WorkerSet, &ns, "w").writes {
+            0 => Err("no write counted".into()),
+            _ => Ok(()),
+        }
+    })
+    .await;
     assert_eq!(
         follower.ctx.stats(Kind::WorkerSet, &ns, "w"),
         kinference_controller::ObjectStats::default(),
@@ -183,7 +191,13 @@ async fn one_writer_then_a_successor() {
         }
     })
     .await;
-    assert!(follower.ctx.stats(Kind::WorkerSet, &ns, "w").writes >= 1);
+    eventually("the successor counts its write", || async {
+        match follower.ctx.stats(Kind::WorkerSet, &ns, "w").writes {
+            0 => Err("no write counted".into()),
+            _ => Ok(()),
+        }
+    })
+    .await;
     assert_eq!(
         leader_ctx.stats(Kind::WorkerSet, &ns, "w").writes,
         leader_writes
