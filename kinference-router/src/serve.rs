@@ -17,7 +17,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -196,6 +196,56 @@ async fn inference(
     resp
 }
 
+/// Reads a request body of at most `limit` bytes within `timeout`.
+///
+/// A body over the limit is answered 413, but only after the rest of it has
+/// been read and dropped (up to [`DISCARD_FACTOR`] × the limit, within the
+/// same timeout): answering while the client is still sending makes the
+/// kernel reset the connection, and most clients then report a broken pipe
+/// instead of the 413 (nginx's lingering close does the same).
+async fn read_body(body: Incoming, limit: usize, timeout: Duration) -> Result<Bytes, ApiError> {
+    use hyper::body::Body as _;
+    let mut body = body;
+    if usize::try_from(body.size_hint().lower()).unwrap_or(usize::MAX)
+        > limit.saturating_mul(DISCARD_FACTOR)
+    {
+        return Err(ApiError::too_large(limit)); // not worth reading
+    }
+    let deadline = Instant::now() + timeout;
+    let mut buf = bytes::BytesMut::new();
+    let mut seen: usize = 0;
+    loop {
+        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) if seen > limit => return Err(ApiError::too_large(limit)),
+            Err(_) => return Err(ApiError::timeout(timeout)),
+            Ok(None) if seen > limit => return Err(ApiError::too_large(limit)),
+            Ok(None) => return Ok(buf.freeze()),
+            Ok(Some(Err(e))) => {
+                return Err(ApiError::invalid(
+                    format!("Could not read the request body: {e}."),
+                    None,
+                ));
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        let Ok(data) = frame.into_data() else {
+            continue; // trailers
+        };
+        seen = seen.saturating_add(data.len());
+        if seen <= limit {
+            buf.extend_from_slice(&data);
+        } else {
+            buf = bytes::BytesMut::new();
+            if seen > limit.saturating_mul(DISCARD_FACTOR) {
+                return Err(ApiError::too_large(limit));
+            }
+        }
+    }
+}
+
+/// How much of an oversized body is read and dropped before answering 413.
+const DISCARD_FACTOR: usize = 4;
+
 async fn route(
     shared: &Arc<Shared>,
     api: openai::Endpoint,
@@ -203,25 +253,12 @@ async fn route(
     started: Instant,
 ) -> Result<Response<Body>, ApiError> {
     let (parts, body) = req.into_parts();
-    let limit = shared.config.body_limit;
-    let read = tokio::time::timeout(
+    let bytes = read_body(
+        body,
+        shared.config.body_limit,
         shared.config.body_read_timeout,
-        Limited::new(body, limit).collect(),
     )
-    .await;
-    let bytes = match read {
-        Err(_) => return Err(ApiError::timeout(shared.config.body_read_timeout)),
-        Ok(Ok(c)) => c.to_bytes(),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(ApiError::too_large(limit));
-        }
-        Ok(Err(e)) => {
-            return Err(ApiError::invalid(
-                format!("Could not read the request body: {e}."),
-                None,
-            ));
-        }
-    };
+    .await?;
     let parsed = openai::parse(api, &bytes)?;
     let view = shared.view();
     let Some(targets) = view.resolve(&parsed.model) else {
