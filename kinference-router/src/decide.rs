@@ -219,7 +219,21 @@ async fn decide_in(
     }
     if cache_source != CacheSource::None && !keys.is_empty() {
         let mut out = Vec::new();
-        rt.prefixes.lock().leading_blocks(&keys, now_d, &mut out);
+        let record = rt.prefixes.lock();
+        if cache_source == CacheSource::Index {
+            // Only until the engine's own events can have arrived: after that
+            // the index is the truth, and it has seen evictions the record
+            // cannot (see kinference_scoring::approx).
+            record.leading_blocks_within(
+                &keys,
+                now_d,
+                kinference_scoring::approx::EXACT_MODE_HORIZON,
+                &mut out,
+            );
+        } else {
+            record.leading_blocks(&keys, now_d, &mut out);
+        }
+        drop(record);
         for (ep, n) in out {
             if let Some(i) = endpoints.iter().position(|e| e.id.0 == ep.0) {
                 cached[i].gpu = cached[i].gpu.max(n);
@@ -245,6 +259,8 @@ async fn decide_in(
                     waiting: s.waiting as u32,
                     kv_usage: s.kv_usage,
                     age: now.saturating_duration_since(s.at),
+                    own_requests: s.own_requests,
+                    own_prefilling: s.own_prefilling,
                 }),
             }
         })

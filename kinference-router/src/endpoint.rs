@@ -69,6 +69,12 @@ pub struct Scraped {
     pub kv_usage: f64,
     /// `vllm:cache_config_info{block_size}`.
     pub block_size: Option<u32>,
+    /// This router's requests in flight there when they were read (the
+    /// most seen just before and just after the scrape), so that scoring
+    /// counts only others' requests from the scraped figures.
+    pub own_requests: u32,
+    /// Of which before their first token.
+    pub own_prefilling: u32,
     /// When they were read.
     #[serde(skip)]
     pub at: Instant,

@@ -140,6 +140,8 @@ pub fn parse_metrics(text: &str, at: Instant) -> Scraped {
         waiting: 0.0,
         kv_usage: 0.0,
         block_size: None,
+        own_requests: 0,
+        own_prefilling: 0,
         at,
     };
     for line in text.lines() {
@@ -281,13 +283,15 @@ pub fn spawn(
                 }
             }
             if now >= metrics_due {
+                let before = endpoint.load.snapshot();
                 match get(&client, &endpoint.authority, "/metrics", every.timeout).await {
                     Ok(b) => {
                         endpoint.record_probe(true, Instant::now());
-                        endpoint.set_scraped(parse_metrics(
-                            &String::from_utf8_lossy(&b),
-                            Instant::now(),
-                        ));
+                        let after = endpoint.load.snapshot();
+                        let mut s = parse_metrics(&String::from_utf8_lossy(&b), Instant::now());
+                        s.own_requests = before.requests.max(after.requests);
+                        s.own_prefilling = before.prefilling.max(after.prefilling);
+                        endpoint.set_scraped(s);
                     }
                     Err(e) => {
                         tracing::debug!(endpoint = %endpoint.authority, error = %e, "metrics scrape failed");

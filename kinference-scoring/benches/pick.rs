@@ -53,6 +53,8 @@ fn fleet(seed: u64) -> Vec<Candidate> {
                     waiting: r(10) as u32,
                     kv_usage: r(100) as f64 / 100.0,
                     age: Duration::from_millis(r(1500)),
+                    own_requests: 0,
+                    own_prefilling: 0,
                 }),
             }
         })

@@ -108,6 +108,16 @@ pub struct EngineMetrics {
     pub kv_usage: f64,
     /// Time since the scrape.
     pub age: Duration,
+    /// This router's own requests in flight there when the figures were
+    /// read: the scraped counts beyond them are other clients' (e.g. other
+    /// router replicas). Comparing with the accounting *at the scrape*, not
+    /// now, keeps a stale scrape from counting this router's own requests
+    /// twice (a request waiting then and decoding now).
+    #[serde(default)]
+    pub own_requests: u32,
+    /// Of which before their first token.
+    #[serde(default)]
+    pub own_prefilling: u32,
 }
 
 /// One candidate endpoint for one request.

@@ -18,9 +18,10 @@
 //! The work ahead is the router's own in-flight accounting (uncached prompt
 //! tokens whose first token has not arrived). Fresh scraped engine figures
 //! add what the router cannot see (requests from other routers): waiting
-//! requests beyond its own prefilling ones, at `unseen_request_tokens` each,
-//! and running requests beyond its own as decoding sequences, weighted down
-//! linearly with the scrape's age. KV usage above `kv_pressure_start` adds up
+//! requests beyond the ones it had prefilling there at the scrape, at
+//! `unseen_request_tokens` each, and running requests beyond its own at the
+//! scrape as decoding sequences, weighted down linearly with the scrape's
+//! age. KV usage above `kv_pressure_start` adds up
 //! to `kv_full_penalty_millis`.
 //!
 //! Cached blocks reduce the request's own uncached tokens at their tier's
@@ -250,10 +251,10 @@ impl Model {
                 .saturating_add(u64::from(m.age.subsec_nanos()));
             if age < self.max_age_nanos {
                 let trust = 1.0 - count(age) * self.inv_max_age_nanos;
-                let unseen_waiting = max(f64::from(m.waiting) - own_prefilling, 0.0);
+                let unseen_waiting = max(f64::from(m.waiting) - f64::from(m.own_prefilling), 0.0);
                 pending += trust * unseen_waiting * self.unseen_tokens;
                 ahead += trust * unseen_waiting;
-                let unseen_running = max(f64::from(m.running) - f64::from(own.requests), 0.0);
+                let unseen_running = max(f64::from(m.running) - f64::from(m.own_requests), 0.0);
                 decoding += trust * unseen_running;
                 // NaN usage counts as 0 (`max` returns its second argument).
                 let over = min(max(m.kv_usage, 0.0), 1.0) - self.kv_start;
@@ -546,6 +547,8 @@ mod tests {
             waiting: 4,
             kv_usage: 0.5,
             age: Duration::ZERO,
+            own_requests: 1,
+            own_prefilling: 1,
         });
         let fresh = predict(&p, &req(500), &c, None, Duration::ZERO);
         // Three waiting requests beyond our one, four running beyond ours.
@@ -559,9 +562,45 @@ mod tests {
             waiting: 4,
             kv_usage: 0.5,
             age: p.metrics_max_age,
+            own_requests: 1,
+            own_prefilling: 1,
         });
         let stale = predict(&p, &req(500), &c, None, Duration::ZERO);
         assert!((stale.ttft_ms - base.ttft_ms).abs() < 1e-12);
+    }
+
+    #[test]
+    fn our_own_request_seen_waiting_by_a_scrape_is_not_counted_again() {
+        // The scrape saw our one request waiting; it has since started
+        // decoding. Nothing is waiting there now and no one else sent
+        // anything, so nothing is queued ahead.
+        let p = LatencyParams::default();
+        let mut c = idle();
+        c.in_flight = InFlight {
+            requests: 1,
+            decoding: 1,
+            prefill_tokens: 0,
+            context_tokens: 700,
+        };
+        let ours = predict(&p, &req(500), &c, None, Duration::ZERO);
+        c.engine = Some(EngineMetrics {
+            running: 0,
+            waiting: 1,
+            kv_usage: 0.1,
+            age: Duration::from_millis(300),
+            own_requests: 1,
+            own_prefilling: 1,
+        });
+        let scraped = predict(&p, &req(500), &c, None, Duration::ZERO);
+        assert!(scraped.pending_tokens.abs() < 1e-12, "{scraped:?}");
+        assert!((scraped.ttft_ms - ours.ttft_ms).abs() < 1e-9);
+        // Someone else's waiting request (beyond ours at the scrape) counts.
+        c.engine = Some(EngineMetrics {
+            waiting: 2,
+            ..c.engine.unwrap()
+        });
+        let other = predict(&p, &req(500), &c, None, Duration::ZERO);
+        assert!(other.pending_tokens > 0.0 && other.ttft_ms > ours.ttft_ms);
     }
 
     #[test]
@@ -574,6 +613,8 @@ mod tests {
                 waiting: 0,
                 kv_usage: usage,
                 age: Duration::ZERO,
+                own_requests: 0,
+                own_prefilling: 0,
             });
             predict(&p, &req(100), &c, None, Duration::ZERO).kv_pressure_ms
         };

@@ -39,14 +39,26 @@ fn arb_kv_usage() -> impl Strategy<Value = f64> {
 }
 
 fn arb_engine() -> impl Strategy<Value = Option<EngineMetrics>> {
-    proptest::option::of((0u32..600, 0u32..600, arb_kv_usage(), 0u64..4000).prop_map(
-        |(running, waiting, kv_usage, age_ms)| EngineMetrics {
-            running,
-            waiting,
-            kv_usage,
-            age: Duration::from_millis(age_ms),
-        },
-    ))
+    proptest::option::of(
+        (
+            0u32..600,
+            0u32..600,
+            arb_kv_usage(),
+            0u64..4000,
+            0u32..50,
+            0u32..50,
+        )
+            .prop_map(
+                |(running, waiting, kv_usage, age_ms, own_requests, own_waiting)| EngineMetrics {
+                    running,
+                    waiting,
+                    kv_usage,
+                    age: Duration::from_millis(age_ms),
+                    own_requests,
+                    own_prefilling: own_waiting.min(own_requests),
+                },
+            ),
+    )
 }
 
 fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
@@ -186,21 +198,21 @@ proptest! {
             }
             3 => {
                 let (running, waiting, kv_usage, age) = fresh_engine;
-                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age) };
+                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age), own_requests: 0, own_prefilling: 0 };
                 base.engine = Some(m);
                 more = base;
                 more.engine = Some(EngineMetrics { waiting: waiting + extra, ..m });
             }
             4 => {
                 let (running, waiting, kv_usage, age) = fresh_engine;
-                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age) };
+                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age), own_requests: 0, own_prefilling: 0 };
                 base.engine = Some(m);
                 more = base;
                 more.engine = Some(EngineMetrics { running: running + extra, ..m });
             }
             5 => {
                 let (running, waiting, kv_usage, age) = fresh_engine;
-                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age) };
+                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age), own_requests: 0, own_prefilling: 0 };
                 base.engine = Some(m);
                 more = base;
                 let higher = (kv_usage + f64::from(extra) / 500.0).min(1.0);
@@ -211,13 +223,13 @@ proptest! {
                 let (running, waiting, kv_usage, age) = fresh_engine;
                 base.engine = None;
                 more = base;
-                more.engine = Some(EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age) });
+                more.engine = Some(EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age), own_requests: 0, own_prefilling: 0 });
             }
             _ => {
                 // The same figures, fresher.
                 let (running, waiting, kv_usage, age) = fresh_engine;
                 let age = age + u64::from(extra);
-                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age) };
+                let m = EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age), own_requests: 0, own_prefilling: 0 };
                 base.engine = Some(m);
                 more = base;
                 more.engine = Some(EngineMetrics { age: Duration::from_millis(age - u64::from(extra)), ..m });

@@ -1042,6 +1042,8 @@ mod tests {
                 waiting,
                 kv_usage,
                 age: Duration::ZERO,
+                own_requests: 0,
+                own_prefilling: 0,
             })
         };
         let mut a = cand(0, 100, 0, 0); // full prefix (100 of 100 blocks)
