@@ -215,10 +215,13 @@ async fn read_body(body: Incoming, limit: usize, timeout: Duration) -> Result<By
     let mut buf = bytes::BytesMut::new();
     let mut seen: usize = 0;
     loop {
-        let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-            Err(_) if seen > limit => return Err(ApiError::too_large(limit)),
+        let next = tokio::time::timeout_at(deadline, body.frame()).await;
+        if seen > limit && matches!(next, Err(_) | Ok(None)) {
+            // Drained (or out of time draining): answer the 413.
+            return Err(ApiError::too_large(limit));
+        }
+        let frame = match next {
             Err(_) => return Err(ApiError::timeout(timeout)),
-            Ok(None) if seen > limit => return Err(ApiError::too_large(limit)),
             Ok(None) => return Ok(buf.freeze()),
             Ok(Some(Err(e))) => {
                 return Err(ApiError::invalid(
