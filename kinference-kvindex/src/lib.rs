@@ -123,6 +123,7 @@ pub mod dump;
 pub mod event;
 pub mod index;
 pub mod key;
+pub mod sources;
 #[cfg(feature = "zmq")]
 pub mod sub;
 
@@ -133,3 +134,4 @@ pub use index::{
     WorkerRef, WorkerStats,
 };
 pub use key::{BlockKey, BlockKeyer, ExtraKeys, block_keys};
+pub use sources::{KvSource, parse_kv_event_sources};

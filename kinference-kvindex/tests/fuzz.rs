@@ -28,25 +28,7 @@ use kinference_kvindex::{
     BlockHash, BlockStored, EncodeForm, EventBatch, IndexConfig, KvEvent, KvIndex, WorkerRef,
     decode_batch, encode_batch,
 };
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-}
+use kinference_scoring::{RandomSource as _, SplitMix64 as Rng, below};
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).expect("testdata/kv-events is readable") {
@@ -114,67 +96,67 @@ const INTERESTING: &[u8] = &[
 ];
 
 fn mutate(rng: &mut Rng, seeds: &[Vec<u8>], input: &mut Vec<u8>) {
-    let edits = 1 + rng.below(4);
+    let edits = 1 + below(rng, 4);
     for _ in 0..edits {
         let len = input.len();
-        match rng.below(10) {
+        match below(rng, 10) {
             0 if len > 0 => {
-                let i = rng.below(len);
-                input[i] ^= 1 << rng.below(8);
+                let i = below(rng, len);
+                input[i] ^= 1 << below(rng, 8);
             }
             1 if len > 0 => {
-                let i = rng.below(len);
-                input[i] = INTERESTING[rng.below(INTERESTING.len())];
+                let i = below(rng, len);
+                input[i] = INTERESTING[below(rng, INTERESTING.len())];
             }
             2 if len > 0 => {
                 // A length field set to an extreme (array32/map32/bin32/str32).
-                let i = rng.below(len);
-                let marker = [0xdd, 0xdf, 0xc6, 0xdb][rng.below(4)];
-                let n: u32 = [u32::MAX, 0x7fff_ffff, 0x1_0000, 0][rng.below(4)];
+                let i = below(rng, len);
+                let marker = [0xdd, 0xdf, 0xc6, 0xdb][below(rng, 4)];
+                let n: u32 = [u32::MAX, 0x7fff_ffff, 0x1_0000, 0][below(rng, 4)];
                 input[i] = marker;
                 let at = (i + 1).min(input.len());
                 input.splice(at..at, n.to_be_bytes());
             }
             3 => {
-                let i = rng.below(len + 1);
-                let b = rng.next() as u8;
+                let i = below(rng, len + 1);
+                let b = rng.next_u64() as u8;
                 input.insert(i, b);
             }
             4 if len > 0 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(16));
+                let i = below(rng, len);
+                let n = 1 + below(rng, (len - i).min(16));
                 input.drain(i..i + n);
             }
             5 if len > 1 => {
                 // Duplicate a range in place (repeated events, fields).
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(64));
+                let i = below(rng, len);
+                let n = 1 + below(rng, (len - i).min(64));
                 let piece = input[i..i + n].to_vec();
-                let at = rng.below(input.len() + 1);
+                let at = below(rng, input.len() + 1);
                 input.splice(at..at, piece);
             }
-            6 if len > 0 => input.truncate(rng.below(len)),
+            6 if len > 0 => input.truncate(below(rng, len)),
             7 => {
                 // Splice a piece of another seed.
-                let other = &seeds[rng.below(seeds.len())];
+                let other = &seeds[below(rng, seeds.len())];
                 if !other.is_empty() {
-                    let i = rng.below(other.len());
-                    let n = 1 + rng.below((other.len() - i).min(128));
-                    let at = rng.below(input.len() + 1);
+                    let i = below(rng, other.len());
+                    let n = 1 + below(rng, (other.len() - i).min(128));
+                    let at = below(rng, input.len() + 1);
                     input.splice(at..at, other[i..i + n].iter().copied());
                 }
             }
             8 if len >= 8 => {
                 // An integer field set to an extreme.
-                let i = rng.below(len - 7);
-                let v: u64 = [u64::MAX, 1 << 63, 0, u64::from(u32::MAX) + 1][rng.below(4)];
+                let i = below(rng, len - 7);
+                let v: u64 = [u64::MAX, 1 << 63, 0, u64::from(u32::MAX) + 1][below(rng, 4)];
                 input[i] = 0xcf;
                 input[i + 1..(i + 9).min(len)]
                     .copy_from_slice(&v.to_be_bytes()[..(i + 9).min(len) - i - 1]);
             }
             _ => {
-                let i = rng.below(len + 1);
-                input.insert(i, INTERESTING[rng.below(INTERESTING.len())]);
+                let i = below(rng, len + 1);
+                input.insert(i, INTERESTING[below(rng, INTERESTING.len())]);
             }
         }
     }
@@ -224,7 +206,7 @@ fn hostile_kv_event_bytes_never_panic() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0x6b76_6675_7a7a);
     let seeds = seeds();
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     // A small index that is cleared now and then, so it stays small.
     let index = KvIndex::new(IndexConfig {
         shards: 16,
@@ -245,7 +227,7 @@ fn hostile_kv_event_bytes_never_panic() {
     std::panic::set_hook(Box::new(|_| {}));
     for i in 0..inputs {
         input.clear();
-        input.extend_from_slice(&seeds[rng.below(seeds.len())]);
+        input.extend_from_slice(&seeds[below(&mut rng, seeds.len())]);
         mutate(&mut rng, &seeds, &mut input);
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             exercise(&input, &index, worker)

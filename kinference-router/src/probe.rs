@@ -182,53 +182,16 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     Some(&rest[..rest.find('"')?])
 }
 
-/// One DP rank's KV-event publisher, from vLLM's `/kv_event_sources`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KvSource {
-    /// The DP rank.
-    pub rank: u32,
-    /// PUB port.
-    pub port: u16,
-    /// Replay ROUTER port, if any.
-    pub replay_port: Option<u16>,
-}
+pub use kinference_kvindex::KvSource;
 
-fn port_of(endpoint: &str) -> Option<u16> {
-    endpoint.rsplit_once(':')?.1.parse().ok()
-}
-
-/// Parses `/kv_event_sources` (vLLM ≥ 0.31): an object keyed by DP rank.
+/// Parses `/kv_event_sources` (see [`kinference_kvindex::parse_kv_event_sources`]).
 /// Hosts are ignored (they may be wildcards): the caller uses the
 /// endpoint's own address.
+///
+/// # Errors
+/// When the body is not a JSON object.
 pub fn parse_kv_sources(body: &[u8]) -> Result<Vec<KvSource>, String> {
-    let v: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| format!("/kv_event_sources: {e}"))?;
-    let obj = v.as_object().ok_or("/kv_event_sources: not an object")?;
-    let mut out: Vec<KvSource> = obj
-        .iter()
-        .filter_map(|(rank, cfg)| {
-            let rank = rank.parse().ok()?;
-            if cfg
-                .get("enable_kv_cache_events")
-                .and_then(serde_json::Value::as_bool)
-                == Some(false)
-            {
-                return None;
-            }
-            let port = port_of(cfg.get("endpoint")?.as_str()?)?;
-            let replay_port = cfg
-                .get("replay_endpoint")
-                .and_then(serde_json::Value::as_str)
-                .and_then(port_of);
-            Some(KvSource {
-                rank,
-                port,
-                replay_port,
-            })
-        })
-        .collect();
-    out.sort_by_key(|s| s.rank);
-    Ok(out)
+    kinference_kvindex::parse_kv_event_sources(body)
 }
 
 /// Asks an engine where it publishes KV events. An engine without the
@@ -326,30 +289,6 @@ mod tests {
         assert_eq!(m[0].max_model_len, Some(40960));
         assert_eq!(m[1].parent.as_deref(), Some("Qwen/Qwen3-8B"));
         assert!(parse_models(b"{\"object\":\"error\"}").is_err());
-    }
-
-    #[test]
-    fn kv_sources_parse_per_rank() {
-        let body = br#"{"1": {"enable_kv_cache_events": true, "endpoint": "tcp://*:5558", "replay_endpoint": null},
-                        "0": {"enable_kv_cache_events": true, "endpoint": "tcp://10.0.0.1:5557", "replay_endpoint": "tcp://*:6000", "topic": ""}}"#;
-        let s = parse_kv_sources(body).unwrap();
-        assert_eq!(
-            s,
-            [
-                KvSource {
-                    rank: 0,
-                    port: 5557,
-                    replay_port: Some(6000)
-                },
-                KvSource {
-                    rank: 1,
-                    port: 5558,
-                    replay_port: None
-                },
-            ]
-        );
-        assert!(parse_kv_sources(b"{}").unwrap().is_empty());
-        assert!(parse_kv_sources(b"[]").is_err());
     }
 
     #[test]

@@ -14,6 +14,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use kinference_router::openai;
+use kinference_scoring::{SplitMix64 as Rng, below};
 use serde_json::{Value, json};
 use support::*;
 
@@ -416,25 +417,6 @@ async fn hostile_requests_get_openai_errors_local_tokenization() {
 
 // ------------------------------------------------------- mutated bodies
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 {
-            0
-        } else {
-            (self.next() % n as u64) as usize
-        }
-    }
-}
-
 fn seed_bodies() -> Vec<(openai::Endpoint, Vec<u8>)> {
     let v = [
         (
@@ -496,29 +478,29 @@ const TOKENS: &[&[u8]] = &[
 ];
 
 fn mutate(rng: &mut Rng, body: &mut Vec<u8>) {
-    for _ in 0..=rng.below(3) {
+    for _ in 0..=below(rng, 3) {
         let len = body.len();
-        match rng.below(6) {
+        match below(rng, 6) {
             0 if len > 0 => {
-                let i = rng.below(len);
-                body[i] ^= 1 << rng.below(8);
+                let i = below(rng, len);
+                body[i] ^= 1 << below(rng, 8);
             }
             1 if len > 0 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(8));
+                let i = below(rng, len);
+                let n = 1 + below(rng, (len - i).min(8));
                 body.drain(i..i + n);
             }
-            2 if len > 0 => body.truncate(rng.below(len)),
+            2 if len > 0 => body.truncate(below(rng, len)),
             3 if len > 1 => {
-                let i = rng.below(len);
-                let n = 1 + rng.below((len - i).min(32));
+                let i = below(rng, len);
+                let n = 1 + below(rng, (len - i).min(32));
                 let piece = body[i..i + n].to_vec();
-                let at = rng.below(body.len() + 1);
+                let at = below(rng, body.len() + 1);
                 body.splice(at..at, piece);
             }
             _ => {
-                let t = TOKENS[rng.below(TOKENS.len())];
-                let at = rng.below(len + 1);
+                let t = TOKENS[below(rng, TOKENS.len())];
+                let at = below(rng, len + 1);
                 body.splice(at..at, t.iter().copied());
             }
         }
@@ -535,12 +517,12 @@ fn mutated_bodies_never_panic_the_parser_or_the_tokenizer() {
         kinference_tokenize::ModelTokenizer::from_dir(Path::new(&workspace("examples/word-level")))
             .expect("the word-level tokenizer loads");
     let seeds = seed_bodies();
-    let mut rng = Rng(0x6f70_656e_6169);
+    let mut rng = Rng::new(0x6f70_656e_6169);
     let started = std::time::Instant::now();
     let (mut parsed, mut tokenized) = (0u64, 0u64);
     let mut body = Vec::new();
     for i in 0..n {
-        let (api, seed) = &seeds[rng.below(seeds.len())];
+        let (api, seed) = &seeds[below(&mut rng, seeds.len())];
         body.clear();
         body.extend_from_slice(seed);
         mutate(&mut rng, &mut body);
@@ -584,10 +566,10 @@ async fn mutated_bodies_through_the_router_get_2xx_or_4xx() {
         let r = router(&[EngineAddr::of(&sims[0])], &opts, &[]).await;
         wait_routable(&r, 1, true).await;
         let seeds = seed_bodies();
-        let mut rng = Rng(0x726f_7574_6572);
+        let mut rng = Rng::new(0x726f_7574_6572);
         let mut by_status = std::collections::BTreeMap::<u16, usize>::new();
         for _ in 0..300 {
-            let (api, seed) = &seeds[rng.below(seeds.len())];
+            let (api, seed) = &seeds[below(&mut rng, seeds.len())];
             let mut body = seed.clone();
             mutate(&mut rng, &mut body);
             let reply = send(r.api(), "POST", api.path(), &[], Bytes::from(body.clone())).await;

@@ -110,4 +110,4 @@ pub use crate::policies::{Kinference, Pick, Policy, PolicyName, UnknownPolicy};
 pub use crate::profile::{
     BUILTIN_PROFILES, CalibrationParams, LatencyParams, Overrides, ParamsError, TierCredits,
 };
-pub use crate::rng::{RandomSource, SplitMix64};
+pub use crate::rng::{RandomSource, SplitMix64, below};

@@ -43,7 +43,7 @@ impl RandomSource for SplitMix64 {
 
 /// A uniform index in `0..n` (Lemire's multiply-shift; the bias is below
 /// n / 2^64). `n` must be positive; 0 yields 0.
-pub(crate) fn below(rng: &mut dyn RandomSource, n: usize) -> usize {
+pub fn below(rng: &mut dyn RandomSource, n: usize) -> usize {
     ((u128::from(rng.next_u64()) * n as u128) >> 64) as usize
 }
 

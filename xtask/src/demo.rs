@@ -155,7 +155,7 @@ async fn demo(opts: Options) -> Result<ExitCode> {
         )
         .await
         .with_context(|| format!("the router did not become ready; see {}", logs.display()))?;
-        wait_connected(&mut router).await?;
+        crate::bench::routing::wait_connected(ADMIN, ENGINES, &mut router).await?;
         println!(
             "[{policy}] router: OpenAI API http://{LISTEN}/v1  metrics http://{ADMIN}/metrics  debug http://{ADMIN}/debug/endpoints, /debug/explain"
         );
@@ -215,31 +215,4 @@ async fn demo(opts: Options) -> Result<ExitCode> {
         bail!("requests failed; see the logs in {}", logs.display());
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// Waits until the router sees every engine with its KV stream connected.
-async fn wait_connected(router: &mut Proc) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        router.check_running()?;
-        if let Ok((200, body)) = load::get(&format!("http://{ADMIN}/debug/endpoints")).await {
-            let v: serde_json::Value = serde_json::from_slice(&body)?;
-            let eps = v["endpoints"].as_array().cloned().unwrap_or_default();
-            let tokenizer_ready = v["worker_sets"][0]["tokenizer"]["state"] == "checked";
-            if eps.len() == ENGINES
-                && tokenizer_ready
-                && eps.iter().all(|e| {
-                    e["kv"]
-                        .as_array()
-                        .is_some_and(|k| k.iter().all(|s| s["connected"] == true) && !k.is_empty())
-                })
-            {
-                return Ok(());
-            }
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("the router did not connect to every engine's KV events within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }

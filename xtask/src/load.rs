@@ -14,6 +14,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use kinference_scoring::{RandomSource as _, SplitMix64};
 use serde_json::{Value, json};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
@@ -71,20 +72,9 @@ pub(crate) struct Sample {
     pub output_chunks: usize,
 }
 
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
+/// A uniform float in [0, 1).
+fn unit(rng: &mut SplitMix64) -> f64 {
+    (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64
 }
 
 fn words(start: usize, n: usize) -> String {
@@ -140,18 +130,18 @@ pub(crate) async fn run(
         })
         .collect();
     let samples = Arc::new(Mutex::new(Vec::new()));
-    let mut rng = SplitMix(w.seed);
+    let mut rng = SplitMix64::new(w.seed);
     let start = Instant::now();
     let mut next = start;
     let mut tasks = Vec::new();
     while next < start + duration {
         tokio::time::sleep_until(next).await;
         // Poisson arrivals.
-        let gap = -(1.0 - rng.unit()).ln() / rate;
+        let gap = -(1.0 - unit(&mut rng)).ln() / rate;
         next += Duration::from_secs_f64(gap);
         // A conversation that is not waiting for an answer.
         let n = convs.len();
-        let first = (rng.next() % n as u64) as usize;
+        let first = (rng.next_u64() % n as u64) as usize;
         let mut chosen = None;
         for k in 0..n {
             let c = &convs[(first + k) % n];
@@ -170,7 +160,7 @@ pub(crate) async fn run(
             samples.clone(),
             w.clone(),
         );
-        let q = rng.next();
+        let q = rng.next_u64();
         tasks.push(tokio::spawn(async move {
             let messages = {
                 let mut c = conv.lock().await;

@@ -2,58 +2,21 @@
 //! where it publishes KV events (`GET /kv_event_sources`, vLLM ≥ 0.31) and
 //! how busy it was (`GET /metrics`, vLLM's Prometheus names).
 //!
-//! The router reads `/kv_event_sources` too (`kinference-router`'s
-//! `probe::parse_kv_sources`); this is a small duplicate of that parser, kept
-//! here so the controller does not depend on the router (binaries never
-//! import each other). Both follow vLLM's shape: an object keyed by DP rank,
-//! each value the rank's `--kv-events-config` with its `endpoint` resolved.
+//! The `/kv_event_sources` parser is kinference-kvindex's, shared with the
+//! router.
 
 use std::collections::BTreeSet;
 
 use super::ProbeFailure;
 
-/// One DP rank's KV-event publisher, as `/kv_event_sources` lists it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct KvSource {
-    /// The DP rank (vLLM's `engine` label in `/metrics`).
-    pub rank: u32,
-    /// The PUB port. Hosts are not kept: they are often wildcards
-    /// (`tcp://*:5557`); the endpoint's own address is used.
-    pub port: u16,
-}
+pub use kinference_kvindex::KvSource;
 
-fn port_of(endpoint: &str) -> Option<u16> {
-    endpoint.rsplit_once(':')?.1.parse().ok()
-}
-
-/// Reads `/kv_event_sources`: the ranks whose events are enabled, by rank.
-/// An empty list means the engine publishes no KV events.
+/// Reads `/kv_event_sources` (see [`kinference_kvindex::parse_kv_event_sources`]).
 ///
 /// # Errors
 /// [`ProbeFailure::Body`] when the body is not a JSON object.
 pub fn parse_kv_event_sources(body: &[u8]) -> Result<Vec<KvSource>, ProbeFailure> {
-    let v: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| ProbeFailure::Body(e.to_string()))?;
-    let obj = v
-        .as_object()
-        .ok_or_else(|| ProbeFailure::Body("not a JSON object keyed by DP rank".to_owned()))?;
-    let mut out: Vec<KvSource> = obj
-        .iter()
-        .filter_map(|(rank, cfg)| {
-            let rank = rank.parse().ok()?;
-            let enabled = cfg
-                .get("enable_kv_cache_events")
-                .and_then(serde_json::Value::as_bool);
-            let publisher = cfg.get("publisher").and_then(serde_json::Value::as_str);
-            if enabled == Some(false) || publisher.is_some_and(|p| p != "zmq") {
-                return None;
-            }
-            let port = port_of(cfg.get("endpoint")?.as_str()?)?;
-            Some(KvSource { rank, port })
-        })
-        .collect();
-    out.sort_by_key(|s| s.rank);
-    Ok(out)
+    kinference_kvindex::parse_kv_event_sources(body).map_err(ProbeFailure::Body)
 }
 
 /// Counters and gauges of an engine's `/metrics` that tell whether it served
@@ -220,33 +183,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn kv_event_sources_as_vllm_serves_them() {
-        let body = br#"{"1": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5558", "replay_endpoint": null},
-                        "0": {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://10.0.0.1:5557", "replay_endpoint": "tcp://*:6000", "topic": ""},
-                        "2": {"enable_kv_cache_events": false, "endpoint": "tcp://*:5559"},
-                        "3": {"enable_kv_cache_events": true, "publisher": "null", "endpoint": "tcp://*:5560"},
-                        "x": {"endpoint": "tcp://*:1"}}"#;
-        assert_eq!(
-            parse_kv_event_sources(body).unwrap(),
-            [
-                KvSource {
-                    rank: 0,
-                    port: 5557
-                },
-                KvSource {
-                    rank: 1,
-                    port: 5558
-                }
-            ]
-        );
+    fn kv_event_source_errors_are_body_failures() {
+        assert!(matches!(
+            parse_kv_event_sources(b"[]"),
+            Err(ProbeFailure::Body(_))
+        ));
         assert_eq!(parse_kv_event_sources(b"{}").unwrap(), []);
-        for bad in [&b"[]"[..], b"<html>", b""] {
-            assert!(
-                matches!(parse_kv_event_sources(bad), Err(ProbeFailure::Body(_))),
-                "{}",
-                String::from_utf8_lossy(bad)
-            );
-        }
     }
 
     /// The lines vLLM 0.33 (and the simulator) print, two DP ranks.
