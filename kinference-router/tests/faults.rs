@@ -25,8 +25,6 @@ use serde_json::json;
 use support::*;
 use tokio::time::Instant;
 
-const BLOCK: u32 = 16;
-
 // ---------------------------------------------------------------- helpers
 
 /// How a streamed body ended.
@@ -157,11 +155,6 @@ fn median(v: &mut [f64]) -> f64 {
 
 // ------------------------------------------------------- KV audit helpers
 
-/// A prompt of token ids: `blocks` full blocks, distinct per `n`.
-fn prompt(n: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * BLOCK).map(|i| 100 + n * 1000 + i).collect()
-}
-
 /// The block keys of everything the engine has cached, from its own truth
 /// (`/debug/cache?tokens=1`): each block's key chains over its ancestors.
 /// Blocks whose parent is no longer cached cannot be keyed; they are
@@ -255,30 +248,6 @@ fn audit(r: &Router, sim: &SimHandle) -> Audit {
         missing: truth.difference(&ours).count(),
         orphans,
     }
-}
-
-/// Leading blocks the router's index gives the engine for `ids`.
-fn router_depth(r: &Router, ids: &[u32]) -> u32 {
-    let keys = BlockKeyer::new(BLOCK, None).keys(ids, &ExtraKeys::none());
-    r.running.shared.kv.find_matches(&keys).max_blocks()
-}
-
-/// Leading blocks the engine really holds (asked with one more token: the
-/// engine never counts a prompt's last token as a hit).
-fn truth_depth(sim: &SimHandle, ids: &[u32]) -> u32 {
-    let mut q = ids.to_vec();
-    q.push(7);
-    (sim.cached_prefix_tokens(&q)[0] / BLOCK as usize) as u32
-}
-
-async fn send_prompt(r: &Router, ids: &[u32]) {
-    let reply = post(
-        r.api(),
-        "/v1/completions",
-        &json!({"model": MODEL, "prompt": ids, "max_tokens": 2}),
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{}", reply.text());
 }
 
 /// Waits until the router holds no stale block of `sim` and knows the

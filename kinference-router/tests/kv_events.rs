@@ -6,42 +6,8 @@ mod support;
 
 use std::time::Duration;
 
-use kinference_kvindex::{BlockKey, BlockKeyer, ExtraKeys};
 use kinference_sim::{FaultRequest, SimHandle};
-use serde_json::json;
 use support::*;
-
-const BLOCK: u32 = 16;
-
-/// A prompt of token ids: `blocks` full blocks, distinct per `n`.
-fn prompt(n: u32, blocks: u32) -> Vec<u32> {
-    (0..blocks * BLOCK).map(|i| 100 + n * 1000 + i).collect()
-}
-
-/// Leading blocks the router's index gives the engine for `ids`.
-fn router_depth(r: &Router, ids: &[u32]) -> u32 {
-    let keys: Vec<BlockKey> = BlockKeyer::new(BLOCK, None).keys(ids, &ExtraKeys::none());
-    r.running.shared.kv.find_matches(&keys).max_blocks()
-}
-
-/// Leading blocks the engine really holds. (Asked with one more token: like
-/// vLLM, the engine never counts a prompt's last token as a hit, so a prompt
-/// of whole blocks would hit one block less than it holds.)
-fn truth_depth(sim: &SimHandle, ids: &[u32]) -> u32 {
-    let mut q = ids.to_vec();
-    q.push(7);
-    (sim.cached_prefix_tokens(&q)[0] / BLOCK as usize) as u32
-}
-
-async fn send_prompt(r: &Router, ids: &[u32]) {
-    let reply = post(
-        r.api(),
-        "/v1/completions",
-        &json!({"model": MODEL, "prompt": ids, "max_tokens": 2}),
-    )
-    .await;
-    assert_eq!(reply.status, 200, "{}", reply.text());
-}
 
 /// Waits until the router agrees with the engine on `fresh` prompts, and
 /// checks it never claims more than the engine holds on any of `all`.

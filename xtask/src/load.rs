@@ -230,9 +230,39 @@ async fn stream_chat(
         sample.latency = started.elapsed();
         return (sample, answer);
     }
-    let mut body = resp.into_body();
-    let mut buf = String::new();
     let mut done = false;
+    read_sse(resp.into_body(), |data| match data {
+        SseData::Done => done = true,
+        SseData::Json(v) => {
+            if let Some(text) = v["choices"][0]["delta"]["content"].as_str()
+                && !text.is_empty()
+            {
+                if sample.ttft.is_none() {
+                    sample.ttft = Some(started.elapsed());
+                }
+                sample.output_chunks += 1;
+                answer.push_str(text);
+            }
+        }
+    })
+    .await;
+    sample.latency = started.elapsed();
+    sample.ok = done;
+    (sample, answer.trim().to_owned())
+}
+
+/// One `data:` payload of an OpenAI server-sent-event stream.
+pub(crate) enum SseData {
+    /// `data: [DONE]`.
+    Done,
+    /// A JSON chunk (payloads that are not JSON are skipped).
+    Json(Value),
+}
+
+/// Reads an OpenAI SSE body to its end (or its first error), handing `on`
+/// each `data:` payload in order.
+pub(crate) async fn read_sse(mut body: hyper::body::Incoming, mut on: impl FnMut(SseData)) {
+    let mut buf = String::new();
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else { break };
         let Some(data) = frame.data_ref() else {
@@ -246,27 +276,13 @@ async fn stream_chat(
                     continue;
                 };
                 if payload == "[DONE]" {
-                    done = true;
-                    continue;
-                }
-                let Ok(v) = serde_json::from_str::<Value>(payload) else {
-                    continue;
-                };
-                if let Some(text) = v["choices"][0]["delta"]["content"].as_str()
-                    && !text.is_empty()
-                {
-                    if sample.ttft.is_none() {
-                        sample.ttft = Some(started.elapsed());
-                    }
-                    sample.output_chunks += 1;
-                    answer.push_str(text);
+                    on(SseData::Done);
+                } else if let Ok(v) = serde_json::from_str::<Value>(payload) {
+                    on(SseData::Json(v));
                 }
             }
         }
     }
-    sample.latency = started.elapsed();
-    sample.ok = done;
-    (sample, answer.trim().to_owned())
 }
 
 /// The sum of `vllm:prefix_cache_hits` and `queries` over engines' `/metrics`.

@@ -453,3 +453,40 @@ pub async fn get_json(addr: SocketAddr, path: &str) -> Option<Value> {
     let b = resp.into_body().collect().await.ok()?.to_bytes();
     serde_json::from_slice(&b).ok()
 }
+
+// ------------------------------------------------ KV-cache audit helpers
+
+/// The block width the KV tests' engines publish.
+pub const BLOCK: u32 = 16;
+
+/// A prompt of token ids: `blocks` full blocks, distinct per `n`.
+pub fn prompt(n: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK).map(|i| 100 + n * 1000 + i).collect()
+}
+
+/// Leading blocks the router's index gives the engine for `ids`.
+pub fn router_depth(r: &Router, ids: &[u32]) -> u32 {
+    let keys = kinference_kvindex::BlockKeyer::new(BLOCK, None)
+        .keys(ids, &kinference_kvindex::ExtraKeys::none());
+    r.running.shared.kv.find_matches(&keys).max_blocks()
+}
+
+/// Leading blocks the engine really holds. (Asked with one more token: like
+/// vLLM, the engine never counts a prompt's last token as a hit, so a prompt
+/// of whole blocks would hit one block less than it holds.)
+pub fn truth_depth(sim: &SimHandle, ids: &[u32]) -> u32 {
+    let mut q = ids.to_vec();
+    q.push(7);
+    (sim.cached_prefix_tokens(&q)[0] / BLOCK as usize) as u32
+}
+
+/// Sends `ids` as a completion prompt and expects a 200.
+pub async fn send_prompt(r: &Router, ids: &[u32]) {
+    let reply = post(
+        r.api(),
+        "/v1/completions",
+        &serde_json::json!({"model": MODEL, "prompt": ids, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+}

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 
 use super::oracle::Oracle;
 use super::workload::{Body, Plan};
+use crate::load::SseData;
 
 pub(crate) type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
@@ -346,50 +347,36 @@ pub(crate) async fn stream(
         out.latency = sent.elapsed();
         return out;
     }
-    let mut body = resp.into_body();
-    let mut buf = String::new();
     let mut first_at: Option<Instant> = None;
     let mut last_at: Option<Instant> = None;
-    while let Some(frame) = body.frame().await {
-        let Ok(frame) = frame else { break };
-        let Some(data) = frame.data_ref() else {
-            continue;
-        };
-        buf.push_str(&String::from_utf8_lossy(data));
-        while let Some(i) = buf.find("\n\n") {
-            let event: String = buf.drain(..i + 2).collect();
-            for line in event.lines() {
-                let Some(payload) = line.strip_prefix("data: ") else {
-                    continue;
-                };
-                if payload == "[DONE]" {
-                    out.ok = true;
-                    continue;
-                }
-                let Ok(v) = serde_json::from_str::<Value>(payload) else {
-                    continue;
-                };
-                let choice = &v["choices"][0];
-                let text = match api {
-                    Api::Completions => choice["text"].as_str(),
-                    Api::Chat => choice["delta"]["content"].as_str(),
-                };
-                if let Some(text) = text
-                    && !text.is_empty()
-                {
-                    let now = Instant::now();
-                    if first_at.is_none() {
-                        first_at = Some(now);
-                        out.ttft = Some(now.duration_since(sent));
-                        on_token(true);
-                    }
-                    last_at = Some(now);
-                    out.chunks += 1;
-                    out.text.push_str(text);
-                }
+    crate::load::read_sse(resp.into_body(), |data| {
+        let v = match data {
+            SseData::Done => {
+                out.ok = true;
+                return;
             }
+            SseData::Json(v) => v,
+        };
+        let choice = &v["choices"][0];
+        let text = match api {
+            Api::Completions => choice["text"].as_str(),
+            Api::Chat => choice["delta"]["content"].as_str(),
+        };
+        if let Some(text) = text
+            && !text.is_empty()
+        {
+            let now = Instant::now();
+            if first_at.is_none() {
+                first_at = Some(now);
+                out.ttft = Some(now.duration_since(sent));
+                on_token(true);
+            }
+            last_at = Some(now);
+            out.chunks += 1;
+            out.text.push_str(text);
         }
-    }
+    })
+    .await;
     out.latency = sent.elapsed();
     if let (Some(f), Some(l)) = (first_at, last_at) {
         out.decode = l.duration_since(f);
