@@ -125,39 +125,14 @@ impl Workload {
     /// The workload with `p`× fewer groups (at least one), for a fleet with
     /// `p`× less KV: the resident set keeps its share of the fleet's KV and
     /// the caches warm `p`× sooner.
-    pub(crate) fn with_population(self, p: u32) -> Self {
-        let p = p.max(1);
-        match self {
-            Self::SharedPrefix {
-                groups,
-                prompts_per_group,
-                system_tokens,
-                question_tokens,
-                output_tokens,
-            } => Self::SharedPrefix {
-                groups: (groups / p).max(1),
-                prompts_per_group,
-                system_tokens,
-                question_tokens,
-                output_tokens,
-            },
-            Self::MultiTurn {
-                groups,
-                users_per_group,
-                system_tokens,
-                user_tokens,
-                output_tokens,
-                turns,
-            } => Self::MultiTurn {
-                groups: (groups / p).max(1),
-                users_per_group,
-                system_tokens,
-                user_tokens,
-                output_tokens,
-                turns,
-            },
-            Self::NoReuse { .. } => self,
+    pub(crate) fn with_population(mut self, p: u32) -> Self {
+        match &mut self {
+            Self::SharedPrefix { groups, .. } | Self::MultiTurn { groups, .. } => {
+                *groups = (*groups / p.max(1)).max(1);
+            }
+            Self::NoReuse { .. } => {}
         }
+        self
     }
 
     /// Mean prompt tokens per request (real), for the knee.
