@@ -49,10 +49,11 @@ use smallvec::SmallVec;
 
 use crate::input::EndpointId;
 
-/// Dynamo's default TTL for routing-decision cache predictions
-/// (`--router-ttl`, 120 s) is long for busy engines; vLLM evicts LRU blocks
-/// under pressure within seconds to minutes. 60 s is a middle ground.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(60);
+/// How long a record stands for a prefix on an endpoint. Dynamo's default
+/// TTL for routing-decision cache predictions (`--router-ttl`, 120 s) is long
+/// for busy engines: vLLM evicts LRU blocks under pressure within seconds to
+/// minutes. The router's default (it is the router's `prefix_ttl` setting).
+pub const DEFAULT_TTL: Duration = Duration::from_secs(30);
 
 /// How long a record may stand in for the index in exact mode: enough for
 /// a request to be admitted and prefilled and its `BlockStored` events to
@@ -114,6 +115,14 @@ struct Entry {
     at: u64,
 }
 
+/// What one [`PrefixRecord::record`] call wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordMark {
+    endpoint: EndpointId,
+    first_seq: u64,
+    last_seq: u64,
+}
+
 /// Where the router recently sent which prefix blocks.
 #[derive(Debug, Clone)]
 pub struct PrefixRecord {
@@ -167,10 +176,12 @@ impl PrefixRecord {
     }
 
     /// Note that `endpoint` was sent a prompt whose leading block keys are
-    /// `keys`, at `now`.
-    pub fn record(&mut self, endpoint: EndpointId, keys: &[u64], now: Duration) {
+    /// `keys`, at `now`. The mark returned lets [`PrefixRecord::withdraw`]
+    /// take the note back if the engine refuses the request.
+    pub fn record(&mut self, endpoint: EndpointId, keys: &[u64], now: Duration) -> RecordMark {
         let at = nanos(now);
         self.expire(now);
+        let first_seq = self.seq + 1;
         for &key in keys {
             self.seq += 1;
             let seq = self.seq;
@@ -196,6 +207,35 @@ impl PrefixRecord {
                 }
             }
         }
+        RecordMark {
+            endpoint,
+            first_seq,
+            last_seq: self.seq,
+        }
+    }
+
+    /// Takes back what `record` wrote under `mark` for `keys` (the same
+    /// keys): the endpoint refused the request, so it holds nothing new
+    /// (an older note this call refreshed goes too: the refusing engine is
+    /// not trusted with it). Notes refreshed by a later `record` stay.
+    pub fn withdraw(&mut self, keys: &[u64], mark: RecordMark) {
+        let mut removed = 0;
+        for key in keys {
+            let Some(holders) = self.map.get_mut(key) else {
+                continue;
+            };
+            let before = holders.len();
+            holders.retain(|h| {
+                h.endpoint != mark.endpoint || !(mark.first_seq..=mark.last_seq).contains(&h.seq)
+            });
+            removed += before - holders.len();
+            if holders.is_empty() {
+                self.map.remove(key);
+            }
+        }
+        // Their log entries are no longer current and are skipped when they
+        // reach the front.
+        self.live -= removed;
     }
 
     /// Drop records older than the TTL.
@@ -323,6 +363,26 @@ mod tests {
         r.leading_blocks(k, now, &mut out);
         out.sort();
         out
+    }
+
+    #[test]
+    fn withdrawn_records_no_longer_match_but_later_ones_do() {
+        let mut r = PrefixRecord::new(Duration::from_secs(30), 64);
+        let k = keys("abcdefghijkl");
+        let t = Duration::from_secs(1);
+        let kept = r.record(EndpointId(1), &k, t);
+        let refused = r.record(EndpointId(2), &k, t);
+        assert_eq!(lookup(&r, &k, t), [(EndpointId(1), 3), (EndpointId(2), 3)]);
+        r.withdraw(&k, refused);
+        assert_eq!(lookup(&r, &k, t), [(EndpointId(1), 3)]);
+        assert_eq!(r.len(), 3);
+        // A mark whose notes were refreshed since withdraws nothing.
+        let again = r.record(EndpointId(1), &k[..1], t);
+        r.withdraw(&k, kept);
+        assert_eq!(lookup(&r, &k, t), [(EndpointId(1), 1)]);
+        r.withdraw(&k[..1], again);
+        assert!(lookup(&r, &k, t).is_empty());
+        assert!(r.is_empty());
     }
 
     #[test]

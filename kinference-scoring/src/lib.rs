@@ -98,7 +98,7 @@ pub mod policies;
 mod profile;
 mod rng;
 
-pub use crate::approx::PrefixRecord;
+pub use crate::approx::{PrefixRecord, RecordMark};
 pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 pub use crate::error::ScoringError;
 pub use crate::input::{

@@ -138,8 +138,8 @@ fn prefix_score(params: &LatencyParams, request: &Request, c: &Candidate) -> f64
 
 // ---------------------------------------------------------------------------
 
-/// Round robin over the candidate slice: the k-th decision takes index
-/// `k mod len`.
+/// Round robin over the candidate slice: the k-th committed decision takes
+/// index `k mod len`.
 #[derive(Debug, Clone)]
 pub struct RoundRobin {
     params: LatencyParams,
@@ -160,7 +160,6 @@ impl RoundRobin {
     ) -> Result<Choice, ScoringError> {
         check(request, candidates)?;
         let index = (self.next % candidates.len() as u64) as usize;
-        self.next = self.next.wrapping_add(1);
         Ok(choice(
             &self.params,
             request,
@@ -178,7 +177,7 @@ impl Pick for RoundRobin {
         PolicyName::RoundRobin
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -188,7 +187,7 @@ impl Pick for RoundRobin {
         self.decide(request, candidates, now)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -207,6 +206,10 @@ impl Pick for RoundRobin {
             &scores,
             |i| ScoreDetail::RoundRobin { position: i },
         ))
+    }
+
+    fn commit(&mut self, _request: &Request, _choice: &Choice, _now: Duration) {
+        self.next = self.next.wrapping_add(1);
     }
 }
 
@@ -257,7 +260,7 @@ impl Pick for LeastInflight {
         PolicyName::LeastInflight
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -267,7 +270,7 @@ impl Pick for LeastInflight {
         self.decide(request, candidates, now, rng)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -408,7 +411,7 @@ impl Pick for LlmdBlend {
         PolicyName::LlmdBlend
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -418,7 +421,7 @@ impl Pick for LlmdBlend {
         self.decide(request, candidates, now, rng)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -591,7 +594,7 @@ impl Pick for LlmdDefault {
         PolicyName::LlmdDefault
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -601,7 +604,7 @@ impl Pick for LlmdDefault {
         self.decide(request, candidates, now, rng)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -762,7 +765,7 @@ impl Pick for DynamoCost {
         PolicyName::DynamoCost
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -772,7 +775,7 @@ impl Pick for DynamoCost {
         self.decide(request, candidates, now, rng)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -925,7 +928,7 @@ impl Pick for SglangCacheAware {
         PolicyName::SglangCacheAware
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -935,7 +938,7 @@ impl Pick for SglangCacheAware {
         self.decide(request, candidates, now, rng)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],

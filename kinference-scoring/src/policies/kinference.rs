@@ -327,13 +327,6 @@ impl Kinference {
         } else {
             Reason::LowestPredictedTtft
         };
-        if let Some(slot) = self.slot_mut(chosen.endpoint) {
-            slot.last_chosen = now_nanos.saturating_add(1);
-        }
-        let floor = self.params.step_overhead_millis.max(1.0);
-        self.mean_prefill_ms =
-            (0.98 * self.mean_prefill_ms + 0.02 * prediction.prefill_ms).max(floor);
-        self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
         Ok(Choice {
             endpoint: chosen.endpoint,
             index,
@@ -349,7 +342,7 @@ impl Pick for Kinference {
         PolicyName::Kinference
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -359,7 +352,7 @@ impl Pick for Kinference {
         self.decide(request, candidates, now, rng, None)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -375,6 +368,19 @@ impl Pick for Kinference {
             choice,
             candidates: out,
         })
+    }
+
+    /// The request went to `choice`: its endpoint becomes the most recently
+    /// chosen, and its prefill time enters the running mean the externality
+    /// charge divides by.
+    fn commit(&mut self, _request: &Request, choice: &Choice, now: Duration) {
+        if let Some(slot) = self.slot_mut(choice.endpoint) {
+            slot.last_chosen = nanos(now).saturating_add(1);
+        }
+        let floor = self.params.step_overhead_millis.max(1.0);
+        self.mean_prefill_ms =
+            (0.98 * self.mean_prefill_ms + 0.02 * choice.prediction.prefill_ms).max(floor);
+        self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
     }
 
     fn observe(

@@ -113,20 +113,28 @@ impl FromStr for PolicyName {
 ///
 /// The caller owns time and randomness: `now` is any monotonic clock's
 /// reading as a `Duration` since an arbitrary epoch (the same epoch for every
-/// call), and `rng` is a seeded source. Decisions mutate only the policy's own
-/// state (round-robin position, last-chosen times), never the inputs; the
-/// router updates its in-flight accounting with [`Choice::uncached_tokens`].
+/// call), and `rng` is a seeded source.
+///
+/// A decision has two halves. [`Pick::propose`] chooses and changes nothing
+/// a later decision could see (scratch buffers aside), so a caller may
+/// propose for several worker sets and keep one, or throw a proposal away
+/// when the engine refuses the request. [`Pick::commit`] then records the
+/// proposal that was sent: rotation positions, least-recently-chosen times,
+/// running means. [`Pick::pick`] does both, for callers that send every
+/// decision they take. The router updates its in-flight accounting with
+/// [`Choice::uncached_tokens`].
 pub trait Pick {
     /// The policy's name.
     fn name(&self) -> PolicyName;
 
-    /// Choose one of `candidates` for `request`.
+    /// Choose one of `candidates` for `request` without recording the
+    /// choice.
     ///
     /// # Errors
     ///
     /// [`ScoringError`] when `candidates` is empty, the block width is 0, or an
     /// endpoint id is at or above [`EndpointId::LIMIT`].
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
@@ -134,20 +142,61 @@ pub trait Pick {
         rng: &mut dyn RandomSource,
     ) -> Result<Choice, ScoringError>;
 
-    /// [`Pick::pick`] that also explains: every candidate's inputs, prediction
-    /// and score. The same decision as `pick` for the same state and seed;
-    /// slower (it allocates and predicts for every candidate).
+    /// [`Pick::propose`] that also explains: every candidate's inputs,
+    /// prediction and score. The same choice as `propose` for the same state
+    /// and seed; slower (it allocates and predicts for every candidate).
     ///
     /// # Errors
     ///
-    /// As [`Pick::pick`].
-    fn pick_explained(
+    /// As [`Pick::propose`].
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
         now: Duration,
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError>;
+
+    /// Record that `request` was sent as `choice` proposed, at `now`.
+    /// Policies without per-decision state ignore it.
+    fn commit(&mut self, request: &Request, choice: &Choice, now: Duration) {
+        let _ = (request, choice, now);
+    }
+
+    /// [`Pick::propose`] then [`Pick::commit`]: for callers that send every
+    /// decision.
+    ///
+    /// # Errors
+    ///
+    /// As [`Pick::propose`].
+    fn pick(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Choice, ScoringError> {
+        let choice = self.propose(request, candidates, now, rng)?;
+        self.commit(request, &choice, now);
+        Ok(choice)
+    }
+
+    /// [`Pick::propose_explained`] then [`Pick::commit`].
+    ///
+    /// # Errors
+    ///
+    /// As [`Pick::propose`].
+    fn pick_explained(
+        &mut self,
+        request: &Request,
+        candidates: &[Candidate],
+        now: Duration,
+        rng: &mut dyn RandomSource,
+    ) -> Result<Explanation, ScoringError> {
+        let explanation = self.propose_explained(request, candidates, now, rng)?;
+        self.commit(request, &explanation.choice, now);
+        Ok(explanation)
+    }
 
     /// Report the observed time to first token of a request sent to
     /// `endpoint` with `prediction` (from its [`Choice`]). Only policies that
@@ -249,24 +298,29 @@ impl Pick for Policy {
         }
     }
 
-    fn pick(
+    fn propose(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
         now: Duration,
         rng: &mut dyn RandomSource,
     ) -> Result<Choice, ScoringError> {
-        self.inner().pick(request, candidates, now, rng)
+        self.inner().propose(request, candidates, now, rng)
     }
 
-    fn pick_explained(
+    fn propose_explained(
         &mut self,
         request: &Request,
         candidates: &[Candidate],
         now: Duration,
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
-        self.inner().pick_explained(request, candidates, now, rng)
+        self.inner()
+            .propose_explained(request, candidates, now, rng)
+    }
+
+    fn commit(&mut self, request: &Request, choice: &Choice, now: Duration) {
+        self.inner().commit(request, choice, now);
     }
 
     fn observe(
