@@ -9,8 +9,11 @@
 //!
 //! Also here: the STATE vocabulary of worker sets and its rendering
 //! ([`state`]), condition handling ([`conditions`]), diagnosis codes
-//! ([`DiagnosisReason`]), the CRDs as installed ([`crds`]) and typed objects
-//! from YAML manifests for running without a cluster ([`manifests`]).
+//! ([`DiagnosisReason`]), the CRDs as installed ([`crds`]), typed objects
+//! from YAML manifests for running without a cluster ([`manifests`]), and
+//! the engines' own HTTP answers (`/v1/models`, `/metrics`,
+//! `/kv_event_sources`, `/server_info`) as both binaries read them
+//! ([`engine`]).
 //!
 //! This crate does no I/O. It depends on `k8s-openapi` without choosing a
 //! Kubernetes version feature; binaries choose one (kinference supports
@@ -37,6 +40,7 @@ pub mod conditions;
 pub mod crds;
 mod diagnosis;
 pub mod endpoints;
+pub mod engine;
 pub mod manifests;
 pub mod state;
 pub mod v1alpha1;

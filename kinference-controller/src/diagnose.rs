@@ -262,6 +262,7 @@ mod tests {
             id: id.into(),
             max_model_len: Some(4096),
             parent: None,
+            root: None,
         }
     }
 

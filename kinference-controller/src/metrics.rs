@@ -332,6 +332,7 @@ mod tests {
                     id: "m".into(),
                     max_model_len: None,
                     parent: None,
+                    root: None,
                 }]),
             },
             EndpointModels {

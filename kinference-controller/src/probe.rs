@@ -42,10 +42,10 @@ use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use serde::Deserialize;
 
 pub use engine::{
-    EngineActivity, EngineCounters, KvSource, parse_engine_counters, parse_kv_event_sources,
+    EngineActivity, EngineCounters, KvSource, ModelCard, parse_engine_counters,
+    parse_kv_event_sources, parse_models,
 };
 
 use crate::endpoints::{ReadyEndpoint, http_authority};
@@ -111,19 +111,6 @@ pub struct EndpointModels {
     pub endpoint: String,
     /// The model cards, or why there are none.
     pub outcome: Result<Vec<ModelCard>, ProbeFailure>,
-}
-
-/// One entry of an OpenAI model list.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-pub struct ModelCard {
-    /// The name clients send in `model`.
-    pub id: String,
-    /// Context length; vLLM sets it on base models only.
-    #[serde(default)]
-    pub max_model_len: Option<i64>,
-    /// For a LoRA adapter: the base model's name.
-    #[serde(default)]
-    pub parent: Option<String>,
 }
 
 /// Why an endpoint gave no answer. The texts are stable for equal causes,
@@ -412,20 +399,6 @@ impl HttpProber {
     }
 }
 
-/// Reads an OpenAI model list (`{"object": "list", "data": [...]}`).
-///
-/// # Errors
-/// [`ProbeFailure::Body`] when `body` is not one.
-pub fn parse_models(body: &[u8]) -> Result<Vec<ModelCard>, ProbeFailure> {
-    #[derive(Deserialize)]
-    struct List {
-        data: Vec<ModelCard>,
-    }
-    serde_json::from_slice::<List>(body)
-        .map(|l| l.data)
-        .map_err(|e| ProbeFailure::Body(e.to_string()))
-}
-
 /// A stable description of a client error: the innermost I/O error's kind
 /// when there is one (its text can carry an OS error number).
 fn connect_failure(e: &hyper_util::client::legacy::Error) -> ProbeFailure {
@@ -481,12 +454,14 @@ mod tests {
                 ModelCard {
                     id: "Qwen/Qwen3.6-35B-A3B".into(),
                     max_model_len: Some(262_144),
-                    parent: None
+                    parent: None,
+                    root: Some("Qwen/Qwen3.6-35B-A3B".into())
                 },
                 ModelCard {
                     id: "sql-lora".into(),
                     max_model_len: None,
-                    parent: Some("Qwen/Qwen3.6-35B-A3B".into())
+                    parent: Some("Qwen/Qwen3.6-35B-A3B".into()),
+                    root: Some("/adapters/sql".into())
                 },
             ]
         );

@@ -502,13 +502,14 @@ fn served_models(
         }
     } else {
         for card in answers.into_iter().flatten() {
-            let slot = found.entry(card.id.clone()).or_insert(card.max_model_len);
+            let len = card.max_model_len.and_then(|l| i64::try_from(l).ok());
+            let slot = found.entry(card.id.clone()).or_insert(len);
             // Endpoints that disagree: the smallest context is the one every
             // endpoint can serve.
-            if let (Some(a), Some(b)) = (*slot, card.max_model_len) {
+            if let (Some(a), Some(b)) = (*slot, len) {
                 *slot = Some(a.min(b));
             } else if slot.is_none() {
-                *slot = card.max_model_len;
+                *slot = len;
             }
         }
     }

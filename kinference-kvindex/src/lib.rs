@@ -123,7 +123,6 @@ pub mod dump;
 pub mod event;
 pub mod index;
 pub mod key;
-pub mod sources;
 #[cfg(feature = "zmq")]
 pub mod sub;
 
@@ -134,4 +133,3 @@ pub use index::{
     WorkerRef, WorkerStats,
 };
 pub use key::{BlockKey, BlockKeyer, ExtraKeys, block_keys};
-pub use sources::{KvSource, parse_kv_event_sources};

@@ -1,181 +1,37 @@
-//! What an engine says about itself over HTTP, read by pure functions:
-//! where it publishes KV events (`GET /kv_event_sources`, vLLM ≥ 0.31) and
-//! how busy it was (`GET /metrics`, vLLM's Prometheus names).
-//!
-//! The `/kv_event_sources` parser is kinference-kvindex's, shared with the
-//! router.
+//! What an engine says about itself over HTTP, read by kinference-api's
+//! shared parsers ([`kinference_api::engine`], the router reads the same
+//! ones): where it publishes KV events (`GET /kv_event_sources`, vLLM ≥
+//! 0.31) and how busy it was (`GET /metrics`, vLLM's and SGLang's names).
+//! This module maps their errors to [`ProbeFailure`].
 
 use std::collections::BTreeSet;
 
+use kinference_api::engine;
+
 use super::ProbeFailure;
 
-pub use kinference_kvindex::KvSource;
+pub use kinference_api::engine::{EngineActivity, EngineCounters, KvSource, ModelCard};
 
-/// Reads `/kv_event_sources` (see [`kinference_kvindex::parse_kv_event_sources`]).
+/// Reads `/kv_event_sources`.
 ///
 /// # Errors
 /// [`ProbeFailure::Body`] when the body is not a JSON object.
 pub fn parse_kv_event_sources(body: &[u8]) -> Result<Vec<KvSource>, ProbeFailure> {
-    kinference_kvindex::parse_kv_event_sources(body).map_err(ProbeFailure::Body)
+    engine::parse_kv_event_sources(body).map_err(|e| ProbeFailure::Body(e.to_string()))
 }
 
-/// Counters and gauges of an engine's `/metrics` that tell whether it served
-/// requests, summed over the DP ranks read.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct EngineCounters {
-    /// `vllm:num_requests_running`.
-    pub running: f64,
-    /// `vllm:num_requests_waiting`.
-    pub waiting: f64,
-    /// `vllm:request_success_total`, every `finished_reason`.
-    pub finished: f64,
-    /// `vllm:prompt_tokens_total`.
-    pub prompt_tokens: f64,
-    /// `vllm:generation_tokens_total`.
-    pub generation_tokens: f64,
-    /// `vllm:prefix_cache_queries_total` (tokens looked up).
-    pub prefix_queries: f64,
-    /// `vllm:prefix_cache_hits_total` (tokens found).
-    pub prefix_hits: f64,
-    /// `block_size` of `vllm:cache_config_info` (the engine's
-    /// `--block-size`, which need not be the width of its events).
-    pub block_size: Option<u32>,
-    /// Whether any vLLM metric was read at all.
-    pub seen: bool,
+/// Reads an OpenAI model list (`{"object": "list", "data": [...]}`).
+///
+/// # Errors
+/// [`ProbeFailure::Body`] when `body` is not one.
+pub fn parse_models(body: &[u8]) -> Result<Vec<ModelCard>, ProbeFailure> {
+    engine::parse_models(body).map_err(|e| ProbeFailure::Body(e.to_string()))
 }
 
-/// A sample's labels, in order.
-type Labels<'a> = Vec<(&'a str, &'a str)>;
-
-/// One sample line: name, labels, value.
-fn sample(line: &str) -> Option<(&str, Labels<'_>, f64)> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let name_end = line.find(['{', ' ', '\t']).unwrap_or(line.len());
-    let name = &line[..name_end];
-    let mut rest = &line[name_end..];
-    let mut labels = Vec::new();
-    if let Some(inner) = rest.strip_prefix('{') {
-        // key="value" pairs; values may hold escaped quotes and braces.
-        let mut s = inner;
-        loop {
-            s = s.trim_start_matches([',', ' ']);
-            if let Some(after) = s.strip_prefix('}') {
-                rest = after;
-                break;
-            }
-            let (key, after_key) = s.split_once("=\"")?;
-            let bytes = after_key.as_bytes();
-            let mut i = 0;
-            while i < bytes.len() && bytes[i] != b'"' {
-                i += if bytes[i] == b'\\' { 2 } else { 1 };
-            }
-            let value = after_key.get(..i)?;
-            labels.push((key.trim(), value));
-            s = after_key.get(i + 1..)?;
-        }
-    }
-    let value = rest.split_whitespace().next()?.parse::<f64>().ok()?;
-    Some((name, labels, value))
-}
-
-fn label<'a>(labels: &[(&str, &'a str)], key: &str) -> Option<&'a str> {
-    labels.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
-}
-
-/// Reads the counters of vLLM's `/metrics` (Prometheus text), summed over
-/// the DP ranks in `ranks` (the `engine` label; lines without it count
-/// always), or over all ranks when `ranks` is `None`. Unknown lines are
-/// ignored.
+/// Reads the counters of an engine's `/metrics` (vLLM or SGLang names),
+/// summed over the DP ranks in `ranks` (all when `None`).
 pub fn parse_engine_counters(text: &str, ranks: Option<&BTreeSet<u32>>) -> EngineCounters {
-    let mut c = EngineCounters::default();
-    for (name, labels, value) in text.lines().filter_map(sample) {
-        if !name.starts_with("vllm:") {
-            continue;
-        }
-        c.seen = true;
-        if let (Some(ranks), Some(engine)) = (ranks, label(&labels, "engine"))
-            && !engine.parse::<u32>().is_ok_and(|e| ranks.contains(&e))
-        {
-            continue;
-        }
-        match name {
-            "vllm:num_requests_running" => c.running += value,
-            "vllm:num_requests_waiting" => c.waiting += value,
-            "vllm:request_success_total" => c.finished += value,
-            "vllm:prompt_tokens_total" => c.prompt_tokens += value,
-            "vllm:generation_tokens_total" => c.generation_tokens += value,
-            "vllm:prefix_cache_queries_total" => c.prefix_queries += value,
-            "vllm:prefix_cache_hits_total" => c.prefix_hits += value,
-            "vllm:cache_config_info" => {
-                if let Some(b) = label(&labels, "block_size").and_then(|b| b.parse().ok()) {
-                    c.block_size = Some(b);
-                }
-            }
-            _ => {}
-        }
-    }
-    c
-}
-
-/// How much an engine did between two readings of its `/metrics`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct EngineActivity {
-    /// Requests that finished in between, plus those running at the end.
-    pub requests: u64,
-    /// Tokens whose KV the engine computed in between (and so could cache
-    /// and announce): prompt tokens that were not prefix-cache hits, plus
-    /// generated tokens.
-    pub tokens_computed: u64,
-    /// The engine's `--block-size`, when its metrics say.
-    pub engine_block_size: Option<u32>,
-}
-
-/// The increase of a counter; after a restart (a decrease) the new value.
-fn delta(before: f64, after: f64) -> f64 {
-    if after >= before {
-        after - before
-    } else {
-        after
-    }
-}
-
-#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-fn count(x: f64) -> u64 {
-    // Counters are non-negative integers in practice; anything else is
-    // clamped rather than trusted.
-    if x.is_finite() && x > 0.0 {
-        x.round() as u64
-    } else {
-        0
-    }
-}
-
-impl EngineActivity {
-    /// The activity between `before` and `after`; `None` when either reading
-    /// held no vLLM metric (not a vLLM-compatible engine).
-    pub fn between(before: &EngineCounters, after: &EngineCounters) -> Option<EngineActivity> {
-        if !(before.seen && after.seen) {
-            return None;
-        }
-        let queried = delta(before.prefix_queries, after.prefix_queries);
-        let prompt_computed = if queried > 0.0 {
-            (queried - delta(before.prefix_hits, after.prefix_hits)).max(0.0)
-        } else {
-            // Prefix caching off: nothing is looked up, every prompt token
-            // is computed.
-            delta(before.prompt_tokens, after.prompt_tokens)
-        };
-        Some(EngineActivity {
-            requests: count(delta(before.finished, after.finished) + after.running),
-            tokens_computed: count(
-                prompt_computed + delta(before.generation_tokens, after.generation_tokens),
-            ),
-            engine_block_size: after.block_size.or(before.block_size),
-        })
-    }
+    engine::parse_counters(text, ranks)
 }
 
 #[cfg(test)]
@@ -227,7 +83,7 @@ python_gc_objects_collected_total{generation="0"} 1234.0
                 prefix_queries: 1500.0,
                 prefix_hits: 400.0,
                 block_size: Some(64),
-                seen: true,
+                family: kinference_api::engine::EngineFamily::Vllm,
             }
         );
         assert_eq!(
@@ -241,7 +97,7 @@ python_gc_objects_collected_total{generation="0"} 1234.0
                 prefix_queries: 1000.0,
                 prefix_hits: 400.0,
                 block_size: Some(64),
-                seen: true,
+                family: kinference_api::engine::EngineFamily::Vllm,
             }
         );
         assert_eq!(
@@ -262,7 +118,7 @@ python_gc_objects_collected_total{generation="0"} 1234.0
                 // engine label counts.
                 running: 7.0,
                 waiting: 2.0,
-                seen: true,
+                family: kinference_api::engine::EngineFamily::Vllm,
                 ..EngineCounters::default()
             }
         );
@@ -297,7 +153,7 @@ python_gc_objects_collected_total{generation="0"} 1234.0
         let restarted = EngineCounters {
             finished: 1.0,
             prompt_tokens: 40.0,
-            seen: true,
+            family: kinference_api::engine::EngineFamily::Vllm,
             ..EngineCounters::default()
         };
         let r = EngineActivity::between(&before, &restarted).unwrap();

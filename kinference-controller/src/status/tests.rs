@@ -506,8 +506,9 @@ fn probe_answering(ids: &[(&str, Option<i64>)]) -> ProbeResult {
                     .iter()
                     .map(|(id, len)| ModelCard {
                         id: (*id).into(),
-                        max_model_len: *len,
+                        max_model_len: len.map(|l| u64::try_from(l).unwrap()),
                         parent: None,
+                        root: None,
                     })
                     .collect()),
             })
@@ -588,6 +589,7 @@ fn recomputing_is_a_fixed_point() {
                     id: "Qwen/Qwen3.6-35B-A3B".into(),
                     max_model_len: Some(4096),
                     parent: None,
+                    root: None,
                 }]),
             },
             EndpointModels {
@@ -596,6 +598,7 @@ fn recomputing_is_a_fixed_point() {
                     id: "x".into(),
                     max_model_len: None,
                     parent: None,
+                    root: None,
                 }]),
             },
         ],
