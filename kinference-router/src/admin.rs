@@ -15,7 +15,13 @@ use hyper_util::server::conn::auto;
 use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
-use crate::metrics::StateCollector;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use tokio::time::Instant;
+
+use crate::reports;
 use crate::state::Shared;
 
 fn text(
@@ -86,18 +92,22 @@ pub fn handle(
                 )
             }
         }
-        "/debug/explain" => json(&shared.decisions()),
+        "/debug/explain" => json(&shared.explanations.all()),
         "/debug/kv" => json(&kv_keys(shared, req.uri().query())),
-        "/debug/endpoints" => json(&serde_json::json!({
-            "ready": shared.is_ready(),
-            "problems": shared.problems(),
-            "worker_sets": shared.worker_set_reports(),
-            "endpoints": shared.endpoint_reports(),
-            "kv_index": {
-                "entries": shared.kv.stats().entries,
-                "bytes": shared.kv.stats().bytes,
-            },
-        })),
+        "/debug/endpoints" => {
+            let view = shared.view();
+            let stats = shared.kv.index().stats();
+            json(&serde_json::json!({
+                "ready": shared.is_ready(),
+                "problems": *shared.runtime.problems(),
+                "worker_sets": reports::worker_set_reports(&view),
+                "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now()),
+                "kv_index": {
+                    "entries": stats.entries,
+                    "bytes": stats.bytes,
+                },
+            }))
+        }
         _ => text(
             StatusCode::NOT_FOUND,
             "text/plain",
@@ -115,13 +125,13 @@ fn kv_keys(shared: &Shared, query: Option<&str>) -> serde_json::Value {
             .find_map(|kv| kv.strip_prefix("endpoint="))
             .map(str::to_owned)
     });
-    let workers: Vec<serde_json::Value> = shared
-        .kv
+    let index = shared.kv.index();
+    let workers: Vec<serde_json::Value> = index
         .workers()
         .into_iter()
         .filter(|(_, r)| only.as_ref().is_none_or(|o| *o == r.endpoint))
         .map(|(id, r)| {
-            let keys: Vec<u64> = shared.kv.worker_keys(id).into_iter().map(|k| k.0).collect();
+            let keys: Vec<u64> = index.worker_keys(id).into_iter().map(|k| k.0).collect();
             serde_json::json!({"endpoint": r.endpoint, "rank": r.dp_rank, "keys": keys})
         })
         .collect();
@@ -134,7 +144,7 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener) {
     let builder = auto::Builder::new(TokioExecutor::new());
     loop {
         let accepted = tokio::select! {
-            () = shared.stop.cancelled() => break,
+            () = shared.runtime.stop.cancelled() => break,
             a = listener.accept() => a,
         };
         let Ok((stream, _)) = accepted else { continue };
@@ -149,5 +159,231 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener) {
         tokio::spawn(async move {
             let _ = conn.await;
         });
+    }
+}
+
+/// Reads the router's state at scrape time.
+#[derive(Debug)]
+pub struct StateCollector(pub Arc<Shared>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct EndpointLabels {
+    endpoint: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerSetLabels {
+    worker_set: String,
+}
+
+fn gauge<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(L, f64)],
+) -> Result<(), std::fmt::Error> {
+    let mut e = encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        prometheus_client::metrics::MetricType::Gauge,
+    )?;
+    for (labels, v) in rows {
+        ConstGauge::new(*v).encode(e.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+fn single_gauge(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    v: f64,
+) -> Result<(), std::fmt::Error> {
+    let e = encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        prometheus_client::metrics::MetricType::Gauge,
+    )?;
+    ConstGauge::new(v).encode(e)
+}
+
+fn counter<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    rows: &[(L, u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut e = encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        prometheus_client::metrics::MetricType::Counter,
+    )?;
+    for (labels, v) in rows {
+        ConstCounter::new(*v).encode(e.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let shared = &self.0;
+        let stats = shared.kv.index().stats();
+        single_gauge(
+            &mut encoder,
+            "kv_index_entries",
+            "(block, worker) entries in the KV index",
+            stats.entries as f64,
+        )?;
+        single_gauge(
+            &mut encoder,
+            "kv_index_bytes",
+            "Estimated bytes held by the KV index",
+            stats.bytes as f64,
+        )?;
+        single_gauge(
+            &mut encoder,
+            "config_problems",
+            "Problems with the pool's objects (see /debug/endpoints): missing worker sets, unresolvable ports, unknown profiles",
+            shared.runtime.problems().len() as f64,
+        )?;
+
+        let view = shared.view();
+        let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now());
+        let ep =
+            |f: &dyn Fn(&crate::reports::EndpointReport) -> f64| -> Vec<(EndpointLabels, f64)> {
+                endpoints
+                    .iter()
+                    .map(|r| {
+                        (
+                            EndpointLabels {
+                                endpoint: r.endpoint.clone(),
+                            },
+                            f(r),
+                        )
+                    })
+                    .collect()
+            };
+        gauge(
+            &mut encoder,
+            "endpoint_in_flight_requests",
+            "Requests this router has in flight per endpoint",
+            &ep(&|r| f64::from(r.load.requests)),
+        )?;
+        gauge(
+            &mut encoder,
+            "endpoint_prefill_tokens",
+            "Uncached prompt tokens of requests before their first token",
+            &ep(&|r| r.load.prefill_tokens as f64),
+        )?;
+        gauge(
+            &mut encoder,
+            "endpoint_healthy",
+            "1 when the endpoint takes requests, 0 while ejected",
+            &ep(&|r| if r.healthy { 1.0 } else { 0.0 }),
+        )?;
+        gauge(
+            &mut encoder,
+            "endpoint_kv_connected",
+            "KV-event streams (DP ranks) connected",
+            &ep(&|r| r.kv.iter().flatten().filter(|k| k.connected).count() as f64),
+        )?;
+        gauge(
+            &mut encoder,
+            "endpoint_kv_blocks",
+            "Blocks the KV index holds for the endpoint",
+            &ep(&|r| r.kv.iter().flatten().map(|k| k.blocks_held).sum::<u64>() as f64),
+        )?;
+        let kv_counter = |f: &dyn Fn(&crate::kv::KvReport) -> u64| -> Vec<(EndpointLabels, u64)> {
+            endpoints
+                .iter()
+                .filter_map(|r| {
+                    r.kv.as_ref().map(|k| {
+                        (
+                            EndpointLabels {
+                                endpoint: r.endpoint.clone(),
+                            },
+                            k.iter().map(f).sum(),
+                        )
+                    })
+                })
+                .collect()
+        };
+        counter(
+            &mut encoder,
+            "endpoint_kv_batches",
+            "KV-event batches received",
+            &kv_counter(&|k| k.batches),
+        )?;
+        counter(
+            &mut encoder,
+            "endpoint_kv_gaps",
+            "KV-event sequence gaps",
+            &kv_counter(&|k| k.gaps),
+        )?;
+        counter(
+            &mut encoder,
+            "endpoint_kv_replays",
+            "KV-event replays",
+            &kv_counter(&|k| k.replays),
+        )?;
+        counter(
+            &mut encoder,
+            "endpoint_kv_restarts",
+            "KV-event publisher restarts (sequence went down)",
+            &kv_counter(&|k| k.restarts),
+        )?;
+        counter(
+            &mut encoder,
+            "endpoint_kv_decode_errors",
+            "KV-event batches that failed to decode",
+            &kv_counter(&|k| k.decode_errors),
+        )?;
+
+        let sets = reports::worker_set_reports(&view);
+        let ws_rows =
+            |f: &dyn Fn(&crate::reports::WorkerSetReport) -> u64| -> Vec<(WorkerSetLabels, u64)> {
+                sets.iter()
+                    .map(|s| {
+                        (
+                            WorkerSetLabels {
+                                worker_set: s.name.clone(),
+                            },
+                            f(s),
+                        )
+                    })
+                    .collect()
+            };
+        counter(
+            &mut encoder,
+            "tokenizer_cache_hits",
+            "Tokenizer prefix-cache hits",
+            &ws_rows(&|s| s.tokenizer_cache.map_or(0, |c| c.0)),
+        )?;
+        counter(
+            &mut encoder,
+            "tokenizer_cache_misses",
+            "Tokenizer prefix-cache misses",
+            &ws_rows(&|s| s.tokenizer_cache.map_or(0, |c| c.1)),
+        )?;
+        gauge(
+            &mut encoder,
+            "tokenizer_mismatch",
+            "1 when the local tokenizer disagreed with the engine's /tokenize and the worker set fell back to engine tokenization",
+            &sets
+                .iter()
+                .map(|s| {
+                    (
+                        WorkerSetLabels {
+                            worker_set: s.name.clone(),
+                        },
+                        if s.tokenizer_mismatch { 1.0 } else { 0.0 },
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        Ok(())
     }
 }

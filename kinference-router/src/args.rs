@@ -12,8 +12,8 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{Catalog, PoolRef};
-use crate::probe::ProbeIntervals;
-use crate::state::{Config, Shared};
+use crate::config::{Config, ProbeIntervals, defaults};
+use crate::state::Shared;
 
 /// The kinference router.
 #[derive(Parser, Debug)]
@@ -83,54 +83,54 @@ pub struct ServeArgs {
     #[arg(long, env = "KINFERENCE_POLICY", default_value = "kinference")]
     pub policy: String,
     /// Longest wait for a request's token ids before routing on load alone.
-    #[arg(long, env = "KINFERENCE_TOKENIZE_TIMEOUT_MS", default_value_t = 250)]
+    #[arg(long, env = "KINFERENCE_TOKENIZE_TIMEOUT_MS", default_value_t = defaults::TOKENIZE_TIMEOUT.as_millis() as u64)]
     pub tokenize_timeout_ms: u64,
     /// Request bodies up to this many bytes are tokenized in place; larger
     /// ones on the blocking pool, under the tokenize timeout.
-    #[arg(long, env = "KINFERENCE_TOKENIZE_INLINE_BYTES", default_value_t = 16 << 10)]
+    #[arg(long, env = "KINFERENCE_TOKENIZE_INLINE_BYTES", default_value_t = defaults::TOKENIZE_INLINE_BYTES)]
     pub tokenize_inline_bytes: usize,
     /// Largest request body, bytes.
-    #[arg(long, env = "KINFERENCE_BODY_LIMIT", default_value_t = 32 << 20)]
+    #[arg(long, env = "KINFERENCE_BODY_LIMIT", default_value_t = defaults::BODY_LIMIT)]
     pub body_limit: usize,
     /// Longest wait for an engine's response headers, and between two
     /// chunks of a streamed response, seconds.
-    #[arg(long, env = "KINFERENCE_UPSTREAM_TIMEOUT_S", default_value_t = 600)]
+    #[arg(long, env = "KINFERENCE_UPSTREAM_TIMEOUT_S", default_value_t = defaults::UPSTREAM_TIMEOUT.as_secs())]
     pub upstream_timeout_s: u64,
     /// The replay port is the KV-event port plus this (0: no replay).
-    #[arg(long, env = "KINFERENCE_KV_REPLAY_OFFSET", default_value_t = 1)]
+    #[arg(long, env = "KINFERENCE_KV_REPLAY_OFFSET", default_value_t = defaults::KV_REPLAY_OFFSET)]
     pub kv_replay_offset: u16,
     /// Seconds between /metrics scrapes of each engine.
-    #[arg(long, env = "KINFERENCE_SCRAPE_INTERVAL_S", default_value_t = 5.0)]
+    #[arg(long, env = "KINFERENCE_SCRAPE_INTERVAL_S", default_value_t = defaults::SCRAPE_INTERVAL.as_secs_f64())]
     pub scrape_interval_s: f64,
     /// Seconds between /v1/models calls to each engine.
-    #[arg(long, env = "KINFERENCE_DISCOVERY_INTERVAL_S", default_value_t = 30.0)]
+    #[arg(long, env = "KINFERENCE_DISCOVERY_INTERVAL_S", default_value_t = defaults::DISCOVERY_INTERVAL.as_secs_f64())]
     pub discovery_interval_s: f64,
     /// Seconds to let requests in flight finish at shutdown.
-    #[arg(long, env = "KINFERENCE_DRAIN_S", default_value_t = 30)]
+    #[arg(long, env = "KINFERENCE_DRAIN_S", default_value_t = defaults::DRAIN.as_secs())]
     pub drain_s: u64,
     /// Seed of the tie-breaking random source.
-    #[arg(long, env = "KINFERENCE_SEED", default_value_t = 0x6b69_6e66)]
+    #[arg(long, env = "KINFERENCE_SEED", default_value_t = defaults::SEED)]
     pub seed: u64,
     /// Most (block, worker) entries the KV index holds (about 17 bytes each);
     /// past it the worker holding the most is dropped first.
     #[arg(
         long,
         env = "KINFERENCE_KV_INDEX_MAX_ENTRIES",
-        default_value_t = 50_000_000
+        default_value_t = defaults::KV_INDEX_MAX_ENTRIES
     )]
     pub kv_index_max_entries: u64,
     /// Longest wait for a request's headers, seconds.
-    #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT_S", default_value_t = 30)]
+    #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT_S", default_value_t = defaults::HEADER_READ_TIMEOUT.as_secs())]
     pub header_read_timeout_s: u64,
     /// Longest wait for a request's body, seconds.
-    #[arg(long, env = "KINFERENCE_BODY_READ_TIMEOUT_S", default_value_t = 60)]
+    #[arg(long, env = "KINFERENCE_BODY_READ_TIMEOUT_S", default_value_t = defaults::BODY_READ_TIMEOUT.as_secs())]
     pub body_read_timeout_s: u64,
     /// Most client connections served at once (more wait to be accepted).
-    #[arg(long, env = "KINFERENCE_MAX_CONNECTIONS", default_value_t = 20_000)]
+    #[arg(long, env = "KINFERENCE_MAX_CONNECTIONS", default_value_t = defaults::MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Let clients ask for the routing decision with `x-kinference-debug`
     /// (it names endpoints and their load).
-    #[arg(long, env = "KINFERENCE_DEBUG_HEADERS", default_value_t = true, action = clap::ArgAction::Set)]
+    #[arg(long, env = "KINFERENCE_DEBUG_HEADERS", default_value_t = defaults::DEBUG_HEADERS, action = clap::ArgAction::Set)]
     pub debug_headers: bool,
 }
 
@@ -254,6 +254,7 @@ impl ServeArgs {
             }
         };
         Ok(Config {
+            drain: Duration::from_secs(self.drain_s),
             policy,
             body_limit: self.body_limit,
             tokenize_timeout: Duration::from_millis(self.tokenize_timeout_ms),
@@ -336,9 +337,9 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
         let client = kube::Client::try_default().await.map_err(Error::Kube)?;
         crate::source::watch_kubernetes(&client, &catalog, &stop);
     }
-    tokio::spawn(crate::state::maintain(shared.clone(), snapshots));
+    tokio::spawn(crate::maintain::maintain(shared.clone(), snapshots));
     tokio::spawn(crate::admin::run(shared.clone(), admin));
-    let drain = Duration::from_secs(args.drain_s);
+    let drain = shared.config.drain;
     let s = shared.clone();
     let task = tokio::spawn(async move {
         crate::serve::run(s, api, drain).await;

@@ -48,15 +48,7 @@ impl EndpointKey {
 }
 
 /// A model an engine serves, from its `/v1/models`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct DiscoveredModel {
-    /// The served name.
-    pub id: String,
-    /// Context length, on base-model cards.
-    pub max_model_len: Option<u64>,
-    /// Base model of a LoRA adapter card.
-    pub parent: Option<String>,
-}
+pub use kinference_api::engine::ModelCard as DiscoveredModel;
 
 /// Figures scraped from the engine's `/metrics`.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -161,6 +153,8 @@ pub struct Endpoint {
     scraped: RwLock<Option<Scraped>>,
     /// Set while the endpoint is in the pool; cleared when it leaves.
     live: AtomicBool,
+    /// DP ranks whose KV events are subscribed.
+    kv_ranks: AtomicU32,
     /// Cancelled when the endpoint leaves: stops its tasks.
     pub stop: CancellationToken,
 }
@@ -178,6 +172,7 @@ impl Endpoint {
             models_error: RwLock::default(),
             scraped: RwLock::default(),
             live: AtomicBool::new(true),
+            kv_ranks: AtomicU32::new(0),
             stop,
         }
     }
@@ -289,6 +284,17 @@ impl Endpoint {
     /// Stores scraped metrics.
     pub fn set_scraped(&self, s: Scraped) {
         *self.scraped.write() = Some(s);
+    }
+
+    /// DP ranks whose KV events are subscribed (a request names a rank only
+    /// when there are several).
+    pub fn kv_ranks(&self) -> u32 {
+        self.kv_ranks.load(Ordering::Relaxed)
+    }
+
+    /// Sets the subscribed DP ranks.
+    pub fn set_kv_ranks(&self, n: u32) {
+        self.kv_ranks.store(n, Ordering::Relaxed);
     }
 
     /// Whether the endpoint is still in the pool.

@@ -3,32 +3,42 @@
 //!
 //! # Request path
 //!
-//! 1. [`serve`]: `POST /v1/chat/completions` and `/v1/completions` are read
-//!    whole and checked ([`openai`]); `GET /v1/models` lists every model and
-//!    alias of the pool.
-//! 2. The model or alias resolves to worker sets ([`view`]); an alias is
-//!    rewritten to the engines' model name.
-//! 3. [`decide`]: token ids per the worker set's profile ([`tokens`]: local
-//!    tokenizer, the engine's `/tokenize`, or approximate text keys), block
-//!    keys at the set's `kvBlockSize`, a lookup in the KV index fed by the
-//!    engines' events, and the policy's pick (kinference-scoring).
-//! 4. [`proxy`]: the request goes to the chosen engine over pooled
-//!    connections; connect failures and 503s move to the next best; the
-//!    response streams back unchanged while this router's load accounting
-//!    ([`endpoint`]) and calibration follow it.
+//! Five stages, each with one owner ([`serve`] runs them):
+//!
+//! 1. [`prepare`], once per request: the body's routing fields, borrowed
+//!    ([`openai::parse`]); the model or alias resolved to worker sets
+//!    ([`view`]); token ids per the set's profile ([`tokens`]: local
+//!    tokenizer, the engine's `/tokenize`, or approximate text keys) and
+//!    block keys at its `kvBlockSize`.
+//! 2. [`decide`], per attempt: a synchronous decision over the current
+//!    state (candidates, cached blocks from the KV index and the prefix
+//!    record, load, the policy's proposal). No I/O, no clock read.
+//! 3. [`commit`], for the attempt sent: in-flight load, the policy's
+//!    rotation, the prefix record; withdrawn if the engine refuses.
+//! 4. [`proxy`]: the body to the engine over pooled connections, the answer
+//!    streamed back unchanged. A refusal before any byte (connect failure,
+//!    503, probes finding the engine gone) goes back to stage 2 with that
+//!    endpoint excluded.
+//! 5. [`feedback`]: the first bytes' time calibrates the endpoint's model.
 //!
 //! # State
 //!
-//! The [`catalog`] holds the pool's objects, fed by [`source`]s (Kubernetes
-//! watches or a manifests directory) through apply/delete/reset; the
-//! maintainer in [`state`] turns each snapshot into endpoint states, probes
-//! ([`probe`]), KV-event subscriptions and a new [`view`]. The [`admin`] port
-//! serves metrics ([`metrics`]), health and debug pages.
+//! [`state::Shared`] groups what requests share by role: [`config`],
+//! the runtime (the view and worker-set [`runtime`]s, [`endpoint`] states),
+//! the [`kv`] plane (index, subscriptions) and [`reports`]; [`metrics`] are
+//! counters. The [`catalog`] holds the pool's objects, fed by [`source`]s
+//! (Kubernetes watches or a manifests directory) through apply/delete/reset;
+//! the [`maintain`]er turns each snapshot into endpoint states, probes
+//! ([`probe`]), KV-event subscriptions and a new view. The [`admin`] port
+//! serves metrics, health and debug pages.
 //!
 //! # Architecture invariants
 //!
-//! - Requests read only immutable snapshots (`Arc<View>`) and atomics; every
-//!   change goes through the one maintainer task.
+//! - Requests read the view and the KV owner table as immutable snapshots
+//!   and per-endpoint load as atomics; every change to the view goes
+//!   through the one maintainer task. The only locks a request takes are
+//!   its worker set's policy and prefix-record locks, each for an in-memory
+//!   computation.
 //! - Load accounting is released exactly once per request, on every path
 //!   (response end, upstream error, client gone), by a guard.
 //! - The router only connects to endpoints listed in EndpointSlices (or the
@@ -37,13 +47,21 @@
 pub mod admin;
 pub mod args;
 pub mod catalog;
+pub mod commit;
+pub mod config;
 pub mod decide;
 pub mod endpoint;
 pub mod events;
+pub mod feedback;
+pub mod kv;
+pub mod maintain;
 pub mod metrics;
 pub mod openai;
+pub mod prepare;
 pub mod probe;
 pub mod proxy;
+pub mod reports;
+pub mod runtime;
 pub mod serve;
 pub mod source;
 pub mod state;

@@ -3,6 +3,9 @@
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::Full;
+use std::borrow::Cow;
+
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 /// An error answered to the client in OpenAI's shape:
@@ -179,93 +182,207 @@ impl Endpoint {
     }
 }
 
-/// A parsed request body: the object (key order kept) and the fields routing reads.
+/// The fields of a completions or chat body that routing reads, borrowed
+/// from the body bytes (which are forwarded as they came). Every other field
+/// is skipped unparsed: it is the engine's to validate.
 #[derive(Debug)]
-pub struct Parsed {
-    /// The whole body.
-    pub body: Map<String, Value>,
+pub struct Fields<'a> {
     /// `model`.
-    pub model: String,
+    pub model: Cow<'a, str>,
+    /// Byte range of `model`'s string token (quotes included) in the body,
+    /// for rewriting an alias without re-encoding the body.
+    pub model_span: Option<std::ops::Range<usize>>,
     /// `stream`.
     pub stream: bool,
+    /// The fields that change the prompt's token ids, as sent: `messages`
+    /// or `prompt`, `tools`, `documents`, `chat_template`,
+    /// `chat_template_kwargs`, `reasoning_effort`, `add_generation_prompt`,
+    /// `continue_final_message`, `add_special_tokens`,
+    /// `truncate_prompt_tokens`.
+    pub id_fields: Vec<(&'static str, &'a RawValue)>,
+    /// `cache_salt`, which vLLM mixes into the first block's hash.
+    pub cache_salt: Option<Cow<'a, str>>,
 }
 
-/// Reads the body of a completions or chat request, checking what routing
-/// needs. Everything else is the engine's to validate.
+/// The body as serde reads it: every field routing may need, raw.
+#[derive(serde::Deserialize)]
+struct RawBody<'a> {
+    #[serde(borrow)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    documents: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template: Option<&'a RawValue>,
+    #[serde(borrow)]
+    chat_template_kwargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    reasoning_effort: Option<&'a RawValue>,
+    #[serde(borrow)]
+    add_generation_prompt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    continue_final_message: Option<&'a RawValue>,
+    #[serde(borrow)]
+    add_special_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    truncate_prompt_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    cache_salt: Option<&'a RawValue>,
+}
+
+impl<'a> Fields<'a> {
+    /// A field that changes the ids, as sent.
+    pub fn id_field(&self, name: &str) -> Option<&'a RawValue> {
+        self.id_fields
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, v)| *v)
+    }
+
+    /// The id-relevant fields as a JSON object (what the tokenizer reads).
+    ///
+    /// # Errors
+    /// Never for a body [`parse`] accepted (its fields are valid JSON).
+    pub fn id_object(&self) -> Result<Value, serde_json::Error> {
+        let mut m = Map::with_capacity(self.id_fields.len());
+        for (name, raw) in &self.id_fields {
+            m.insert((*name).to_owned(), serde_json::from_str(raw.get())?);
+        }
+        Ok(Value::Object(m))
+    }
+
+    /// The body with `model` replaced by `model` (an alias rewritten to the
+    /// engines' name), everything else byte for byte as sent.
+    pub fn with_model(&self, body: &[u8], model: &str) -> Bytes {
+        rewrite_model(body, self.model_span.clone(), model)
+    }
+}
+
+/// `body` with the string token at `span` (the `model` value, quotes
+/// included) replaced by `model`, everything else byte for byte.
+pub fn rewrite_model(body: &[u8], span: Option<std::ops::Range<usize>>, model: &str) -> Bytes {
+    let Some(span) = span.filter(|s| s.end <= body.len()) else {
+        return Bytes::copy_from_slice(body);
+    };
+    let quoted = serde_json::to_string(model).unwrap_or_default();
+    let mut out = Vec::with_capacity(body.len() + quoted.len());
+    out.extend_from_slice(&body[..span.start]);
+    out.extend_from_slice(quoted.as_bytes());
+    out.extend_from_slice(&body[span.end..]);
+    Bytes::from(out)
+}
+
+fn type_error(message: &'static str, param: &'static str) -> ApiError {
+    ApiError::invalid(message, Some(param))
+}
+
+/// Reads the fields routing needs from the body of a completions or chat
+/// request, checking them. Nothing else is parsed into memory.
 ///
 /// # Errors
 /// A 400 for malformed JSON, a non-object body, a missing or non-string
 /// `model`, a non-boolean `stream`, missing `messages` (chat) or `prompt`
 /// (completions).
-pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Parsed, ApiError> {
-    let value: Value = serde_json::from_slice(bytes).map_err(|e| {
+pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
+    let not_json = |e: &serde_json::Error| {
         ApiError::invalid(format!("The request body is not valid JSON: {e}."), None)
+    };
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(bytes) {
+                Ok(_) => ApiError::invalid("The request body must be a JSON object.", None),
+                Err(e) => not_json(&e),
+            },
+        );
+    }
+    let raw: RawBody<'_> = serde_json::from_slice(bytes).map_err(|e| {
+        if e.classify() == serde_json::error::Category::Data {
+            // The only data error an object can cause here.
+            ApiError::invalid(format!("The request body has a {e}."), None)
+        } else {
+            not_json(&e)
+        }
     })?;
-    let Value::Object(body) = value else {
-        return Err(ApiError::invalid(
-            "The request body must be a JSON object.",
-            None,
-        ));
+    let model_raw = raw
+        .model
+        .filter(|m| m.get() != "null")
+        .ok_or_else(|| type_error("`model` is required.", "model"))?;
+    let model: Cow<'_, str> = serde_json::from_str(model_raw.get())
+        .map_err(|_| type_error("`model` must be a string.", "model"))?;
+    if model.is_empty() {
+        return Err(type_error("`model` is required.", "model"));
+    }
+    // The string token's place in the body: the raw value borrows from it.
+    let model_span = {
+        let start = model_raw.get().as_ptr() as usize - bytes.as_ptr() as usize;
+        Some(start..start + model_raw.get().len())
     };
-    let model = match body.get("model") {
-        Some(Value::String(m)) if !m.is_empty() => m.clone(),
-        Some(Value::String(_)) | None => {
-            return Err(ApiError::invalid("`model` is required.", Some("model")));
-        }
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "`model` must be a string.",
-                Some("model"),
-            ));
-        }
+    let stream = match raw.stream.map(RawValue::get) {
+        None | Some("null" | "false") => false,
+        Some("true") => true,
+        Some(_) => return Err(type_error("`stream` must be a boolean.", "stream")),
     };
-    let stream = match body.get("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(ApiError::invalid(
-                "`stream` must be a boolean.",
-                Some("stream"),
-            ));
-        }
-    };
+    let first = |v: Option<&RawValue>| v.map(|r| r.get().as_bytes().first().copied());
     match endpoint {
-        Endpoint::Chat => match body.get("messages") {
-            Some(Value::Array(m)) if !m.is_empty() => {}
-            Some(Value::Array(_)) => {
-                return Err(ApiError::invalid(
-                    "`messages` must not be empty.",
-                    Some("messages"),
-                ));
+        Endpoint::Chat => match first(raw.messages) {
+            Some(Some(b'[')) => {
+                if raw
+                    .messages
+                    .is_some_and(|m| m.get()[1..].trim_start().starts_with(']'))
+                {
+                    return Err(type_error("`messages` must not be empty.", "messages"));
+                }
             }
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    "`messages` must be an array.",
-                    Some("messages"),
-                ));
-            }
-            None => {
-                return Err(ApiError::invalid(
-                    "`messages` is required.",
-                    Some("messages"),
-                ));
-            }
+            Some(_) => return Err(type_error("`messages` must be an array.", "messages")),
+            None => return Err(type_error("`messages` is required.", "messages")),
         },
-        Endpoint::Completions => match body.get("prompt") {
-            Some(Value::String(_) | Value::Array(_)) => {}
+        Endpoint::Completions => match first(raw.prompt) {
+            Some(Some(b'"' | b'[')) => {}
             Some(_) => {
-                return Err(ApiError::invalid(
+                return Err(type_error(
                     "`prompt` must be a string, an array of strings, or token ids.",
-                    Some("prompt"),
+                    "prompt",
                 ));
             }
-            None => return Err(ApiError::invalid("`prompt` is required.", Some("prompt"))),
+            None => return Err(type_error("`prompt` is required.", "prompt")),
         },
     }
-    Ok(Parsed {
-        body,
+    let cache_salt = match raw.cache_salt {
+        Some(r) if r.get() != "null" => Some(
+            serde_json::from_str::<Cow<'_, str>>(r.get())
+                .map_err(|_| type_error("`cache_salt` must be a string.", "cache_salt"))?,
+        ),
+        _ => None,
+    };
+    let id_fields = [
+        ("messages", raw.messages),
+        ("prompt", raw.prompt),
+        ("tools", raw.tools),
+        ("documents", raw.documents),
+        ("chat_template", raw.chat_template),
+        ("chat_template_kwargs", raw.chat_template_kwargs),
+        ("reasoning_effort", raw.reasoning_effort),
+        ("add_generation_prompt", raw.add_generation_prompt),
+        ("continue_final_message", raw.continue_final_message),
+        ("add_special_tokens", raw.add_special_tokens),
+        ("truncate_prompt_tokens", raw.truncate_prompt_tokens),
+    ]
+    .into_iter()
+    .filter_map(|(n, v)| v.map(|v| (n, v)))
+    .collect();
+    Ok(Fields {
         model,
+        model_span,
         stream,
+        id_fields,
+        cache_salt,
     })
 }
 

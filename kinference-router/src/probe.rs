@@ -1,5 +1,7 @@
 //! Asking engines about themselves: `/v1/models` (discovery) and `/metrics`
-//! (scraped load), periodically, per endpoint.
+//! (scraped load), periodically, per endpoint; and where an endpoint
+//! publishes its KV events. The answers are read by kinference-api's
+//! shared parsers ([`kinference_api::engine`]), as the controller reads them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +12,11 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
-use crate::endpoint::{DiscoveredModel, Endpoint, Scraped};
+use kinference_api::engine;
+
+use crate::config::ProbeIntervals;
+use crate::endpoint::{Endpoint, Scraped};
+use crate::kv::Publisher;
 
 /// The largest probe answer read (`/metrics`, `/v1/models`, `/kv_event_sources`).
 pub const MAX_PROBE_BODY: usize = 1 << 20;
@@ -24,27 +30,6 @@ pub fn client(connect_timeout: Duration) -> ProbeClient {
     http.set_connect_timeout(Some(connect_timeout));
     http.set_nodelay(true);
     Client::builder(hyper_util::rt::TokioExecutor::new()).build(http)
-}
-
-/// How often and how patiently to probe.
-#[derive(Clone, Copy, Debug)]
-pub struct ProbeIntervals {
-    /// Between `/v1/models` calls.
-    pub models: Duration,
-    /// Between `/metrics` scrapes.
-    pub metrics: Duration,
-    /// Per call.
-    pub timeout: Duration,
-}
-
-impl Default for ProbeIntervals {
-    fn default() -> Self {
-        Self {
-            models: Duration::from_secs(30),
-            metrics: Duration::from_secs(5),
-            timeout: Duration::from_secs(2),
-        }
-    }
 }
 
 /// A probe that failed, and whether the engine answered at all.
@@ -101,111 +86,61 @@ async fn get(
         .map_err(|_| fail(false, format!("GET {path}: no answer within {timeout:?}")))?
 }
 
-/// Parses a vLLM `/v1/models` answer.
-///
-/// # Errors
-/// When it is not the OpenAI list shape.
-pub fn parse_models(body: &[u8]) -> Result<Vec<DiscoveredModel>, String> {
-    #[derive(serde::Deserialize)]
-    struct List {
-        data: Vec<Card>,
-    }
-    #[derive(serde::Deserialize)]
-    struct Card {
-        id: String,
-        #[serde(default)]
-        max_model_len: Option<u64>,
-        #[serde(default)]
-        parent: Option<String>,
-    }
-    let list: List = serde_json::from_slice(body).map_err(|e| format!("/v1/models: {e}"))?;
-    Ok(list
-        .data
-        .into_iter()
-        .map(|c| DiscoveredModel {
-            id: c.id,
-            max_model_len: c.max_model_len,
-            parent: c.parent,
-        })
-        .collect())
-}
-
-/// Reads the load figures a router needs from Prometheus text exposition of
-/// vLLM's metrics. Running and waiting are summed over engines (DP ranks);
-/// KV usage is the largest; old metric names are accepted. Unknown lines are
-/// ignored.
-pub fn parse_metrics(text: &str, at: Instant) -> Scraped {
-    let mut s = Scraped {
-        running: 0.0,
-        waiting: 0.0,
-        kv_usage: 0.0,
-        block_size: None,
+/// Reads the load figures of a `/metrics` answer (vLLM or SGLang names)
+/// read at `at`.
+pub fn scraped(text: &str, at: Instant) -> Scraped {
+    let l = engine::parse_load(text);
+    Scraped {
+        running: l.running,
+        waiting: l.waiting,
+        kv_usage: l.kv_usage,
+        block_size: l.block_size,
         own_requests: 0,
         own_prefilling: 0,
         at,
-    };
-    for line in text.lines() {
-        if line.starts_with('#') || line.is_empty() {
-            continue;
-        }
-        let Some((name_labels, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let (name, labels) = match name_labels.find('{') {
-            Some(i) => (&name_labels[..i], &name_labels[i..]),
-            None => (name_labels, ""),
-        };
-        let Ok(v) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        match name {
-            "vllm:num_requests_running" => s.running += v,
-            "vllm:num_requests_waiting" => s.waiting += v,
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                s.kv_usage = s.kv_usage.max(v);
-            }
-            "vllm:cache_config_info" => {
-                if let Some(b) = label(labels, "block_size").and_then(|b| b.parse().ok()) {
-                    s.block_size = Some(b);
-                }
-            }
-            _ => {}
-        }
     }
-    s
 }
 
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    let pat = format!("{key}=\"");
-    let start = labels.find(&pat)? + pat.len();
-    let rest = &labels[start..];
-    Some(&rest[..rest.find('"')?])
-}
-
-pub use kinference_kvindex::KvSource;
-
-/// Parses `/kv_event_sources` (see [`kinference_kvindex::parse_kv_event_sources`]).
-/// Hosts are ignored (they may be wildcards): the caller uses the
-/// endpoint's own address.
-///
-/// # Errors
-/// When the body is not a JSON object.
-pub fn parse_kv_sources(body: &[u8]) -> Result<Vec<KvSource>, String> {
-    kinference_kvindex::parse_kv_event_sources(body)
-}
-
-/// Asks an engine where it publishes KV events. An engine without the
-/// endpoint (older vLLM, SGLang) gives an error; callers fall back to the
-/// worker set's port.
-pub async fn kv_event_sources(
+/// Where endpoint `authority` (pod address `address`) publishes its KV
+/// events: every DP rank its `/kv_event_sources` lists (vLLM ≥ 0.31), or
+/// rank 0 on the worker set's KV port, with a replay socket on that port
+/// plus `replay_offset` (0: none).
+pub async fn kv_publishers(
     client: &ProbeClient,
     authority: &str,
+    address: &str,
+    kv_port: u16,
+    replay_offset: u16,
     timeout: Duration,
-) -> Result<Vec<KvSource>, String> {
-    let body = get(client, authority, "/kv_event_sources", timeout)
-        .await
-        .map_err(|e| e.message)?;
-    parse_kv_sources(&body)
+) -> Vec<Publisher> {
+    let host = if address.contains(':') {
+        format!("[{address}]")
+    } else {
+        address.to_owned()
+    };
+    let listed = match get(client, authority, "/kv_event_sources", timeout).await {
+        Ok(body) => engine::parse_kv_event_sources(&body).unwrap_or_default(),
+        Err(_) => Vec::new(),
+    };
+    if !listed.is_empty() {
+        return listed
+            .into_iter()
+            .map(|s| Publisher {
+                rank: s.rank,
+                endpoint: format!("tcp://{host}:{}", s.port),
+                replay: s.replay_port.map(|p| format!("tcp://{host}:{p}")),
+            })
+            .collect();
+    }
+    let replay = (replay_offset != 0)
+        .then(|| kv_port.checked_add(replay_offset))
+        .flatten()
+        .map(|p| format!("tcp://{host}:{p}"));
+    vec![Publisher {
+        rank: 0,
+        endpoint: format!("tcp://{host}:{kv_port}"),
+        replay,
+    }]
 }
 
 /// Polls one endpoint's `/v1/models` and `/metrics` until it leaves. Each
@@ -228,7 +163,9 @@ pub fn spawn(
                 if endpoint.record_probe(reached, Instant::now()) {
                     tracing::warn!(endpoint = %endpoint.authority, "engine unreachable: ejected");
                 }
-                let r = r.map_err(|e| e.message).and_then(|b| parse_models(&b));
+                let r = r
+                    .map_err(|e| e.message)
+                    .and_then(|b| engine::parse_models(&b).map_err(|e| e.to_string()));
                 if let Err(e) = &r {
                     tracing::debug!(endpoint = %endpoint.authority, error = %e, "model discovery failed");
                 }
@@ -251,7 +188,7 @@ pub fn spawn(
                     Ok(b) => {
                         endpoint.record_probe(true, Instant::now());
                         let after = endpoint.load.snapshot();
-                        let mut s = parse_metrics(&String::from_utf8_lossy(&b), Instant::now());
+                        let mut s = scraped(&String::from_utf8_lossy(&b), Instant::now());
                         s.own_requests = before.requests.max(after.requests);
                         s.own_prefilling = before.prefilling.max(after.prefilling);
                         endpoint.set_scraped(s);
@@ -279,35 +216,20 @@ mod tests {
     use super::*;
 
     #[test]
-    fn models_parse_as_vllm_sends_them() {
-        let body = br#"{"object":"list","data":[
-            {"id":"Qwen/Qwen3-8B","object":"model","created":1,"owned_by":"vllm","root":"Qwen/Qwen3-8B","parent":null,"max_model_len":40960,"permission":[]},
-            {"id":"sql-lora","object":"model","root":"/adapters/sql","parent":"Qwen/Qwen3-8B","max_model_len":null}]}"#;
-        let m = parse_models(body).unwrap();
-        assert_eq!(m.len(), 2);
-        assert_eq!(m[0].id, "Qwen/Qwen3-8B");
-        assert_eq!(m[0].max_model_len, Some(40960));
-        assert_eq!(m[1].parent.as_deref(), Some("Qwen/Qwen3-8B"));
-        assert!(parse_models(b"{\"object\":\"error\"}").is_err());
-    }
-
-    #[test]
-    fn metrics_parse_with_labels_and_ranks() {
-        let text = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="m"} 3.0
-vllm:num_requests_running{engine="1",model_name="m"} 2.0
-vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
-vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
-vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0"} 1.0
-vllm:prefix_cache_hits_total{engine="0"} 12.0
-garbage line
-"#;
-        let s = parse_metrics(text, Instant::now());
-        assert!((s.running - 5.0).abs() < 1e-9);
-        assert!((s.waiting - 7.0).abs() < 1e-9);
-        assert!((s.kv_usage - 0.5).abs() < 1e-9);
-        assert_eq!(s.block_size, Some(16));
+    fn scrapes_read_the_shared_parser() {
+        let s = scraped(
+            "vllm:num_requests_running{engine=\"0\"} 3 1767225600000\nvllm:num_requests_waiting{engine=\"0\"} 2\n",
+            Instant::now(),
+        );
+        assert!(
+            (s.running - 3.0).abs() < 1e-9,
+            "a trailing timestamp is not the value"
+        );
+        assert!((s.waiting - 2.0).abs() < 1e-9);
+        let s = scraped(
+            "sglang:num_running_reqs 4\nsglang:token_usage 0.5\n",
+            Instant::now(),
+        );
+        assert!((s.running - 4.0).abs() < 1e-9 && (s.kv_usage - 0.5).abs() < 1e-9);
     }
 }

@@ -1,13 +1,23 @@
 //! The OpenAI API: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`.
+//! `GET /v1/models`; and the request path that runs its stages.
 //!
-//! Each inference request is read whole (up to the body limit), checked for
-//! what routing needs, resolved to worker sets, decided ([`crate::decide`]),
-//! and proxied ([`crate::proxy`]). A connect failure, a 503, or probes
-//! finding the engine gone before any byte moves it to the next best
-//! endpoint; no response headers within the upstream timeout is a 504. The response streams back unchanged
-//! with `x-kinference-endpoint` (and, with `x-kinference-debug: 1`, the
-//! decision) added.
+//! ```text
+//! body ─▶ prepare ─▶ decide ─▶ commit ─▶ proxy ─▶ (stream back) ─▶ feedback
+//!          once       ▲                    │
+//!                     └──── retry ◀────────┘  refused before any byte
+//! ```
+//!
+//! Each inference request is read whole (up to the body limit) and
+//! prepared once ([`crate::prepare`]: fields, targets, token ids, keys).
+//! Then, per attempt: [`crate::decide`] proposes an endpoint,
+//! [`crate::commit`] records the attempt, [`crate::proxy`] sends it. A
+//! connect failure, a 503, or probes finding the engine gone before any
+//! byte moves the request to the next best endpoint (back at decide, the
+//! refused endpoint excluded and the attempt's record withdrawn); no
+//! response headers within the upstream timeout is a 504. The response
+//! streams back unchanged with `x-kinference-endpoint` (and, with
+//! `x-kinference-debug: 1`, the decision) added; its first bytes feed
+//! [`crate::feedback`].
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -25,14 +35,14 @@ use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
 
-use kinference_scoring::Pick as _;
-
-use crate::decide;
+use crate::decide::{self, Now};
 use crate::endpoint::EndpointId;
 use crate::metrics::{DecisionLabels, RequestLabels, RetryLabels};
 use crate::openai::{self, ApiError};
 use crate::proxy::{self, Sent, TrackedBody};
-use crate::state::{DecisionRecord, Shared};
+use crate::reports::DecisionRecord;
+use crate::state::Shared;
+use crate::{commit, feedback, prepare};
 
 /// Response bodies: proxied streams or small local answers.
 pub type Body = UnsyncBoxBody<Bytes, proxy::BoxError>;
@@ -71,14 +81,14 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener, drain: Duration) {
     let slots = Arc::new(tokio::sync::Semaphore::new(shared.config.max_connections));
     loop {
         let slot = tokio::select! {
-            () = shared.stop.cancelled() => break,
+            () = shared.runtime.stop.cancelled() => break,
             s = slots.clone().acquire_owned() => match s {
                 Ok(s) => s,
                 Err(_) => break,
             },
         };
         let accepted = tokio::select! {
-            () = shared.stop.cancelled() => break,
+            () = shared.runtime.stop.cancelled() => break,
             a = listener.accept() => a,
         };
         let (stream, _) = match accepted {
@@ -262,42 +272,42 @@ async fn route(
         shared.config.body_read_timeout,
     )
     .await?;
-    let parsed = openai::parse(api, &bytes)?;
     let view = shared.view();
-    let Some(targets) = view.resolve(&parsed.model) else {
-        if !shared.is_ready() {
-            return Err(ApiError::unavailable(
-                "The router is starting and has not listed its pool yet.",
-            ));
-        }
-        return Err(ApiError::model_not_found(&parsed.model));
-    };
-    let targets = targets.to_vec();
     let debug = shared.config.debug_headers && parts.headers.contains_key(&DEBUG_HEADER);
-    let stream = parsed.stream;
-    let requested = parsed.model.clone();
-    let body = Arc::new(Value::Object(parsed.body));
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map_or(api.path(), |p| p.as_str())
-        .to_owned();
-
+    let mut headers = parts.headers;
+    headers.remove(&DEBUG_HEADER);
+    let head = prepare::Head {
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or(api.path(), |p| p.as_str())
+            .to_owned(),
+        headers,
+        debug,
+    };
+    let prepared = prepare::prepare(shared, &view, api, head, bytes).await?;
+    // A random source of this request's own: no lock shared between requests.
+    let mut rng = kinference_scoring::SplitMix64::new(
+        shared.config.seed
+            ^ shared
+                .runtime
+                .next_request()
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    );
     let mut excluded: Vec<EndpointId> = Vec::new();
     let mut last_error = None;
     for attempt in 0..shared.config.max_attempts.max(1) {
-        let ask = decide::Ask {
-            api,
-            body: &body,
-            body_len: bytes.len(),
-            explain: debug,
+        let now = Now {
+            instant: Instant::now(),
+            since_start: shared.now(),
         };
-        let d = decide::decide(shared, &view, &targets, &ask, &excluded).await;
-        let d = match d {
+        let explain = prepared.debug || shared.explanations.sample();
+        let d = match decide::decide(
+            &view, &shared.kv, &prepared, &excluded, now, &mut rng, explain,
+        ) {
             Ok(d) => d,
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
-        let rt = view.worker_sets[d.worker_set].runtime.clone();
         if attempt == 0 {
             shared
                 .metrics
@@ -307,34 +317,28 @@ async fn route(
                 })
                 .observe(started.elapsed().as_secs_f64());
         }
-        let ws_name = view.worker_sets[d.worker_set].route.name.clone();
-        let send_body = if d.model == requested {
-            bytes.clone()
-        } else {
-            let mut b = (*body).clone();
-            b["model"] = Value::String(d.model.clone());
-            Bytes::from(serde_json::to_vec(&b).unwrap_or_default())
-        };
-        let mut headers = parts.headers.clone();
-        headers.remove(&DEBUG_HEADER);
+        let route = &prepared.routes[d.route];
+        let ws = &view.worker_sets[route.target.worker_set];
+        let mut headers = prepared.headers.clone();
         if let Some(rank) = d.dp_rank {
             headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
         }
-        let upstream =
-            proxy::upstream_request(&d.endpoint.authority, &path_and_query, headers, send_body)
-                .map_err(|e| ApiError::invalid(format!("Bad request target: {e}."), None))?;
-        let mut inflight = d.endpoint.begin(
-            u64::from(d.choice.uncached_tokens()),
-            u64::from(d.prompt_tokens),
-        );
+        let upstream = proxy::upstream_request(
+            &d.endpoint.authority,
+            &prepared.path_and_query,
+            headers,
+            prepared.body_for(route),
+        )
+        .map_err(|e| ApiError::invalid(format!("Bad request target: {e}."), None))?;
+        let mut attempt = commit::commit(&view, &prepared, &d, now);
         let predicted =
             Duration::from_secs_f64((d.choice.prediction.ttft_ms / 1000.0).clamp(0.0, 3600.0));
         let sent_at = Instant::now();
-        let assume = (!stream).then(|| sent_at + predicted);
+        let assume = (!prepared.stream).then(|| sent_at + predicted);
         match proxy::send(
-            &shared.upstream,
+            &shared.runtime.upstream,
             upstream,
-            &mut inflight,
+            &mut attempt.inflight,
             assume,
             shared.config.upstream_timeout,
         )
@@ -343,50 +347,37 @@ async fn route(
             Sent::Answered(resp) => {
                 d.endpoint.record_success();
                 if let Some(e) = &d.explanation {
-                    let endpoints = view.worker_sets[d.worker_set]
-                        .endpoints
-                        .iter()
-                        .map(|e| (e.id.0, e.authority.clone()))
-                        .collect();
-                    shared.record_decision(DecisionRecord {
-                        at_ms: shared.now().as_secs_f64() * 1000.0,
-                        model: requested.clone(),
-                        worker_set: ws_name.clone(),
-                        tokens: d.tokens.as_str(),
-                        prompt_tokens: d.prompt_tokens,
-                        blocks: d.keys.len(),
-                        endpoints,
+                    shared.explanations.keep(DecisionRecord {
+                        at_ms: now.since_start.as_secs_f64() * 1000.0,
+                        model: prepared.requested.clone(),
+                        worker_set: ws.route.name.clone(),
+                        tokens: route.tokens.as_str(),
+                        prompt_tokens: route.request.prompt_tokens,
+                        blocks: route.keys.len(),
+                        endpoints: ws
+                            .endpoints
+                            .iter()
+                            .map(|e| (e.id.0, e.authority.clone()))
+                            .collect(),
                         explanation: e.clone(),
                     });
                 }
-                let on_first = stream.then(|| {
-                    let (shared, rt) = (shared.clone(), rt.clone());
-                    let (endpoint, prediction) = (d.choice.endpoint, d.choice.prediction);
-                    Box::new(move |ttft: Duration| {
-                        shared.metrics.ttft.observe(ttft.as_secs_f64());
-                        if prediction.ttft_ms > 0.0 {
-                            shared
-                                .metrics
-                                .ttft_ratio
-                                .observe(ttft.as_secs_f64() * 1000.0 / prediction.ttft_ms);
-                        }
-                        let now = shared.now();
-                        rt.policy.lock().observe(endpoint, &prediction, ttft, now);
-                    }) as proxy::OnFirstByte
-                });
+                let on_first = prepared
+                    .stream
+                    .then(|| feedback::on_first_token(shared, &ws.runtime, &d.choice));
                 let (mut rparts, rbody) = resp.into_parts();
                 proxy::strip_hop_by_hop(&mut rparts.headers);
                 if let Ok(v) = HeaderValue::from_str(&d.endpoint.authority) {
                     rparts.headers.insert(ENDPOINT_HEADER, v);
                 }
-                if let Ok(v) = HeaderValue::from_str(&ws_name) {
+                if let Ok(v) = HeaderValue::from_str(&ws.route.name) {
                     rparts.headers.insert(WORKER_SET_HEADER, v);
                 }
-                if debug {
+                if prepared.debug {
                     if let Ok(v) = HeaderValue::from_str(&format!(
                         "{}; tokens={}",
                         d.choice,
-                        d.tokens.as_str()
+                        route.tokens.as_str()
                     )) {
                         rparts.headers.insert(DECISION_HEADER, v);
                     }
@@ -398,7 +389,7 @@ async fn route(
                 }
                 let body = TrackedBody::new(
                     rbody,
-                    inflight,
+                    attempt.into_inflight(),
                     sent_at,
                     on_first,
                     shared.config.upstream_timeout,
@@ -408,6 +399,7 @@ async fn route(
             }
             Sent::Retry(reason, why) => {
                 tracing::debug!(endpoint = %d.endpoint.authority, %why, "retrying on another endpoint");
+                attempt.withdraw(&prepared);
                 if reason != proxy::RetryReason::Down {
                     // (Probes ejected it already.)
                     d.endpoint.record_failure(Instant::now());
@@ -426,6 +418,7 @@ async fn route(
                 )));
             }
             Sent::TimedOut(why) => {
+                // The engine may be working on it: its record stays.
                 d.endpoint.record_failure(Instant::now());
                 return Err(ApiError::gateway_timeout(format!(
                     "The engine {} did not answer: {why}.",
@@ -433,6 +426,7 @@ async fn route(
                 )));
             }
             Sent::Failed(why) => {
+                attempt.withdraw(&prepared);
                 d.endpoint.record_failure(Instant::now());
                 return Err(ApiError::bad_gateway(format!(
                     "The engine {} failed: {why}.",

@@ -29,8 +29,9 @@ use tokio::time::Instant;
 
 use crate::endpoint::Endpoint;
 use crate::metrics::TokenizeLabels;
-use crate::openai;
-use crate::state::{Shared, TokenizerState, WsRuntime};
+use crate::openai::{self, Fields};
+use crate::runtime::{TokenizerState, WsRuntime};
+use crate::state::Shared;
 
 /// How a request's ids were obtained.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,12 +65,13 @@ fn tok_endpoint(api: openai::Endpoint) -> TokEndpoint {
 /// The ids of a request's (first) prompt for a worker set, or `None` when
 /// they cannot be had in time. A local tokenization of a body of at most
 /// `Config::tokenize_inline_bytes` runs in place; larger ones go to the
-/// blocking pool under the timeout.
+/// blocking pool under the timeout. `ask` is the endpoint to ask in
+/// `engine` mode; `model` the name it serves.
 pub async fn ids(
-    shared: &Arc<Shared>,
-    rt: &Arc<WsRuntime>,
+    shared: &Shared,
+    rt: &WsRuntime,
     api: openai::Endpoint,
-    body: &Arc<Value>,
+    fields: &Fields<'_>,
     body_len: usize,
     ask: Option<&Arc<Endpoint>>,
     model: &str,
@@ -83,14 +85,17 @@ pub async fn ids(
                 observe(shared, "local", "unavailable", started);
                 return (None, Source::None);
             };
+            let Ok(body) = fields.id_object() else {
+                observe(shared, "local", "error", started);
+                return (None, Source::None);
+            };
             let r = if body_len <= shared.config.tokenize_inline_bytes {
                 // Small prompts cost microseconds (less with the prefix
                 // cache warm): a hop to the blocking pool would cost more.
-                t.tokenize(tok_endpoint(api), body)
+                t.tokenize(tok_endpoint(api), &body)
                     .map(|t| t.token_ids.into_iter().next().unwrap_or_default())
                     .map_err(|_| "error")
             } else {
-                let body = body.clone();
                 let call =
                     tokio::task::spawn_blocking(move || t.tokenize(tok_endpoint(api), &body));
                 match tokio::time::timeout(timeout, call).await {
@@ -102,13 +107,21 @@ pub async fn ids(
             ("local", r.map(|ids| (ids, Source::Local)))
         }
         TokenizationMode::Engine => {
+            if let Some(ids) = ids_in_prompt(fields) {
+                // Token ids sent as the prompt are the ids: no call needed.
+                return (Some(ids), Source::Engine);
+            }
             let Some(e) = ask else {
                 observe(shared, "engine", "unavailable", started);
                 return (None, Source::None);
             };
+            let Some(req) = tokenize_body(api, fields, model) else {
+                observe(shared, "engine", "error", started);
+                return (None, Source::None);
+            };
             let r = match tokio::time::timeout(
                 timeout,
-                engine_tokenize(shared, e, api, body, model),
+                post_tokenize(shared, &e.authority, Bytes::from(req)),
             )
             .await
             {
@@ -150,59 +163,83 @@ fn observe(shared: &Shared, mode: &'static str, outcome: &'static str, started: 
         .observe(started.elapsed().as_secs_f64());
 }
 
-/// The body vLLM's `/tokenize` takes for a chat or completions request: the
-/// fields that change the ids, copied as sent.
-pub fn tokenize_body(api: openai::Endpoint, body: &Value) -> Option<Value> {
-    let get = |k: &str| body.get(k).cloned();
+/// The body vLLM's `/tokenize` takes for a chat or completions request,
+/// naming `model`: the fields that change the ids, copied as sent (raw
+/// JSON, never re-encoded). `None` when there is nothing to tokenize (a
+/// prompt of token ids, or a list whose first prompt is not text).
+pub fn tokenize_body(api: openai::Endpoint, fields: &Fields<'_>, model: &str) -> Option<Vec<u8>> {
+    let mut out: Vec<u8> = Vec::with_capacity(256);
+    out.extend_from_slice(b"{\"model\":");
+    out.extend_from_slice(serde_json::to_string(model).ok()?.as_bytes());
+    let mut field = |name: &str, raw: &str| {
+        out.push(b',');
+        out.push(b'"');
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\":");
+        out.extend_from_slice(raw.as_bytes());
+    };
     match api {
         openai::Endpoint::Chat => {
-            let mut out = serde_json::Map::new();
-            for k in [
-                "model",
-                "messages",
-                "tools",
-                "add_generation_prompt",
-                "continue_final_message",
-                "add_special_tokens",
-                "chat_template",
-                "chat_template_kwargs",
-                "documents",
-            ] {
-                if let Some(v) = get(k) {
-                    out.insert(k.to_owned(), v);
+            let mut kwargs: Option<String> = None;
+            for (name, raw) in &fields.id_fields {
+                match *name {
+                    "messages"
+                    | "tools"
+                    | "add_generation_prompt"
+                    | "continue_final_message"
+                    | "add_special_tokens"
+                    | "chat_template"
+                    | "documents" => {
+                        field(name, raw.get());
+                    }
+                    "chat_template_kwargs" => kwargs = Some(raw.get().to_owned()),
+                    _ => {}
                 }
             }
             // vLLM passes reasoning_effort to the template as a kwarg.
-            if let Some(r) = get("reasoning_effort") {
-                let kw = out
-                    .entry("chat_template_kwargs")
-                    .or_insert_with(|| json!({}));
-                if let Some(m) = kw.as_object_mut() {
-                    m.entry("reasoning_effort").or_insert(r);
+            if let Some(effort) = fields.id_field("reasoning_effort") {
+                let mut kw = kwargs
+                    .as_deref()
+                    .and_then(|k| serde_json::from_str::<serde_json::Map<String, Value>>(k).ok())
+                    .unwrap_or_default();
+                if let Ok(v) = serde_json::from_str::<Value>(effort.get()) {
+                    kw.entry("reasoning_effort").or_insert(v);
                 }
+                kwargs = serde_json::to_string(&kw).ok();
             }
-            Some(Value::Object(out))
+            if let Some(k) = kwargs {
+                field("chat_template_kwargs", &k);
+            }
         }
         openai::Endpoint::Completions => {
-            let prompt = match body.get("prompt")? {
-                Value::String(s) => Value::String(s.clone()),
-                Value::Array(a) => match a.first()? {
-                    Value::String(s) => Value::String(s.clone()),
-                    // Token ids are already ids: no call needed (see `ids_in_body`).
+            let prompt = fields.id_field("prompt")?;
+            let first = match serde_json::from_str::<Value>(prompt.get()).ok()? {
+                Value::String(s) => Value::String(s),
+                // Token ids are already ids: no call needed (see `ids_in_prompt`).
+                Value::Array(a) => match a.into_iter().next()? {
+                    Value::String(s) => Value::String(s),
                     _ => return None,
                 },
                 _ => return None,
             };
-            let mut out = serde_json::Map::new();
-            out.insert("prompt".into(), prompt);
-            for k in ["model", "add_special_tokens"] {
-                if let Some(v) = get(k) {
-                    out.insert(k.to_owned(), v);
-                }
+            field("prompt", &serde_json::to_string(&first).ok()?);
+            if let Some(a) = fields.id_field("add_special_tokens") {
+                field("add_special_tokens", a.get());
             }
-            Some(Value::Object(out))
         }
     }
+    out.push(b'}');
+    Some(out)
+}
+
+/// Token ids given directly as a completions prompt (`prompt` as ids, or a
+/// list whose first prompt is ids).
+pub fn ids_in_prompt(fields: &Fields<'_>) -> Option<Vec<u32>> {
+    let prompt = fields.id_field("prompt")?;
+    if !prompt.get().starts_with('[') {
+        return None;
+    }
+    ids_in_body(&serde_json::json!({"prompt": serde_json::from_str::<Value>(prompt.get()).ok()?}))
 }
 
 /// Token ids given directly in a completions body (`prompt` as ids, or a
@@ -219,25 +256,6 @@ pub fn ids_in_body(body: &Value) -> Option<Vec<u32>> {
         .collect()
 }
 
-async fn engine_tokenize(
-    shared: &Shared,
-    e: &Endpoint,
-    api: openai::Endpoint,
-    body: &Value,
-    model: &str,
-) -> Result<Vec<u32>, crate::probe::ProbeError> {
-    if let Some(ids) = ids_in_body(body) {
-        return Ok(ids);
-    }
-    let mut req = tokenize_body(api, body).ok_or_else(|| crate::probe::ProbeError {
-        reached: true,
-        message: "request has no prompt to tokenize".into(),
-    })?;
-    // The engine knows its served name, not the pool's aliases.
-    req["model"] = Value::String(model.to_owned());
-    post_tokenize(shared, &e.authority, &req).await
-}
-
 #[derive(serde::Deserialize)]
 struct TokenizeAnswer {
     tokens: Vec<u32>,
@@ -248,15 +266,15 @@ struct TokenizeAnswer {
 async fn post_tokenize(
     shared: &Shared,
     authority: &str,
-    req: &Value,
+    bytes: Bytes,
 ) -> Result<Vec<u32>, crate::probe::ProbeError> {
     let fail = |reached: bool, message: String| crate::probe::ProbeError { reached, message };
-    let bytes = Bytes::from(serde_json::to_vec(req).map_err(|e| fail(true, e.to_string()))?);
     let http = http::Request::post(format!("http://{authority}/tokenize"))
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(bytes))
         .map_err(|e| fail(false, e.to_string()))?;
     let resp = shared
+        .runtime
         .upstream
         .request(http)
         .await
@@ -315,8 +333,10 @@ pub async fn self_check(
                 .await
                 .map_err(|e| e.to_string())?
         };
-        let req = tokenize_body(api, &body).ok_or("canary has no prompt")?;
-        let remote = post_tokenize(shared, authority, &req)
+        let bytes = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
+        let fields = openai::parse(api, &bytes).map_err(|e| e.message)?;
+        let req = tokenize_body(api, &fields, model).ok_or("canary has no prompt")?;
+        let remote = post_tokenize(shared, authority, Bytes::from(req))
             .await
             .map_err(|e| e.message)?;
         let local = match local {
@@ -369,7 +389,7 @@ pub fn spawn_self_checks(shared: &Arc<Shared>) {
         let Some(model) = model else { continue };
         let (shared, rt, name) = (shared.clone(), rt.clone(), ws.route.name.clone());
         // Mark it so a rebuild does not start a second check.
-        *rt.tokenizer_state.write() = TokenizerState::Loading;
+        *rt.tokenizer_state.write() = TokenizerState::Checking;
         tokio::spawn(async move {
             let r = tokio::time::timeout(
                 Duration::from_secs(10),
@@ -395,7 +415,7 @@ pub fn spawn_self_checks(shared: &Arc<Shared>) {
             *rt.tokenizer_state.write() = state;
             if retry {
                 tokio::time::sleep(Duration::from_secs(5)).await;
-                shared.notify_models_changed();
+                shared.runtime.notify_models_changed();
             }
         });
     }
@@ -405,17 +425,35 @@ pub fn spawn_self_checks(shared: &Arc<Shared>) {
 mod tests {
     use super::*;
 
+    fn tokenize_body_of(api: openai::Endpoint, body: &Value) -> Value {
+        let bytes = serde_json::to_vec(body).unwrap();
+        let fields = openai::parse(api, &bytes).unwrap();
+        serde_json::from_slice(&tokenize_body(api, &fields, "engine-name").unwrap()).unwrap()
+    }
+
     #[test]
     fn tokenize_bodies_keep_what_changes_ids() {
         let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2,
             "add_generation_prompt": true, "reasoning_effort": "low", "stream": true});
-        let b = tokenize_body(openai::Endpoint::Chat, &chat).unwrap();
+        let b = tokenize_body_of(openai::Endpoint::Chat, &chat);
         assert_eq!(b["messages"], chat["messages"]);
+        assert_eq!(
+            b["model"], "engine-name",
+            "the engine's name, not the alias"
+        );
         assert_eq!(b["chat_template_kwargs"]["reasoning_effort"], "low");
         assert!(b.get("temperature").is_none() && b.get("stream").is_none());
 
+        let kw = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": false}, "reasoning_effort": "high"});
+        let b = tokenize_body_of(openai::Endpoint::Chat, &kw);
+        assert_eq!(
+            b["chat_template_kwargs"],
+            json!({"enable_thinking": false, "reasoning_effort": "high"})
+        );
+
         let comp = json!({"model": "m", "prompt": ["a", "b"], "max_tokens": 3});
-        let b = tokenize_body(openai::Endpoint::Completions, &comp).unwrap();
+        let b = tokenize_body_of(openai::Endpoint::Completions, &comp);
         assert_eq!(b["prompt"], "a");
         assert!(b.get("max_tokens").is_none());
     }

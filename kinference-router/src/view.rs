@@ -16,7 +16,7 @@ use serde::Serialize;
 
 use crate::catalog::{Snapshot, WorkerSetRoute};
 use crate::endpoint::{Endpoint, EndpointKey, Registry};
-use crate::state::WsRuntime;
+use crate::runtime::WsRuntime;
 
 /// One worker set, with its live endpoints.
 #[derive(Debug)]
@@ -27,6 +27,28 @@ pub struct WorkerSetView {
     pub endpoints: Vec<Arc<Endpoint>>,
     /// Its policy, tokenizer and prefix record.
     pub runtime: Arc<WsRuntime>,
+}
+
+impl WorkerSetView {
+    /// The endpoints that may take a request for `model` at `now`: not
+    /// ejected, not in `excluded`, and serving `model` (or not yet known to
+    /// serve anything).
+    pub fn serving(
+        &self,
+        model: &str,
+        now: tokio::time::Instant,
+        excluded: &[crate::endpoint::EndpointId],
+    ) -> Vec<Arc<Endpoint>> {
+        self.endpoints
+            .iter()
+            .filter(|e| e.healthy(now) && !excluded.contains(&e.id))
+            .filter(|e| {
+                let models = e.models();
+                models.is_empty() || models.iter().any(|m| m.id == model)
+            })
+            .cloned()
+            .collect()
+    }
 }
 
 /// Where a requested name can go.
@@ -219,11 +241,11 @@ mod tests {
                     id: "google/gemma".into(),
                     max_model_len: Some(8192),
                     parent: None,
+                    root: None,
                 }]));
             }
         }
         let rt = Arc::new(WsRuntime::new(
-            String::new(),
             kinference_scoring::LatencyParams::default(),
             kinference_api::v1alpha1::TokenizationMode::Engine,
             kinference_scoring::PolicyName::Kinference,

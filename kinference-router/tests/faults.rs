@@ -212,7 +212,7 @@ fn truth_keys(sim: &SimHandle) -> (HashSet<u64>, usize) {
 /// The block keys the router's index holds for the engine (every rank).
 fn router_keys(r: &Router, sim: &SimHandle) -> HashSet<u64> {
     let me = sim.http_addr().to_string();
-    let kv = &r.running.shared.kv;
+    let kv = r.running.shared.kv.index();
     kv.workers()
         .into_iter()
         .filter(|(_, w)| w.endpoint == me)

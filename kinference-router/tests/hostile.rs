@@ -530,10 +530,16 @@ fn mutated_bodies_never_panic_the_parser_or_the_tokenizer() {
             let Ok(p) = openai::parse(*api, &body) else {
                 return (false, false);
             };
-            let v = Value::Object(p.body);
-            let _ = kinference_router::decide::prompt_text(*api, &v);
-            let _ = kinference_router::tokens::tokenize_body(*api, &v);
-            let _ = kinference_router::tokens::ids_in_body(&v);
+            let _ = kinference_router::prepare::prompt_text(*api, &p);
+            let _ = kinference_router::tokens::tokenize_body(*api, &p, "m");
+            let _ = kinference_router::tokens::ids_in_prompt(&p);
+            let _ = p.with_model(&body, "another/model");
+            // Escapes inside values are not decoded when reading the
+            // routing fields (a lone surrogate passes): such a body reaches
+            // the engine, whose 400 the client gets.
+            let Ok(v) = p.id_object() else {
+                return (true, false);
+            };
             let te = match api {
                 openai::Endpoint::Chat => kinference_tokenize::Endpoint::ChatCompletions,
                 openai::Endpoint::Completions => kinference_tokenize::Endpoint::Completions,

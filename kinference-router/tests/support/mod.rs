@@ -468,7 +468,7 @@ pub fn prompt(n: u32, blocks: u32) -> Vec<u32> {
 pub fn router_depth(r: &Router, ids: &[u32]) -> u32 {
     let keys = kinference_kvindex::BlockKeyer::new(BLOCK, None)
         .keys(ids, &kinference_kvindex::ExtraKeys::none());
-    r.running.shared.kv.find_matches(&keys).max_blocks()
+    r.running.shared.kv.index().find_matches(&keys).max_blocks()
 }
 
 /// Leading blocks the engine really holds. (Asked with one more token: like

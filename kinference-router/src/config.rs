@@ -1,0 +1,157 @@
+//! The router's settings, and every default in one place.
+//!
+//! [`Config`] is what a running router reads; [`defaults`] holds the value of
+//! every setting when nothing says otherwise. The command line
+//! ([`crate::args`]) and [`Config::default`] both take their defaults from
+//! [`defaults`], so a default is written once.
+
+use std::time::Duration;
+
+use kinference_scoring::PolicyName;
+
+/// Every default of the router.
+pub mod defaults {
+    use std::time::Duration;
+
+    /// Largest request body accepted (32 MiB: long agent contexts with
+    /// tool results fit; a client sending more gets a 413).
+    pub const BODY_LIMIT: usize = 32 << 20;
+    /// Longest wait for a request's token ids before routing on load alone.
+    pub const TOKENIZE_TIMEOUT: Duration = Duration::from_millis(250);
+    /// Bodies up to this size are tokenized on the I/O thread (a few
+    /// microseconds with the prefix cache warm); larger ones on the
+    /// blocking pool under the timeout.
+    pub const TOKENIZE_INLINE_BYTES: usize = 16 << 10;
+    /// Longest wait for an engine's response headers, and between two
+    /// chunks of a streamed response.
+    pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+    /// Attempts per request on different endpoints.
+    pub const MAX_ATTEMPTS: usize = 3;
+    /// The replay port is the KV-event port plus this when neither the
+    /// engine nor the worker set says (0: none).
+    pub const KV_REPLAY_OFFSET: u16 = 1;
+    /// Between `/metrics` scrapes of each engine.
+    pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(5);
+    /// Between `/v1/models` calls to each engine.
+    pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(30);
+    /// Per probe call.
+    pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Connecting to an engine (requests and probes).
+    pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Decisions kept for `/debug/explain`.
+    pub const EXPLAIN_BUFFER: usize = 64;
+    /// One decision in this many is explained and kept.
+    pub const EXPLAIN_EVERY: u64 = 16;
+    /// Seed of the tie-breaking random source.
+    pub const SEED: u64 = 0x6b69_6e66;
+    /// Life of a record of where a prefix was sent
+    /// ([`kinference_scoring::approx::DEFAULT_TTL`]).
+    pub const PREFIX_TTL: Duration = kinference_scoring::approx::DEFAULT_TTL;
+    /// Most (block, worker) entries the KV index holds.
+    pub const KV_INDEX_MAX_ENTRIES: u64 = 50_000_000;
+    /// Longest wait for a request's headers on the serving port.
+    pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+    /// Longest wait for a request's body.
+    pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+    /// Most client connections served at once.
+    pub const MAX_CONNECTIONS: usize = 20_000;
+    /// Time requests in flight get to finish at shutdown.
+    pub const DRAIN: Duration = Duration::from_secs(30);
+    /// Whether clients may ask for the decision in response headers.
+    pub const DEBUG_HEADERS: bool = true;
+}
+
+/// How often and how patiently engines are probed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeIntervals {
+    /// Between `/v1/models` calls.
+    pub models: Duration,
+    /// Between `/metrics` scrapes.
+    pub metrics: Duration,
+    /// Per call.
+    pub timeout: Duration,
+}
+
+impl Default for ProbeIntervals {
+    fn default() -> Self {
+        Self {
+            models: defaults::DISCOVERY_INTERVAL,
+            metrics: defaults::SCRAPE_INTERVAL,
+            timeout: defaults::PROBE_TIMEOUT,
+        }
+    }
+}
+
+/// Settings of a running router.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The routing policy (ours unless benchmarking).
+    pub policy: PolicyName,
+    /// Largest request body accepted.
+    pub body_limit: usize,
+    /// Longest wait for a tokenization.
+    pub tokenize_timeout: Duration,
+    /// Bodies up to this size are tokenized in place on the I/O thread;
+    /// larger ones on the blocking pool under `tokenize_timeout`.
+    pub tokenize_inline_bytes: usize,
+    /// Longest wait for an engine's response headers, and between two chunks
+    /// of a streamed response.
+    pub upstream_timeout: Duration,
+    /// Attempts per request on different endpoints.
+    pub max_attempts: usize,
+    /// Probe periods.
+    pub probes: ProbeIntervals,
+    /// Connecting to an engine.
+    pub connect_timeout: Duration,
+    /// The replay port is the KV port plus this when nothing else says (0:
+    /// no replay).
+    pub kv_replay_offset: u16,
+    /// Decisions kept for `/debug/explain`.
+    pub explain_buffer: usize,
+    /// One decision in this many is explained and kept (besides those asked
+    /// for with the debug header); 0 keeps none.
+    pub explain_every: u64,
+    /// Seed of the tie-breaking random source.
+    pub seed: u64,
+    /// TTL of the record of prefixes sent (approximate mode, and bursts of a
+    /// new prefix before the engine's events arrive).
+    pub prefix_ttl: Duration,
+    /// Most (block, worker) entries the KV index holds.
+    pub kv_max_entries: u64,
+    /// Longest wait for a request's headers on the serving port.
+    pub header_read_timeout: Duration,
+    /// Longest wait for a request's body.
+    pub body_read_timeout: Duration,
+    /// Most client connections served at once; more wait to be accepted.
+    pub max_connections: usize,
+    /// Time requests in flight get to finish at shutdown.
+    pub drain: Duration,
+    /// Whether `x-kinference-debug` may ask for the decision in headers.
+    pub debug_headers: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            policy: PolicyName::Kinference,
+            body_limit: defaults::BODY_LIMIT,
+            tokenize_timeout: defaults::TOKENIZE_TIMEOUT,
+            tokenize_inline_bytes: defaults::TOKENIZE_INLINE_BYTES,
+            upstream_timeout: defaults::UPSTREAM_TIMEOUT,
+            max_attempts: defaults::MAX_ATTEMPTS,
+            probes: ProbeIntervals::default(),
+            connect_timeout: defaults::CONNECT_TIMEOUT,
+            kv_replay_offset: defaults::KV_REPLAY_OFFSET,
+            explain_buffer: defaults::EXPLAIN_BUFFER,
+            explain_every: defaults::EXPLAIN_EVERY,
+            seed: defaults::SEED,
+            prefix_ttl: defaults::PREFIX_TTL,
+            kv_max_entries: defaults::KV_INDEX_MAX_ENTRIES,
+            header_read_timeout: defaults::HEADER_READ_TIMEOUT,
+            body_read_timeout: defaults::BODY_READ_TIMEOUT,
+            max_connections: defaults::MAX_CONNECTIONS,
+            drain: defaults::DRAIN,
+            debug_headers: defaults::DEBUG_HEADERS,
+        }
+    }
+}

@@ -1,0 +1,247 @@
+//! The KV plane: the block index fed by the engines' KV events, the
+//! subscriptions that feed it, and which endpoint each index worker belongs
+//! to.
+//!
+//! A *worker* of the index is one publisher: an endpoint's DP rank. The
+//! maintainer subscribes when an endpoint joins ([`KvPlane::subscribe`]) and
+//! forgets when it leaves ([`KvPlane::forget`]); request tasks only read:
+//! [`KvPlane::lookup`] asks the index and maps its workers to endpoints
+//! through an immutable owner table swapped in whole (no lock on the
+//! request path).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use kinference_kvindex::sub::{self, StreamHealth, SubscriberConfig, SubscriberHandle};
+use kinference_kvindex::{BlockKey, IndexConfig, KvIndex, Matches, WorkerId, WorkerRef};
+use parking_lot::Mutex;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::endpoint::{Endpoint, EndpointId};
+
+/// Where one DP rank of an endpoint publishes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Publisher {
+    /// The DP rank.
+    pub rank: u32,
+    /// `tcp://host:port` of its PUB socket.
+    pub endpoint: String,
+    /// `tcp://host:port` of its replay ROUTER socket, if it has one.
+    pub replay: Option<String>,
+}
+
+/// KV-event stream state of an endpoint's DP rank, for reports.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct KvReport {
+    /// Connected now.
+    pub connected: bool,
+    /// Batches received.
+    pub batches: u64,
+    /// Sequence gaps.
+    pub gaps: u64,
+    /// Replays done.
+    pub replays: u64,
+    /// Publisher restarts seen.
+    pub restarts: u64,
+    /// Anchored checks after reconnects and idle spells.
+    pub checks: u64,
+    /// Undecodable batches.
+    pub decode_errors: u64,
+    /// Blocks the index holds for it.
+    pub blocks_held: u64,
+    /// Block widths seen in its events, by KV-cache group.
+    pub observed_widths: Vec<(u32, u32)>,
+    /// Seconds since its last event.
+    pub last_event_age_s: Option<f64>,
+}
+
+impl KvReport {
+    fn from_health(h: &StreamHealth, now: Instant) -> Self {
+        Self {
+            connected: h.connected,
+            batches: h.batches,
+            gaps: h.gaps,
+            replays: h.replays,
+            restarts: h.restarts,
+            checks: h.checks,
+            decode_errors: h.decode_errors,
+            blocks_held: h.blocks_held,
+            observed_widths: h.observed_widths.clone(),
+            last_event_age_s: h
+                .last_event
+                .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+        }
+    }
+}
+
+/// Leading blocks an endpoint holds of a prompt, by the index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Held {
+    /// The endpoint.
+    pub endpoint: EndpointId,
+    /// Its DP rank holding the most.
+    pub rank: u32,
+    /// Leading blocks in any tier.
+    pub blocks: u32,
+    /// Leading blocks on the GPU.
+    pub gpu_blocks: u32,
+}
+
+type Owners = Vec<Option<(EndpointId, u32)>>;
+
+/// The index, its subscriptions and its owner table.
+pub struct KvPlane {
+    index: Arc<KvIndex>,
+    owners: ArcSwap<Owners>,
+    subscriptions: Mutex<HashMap<EndpointId, Vec<(WorkerId, SubscriberHandle)>>>,
+}
+
+impl std::fmt::Debug for KvPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvPlane")
+            .field("entries", &self.index.stats().entries)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KvPlane {
+    /// An empty plane whose index holds at most `max_entries` entries.
+    pub fn new(max_entries: u64) -> Self {
+        Self {
+            index: Arc::new(KvIndex::new(IndexConfig {
+                max_entries,
+                ..IndexConfig::default()
+            })),
+            owners: ArcSwap::from_pointee(Vec::new()),
+            subscriptions: Mutex::default(),
+        }
+    }
+
+    /// The index.
+    pub fn index(&self) -> &Arc<KvIndex> {
+        &self.index
+    }
+
+    /// The endpoint (and DP rank) owning a worker of the index.
+    pub fn owner(&self, w: WorkerId) -> Option<(EndpointId, u32)> {
+        self.owners.load().get(w.0 as usize).copied().flatten()
+    }
+
+    /// For each endpoint holding the first of `keys`, its leading blocks
+    /// (best DP rank), written to `out` (cleared first). `scratch` is reused
+    /// between calls.
+    pub fn lookup(&self, keys: &[BlockKey], scratch: &mut Matches, out: &mut Vec<Held>) {
+        out.clear();
+        if keys.is_empty() {
+            return;
+        }
+        self.index.find_matches_into(keys, scratch);
+        let owners = self.owners.load();
+        for wm in scratch.as_slice() {
+            let Some(Some((endpoint, rank))) = owners.get(wm.worker.0 as usize).copied() else {
+                continue;
+            };
+            if let Some(h) = out.iter_mut().find(|h| h.endpoint == endpoint) {
+                if wm.blocks > h.blocks {
+                    h.rank = rank;
+                }
+                h.blocks = h.blocks.max(wm.blocks);
+                h.gpu_blocks = h.gpu_blocks.max(wm.gpu_blocks);
+            } else {
+                out.push(Held {
+                    endpoint,
+                    rank,
+                    blocks: wm.blocks,
+                    gpu_blocks: wm.gpu_blocks,
+                });
+            }
+        }
+    }
+
+    /// Subscribes to `publishers` of endpoint `e` at block width
+    /// `block_size`, unless `e` has left meanwhile.
+    pub fn subscribe(&self, e: &Arc<Endpoint>, publishers: Vec<Publisher>, block_size: u32) {
+        if !e.is_live() {
+            return;
+        }
+        let mut subs = Vec::new();
+        for p in publishers {
+            let id = match self
+                .index
+                .register_worker(WorkerRef::new(e.authority.clone(), p.rank), block_size)
+            {
+                Ok(id) => id,
+                Err(err) => {
+                    tracing::warn!(endpoint = %e.authority, rank = p.rank, error = %err, "not subscribing to KV events");
+                    continue;
+                }
+            };
+            self.owners.rcu(|owners| {
+                let mut owners = Owners::clone(owners);
+                let i = id.0 as usize;
+                if owners.len() <= i {
+                    owners.resize(i + 1, None);
+                }
+                owners[i] = Some((e.id, p.rank));
+                owners
+            });
+            let mut cfg = SubscriberConfig::new(p.endpoint);
+            if let Some(r) = p.replay {
+                cfg = cfg.with_replay(r);
+            }
+            tracing::info!(endpoint = %e.authority, rank = p.rank, kv = %cfg.endpoint, replay = ?cfg.replay_endpoint, "subscribing to KV events");
+            subs.push((id, sub::spawn(cfg, id, self.index.clone())));
+        }
+        let ranks = u32::try_from(subs.len()).unwrap_or(u32::MAX);
+        let mut all = self.subscriptions.lock();
+        if e.is_live() {
+            e.set_kv_ranks(ranks);
+            all.insert(e.id, subs);
+        } else {
+            drop(all);
+            self.drop_subscriptions(subs);
+        }
+    }
+
+    fn drop_subscriptions(&self, subs: Vec<(WorkerId, SubscriberHandle)>) {
+        for (worker, handle) in subs {
+            drop(handle);
+            self.index.remove_worker(worker);
+            self.owners.rcu(|owners| {
+                let mut owners = Owners::clone(owners);
+                if let Some(o) = owners.get_mut(worker.0 as usize) {
+                    *o = None;
+                }
+                owners
+            });
+        }
+    }
+
+    /// Stops `e`'s subscriptions and drops its blocks.
+    pub fn forget(&self, e: &Endpoint) {
+        let subs = self.subscriptions.lock().remove(&e.id);
+        e.set_kv_ranks(0);
+        if let Some(subs) = subs {
+            self.drop_subscriptions(subs);
+        }
+    }
+
+    /// Stops every subscription.
+    pub fn stop_all(&self) {
+        let all: Vec<_> = self.subscriptions.lock().drain().collect();
+        for (_, subs) in all {
+            self.drop_subscriptions(subs);
+        }
+    }
+
+    /// Stream reports of `e`'s DP ranks, when subscribed.
+    pub fn reports(&self, e: EndpointId, now: Instant) -> Option<Vec<KvReport>> {
+        self.subscriptions.lock().get(&e).map(|s| {
+            s.iter()
+                .map(|(_, h)| KvReport::from_health(&h.health(), now))
+                .collect()
+        })
+    }
+}

@@ -1,0 +1,104 @@
+//! The maintainer: the one task that keeps the shared state in step with the
+//! catalog.
+//!
+//! When the catalog publishes a snapshot, or an engine's models or a
+//! tokenizer change, it syncs the endpoint registry (starting probes and
+//! KV-event subscriptions for endpoints that joined, stopping them and
+//! forgetting their KV blocks and scoring state for endpoints that left),
+//! reuses or creates worker-set runtimes, swaps in a new view, and starts
+//! the self-check of local tokenizers not yet compared with their engines.
+
+use std::sync::Arc;
+
+use tokio::sync::watch;
+
+use crate::catalog::Snapshot;
+use crate::endpoint::{EndpointKey, Registry};
+use crate::state::Shared;
+use crate::view::View;
+
+/// Keeps `shared` in step with the catalog's snapshots until shutdown.
+pub async fn maintain(shared: Arc<Shared>, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
+    let mut registry = Registry::default();
+    loop {
+        let snapshot = snapshots.borrow_and_update().clone();
+        apply(&shared, &mut registry, &snapshot);
+        tokio::select! {
+            () = shared.runtime.stop.cancelled() => break,
+            r = snapshots.changed() => if r.is_err() { break },
+            () = shared.runtime.models_changed() => {}
+        }
+    }
+    // Stop every endpoint's tasks.
+    registry.sync(std::iter::empty(), &shared.runtime.stop);
+    shared.kv.stop_all();
+}
+
+fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
+    let keys = snapshot.endpoints().map(|(_, e)| EndpointKey {
+        address: e.address.clone(),
+        http_port: e.http_port,
+    });
+    let changes = registry.sync(keys, &shared.runtime.stop);
+    for e in &changes.removed {
+        shared.kv.forget(e);
+        let id = kinference_scoring::EndpointId(e.id.0);
+        for rt in shared.runtime.runtimes.all() {
+            rt.forget(id);
+        }
+        tracing::info!(endpoint = %e.authority, "endpoint left");
+    }
+    for e in &changes.added {
+        tracing::info!(endpoint = %e.authority, "endpoint joined");
+        let s = shared.clone();
+        crate::probe::spawn(
+            e.clone(),
+            shared.runtime.probes.clone(),
+            shared.config.probes,
+            move || s.runtime.notify_models_changed(),
+        );
+        // Subscribe to KV events with the first worker set that lists it.
+        if let Some((ws, re)) = snapshot
+            .endpoints()
+            .find(|(_, r)| r.address == e.key.address && r.http_port == e.key.http_port)
+            && let (true, Some(kv_port)) = (ws.kv_events, re.kv_port)
+        {
+            let (shared, e) = (shared.clone(), e.clone());
+            let block_size = ws.kv_block_size;
+            let address = re.address.clone();
+            tokio::spawn(async move {
+                let publishers = crate::probe::kv_publishers(
+                    &shared.runtime.probes,
+                    &e.authority,
+                    &address,
+                    kv_port,
+                    shared.config.kv_replay_offset,
+                    shared.config.probes.timeout,
+                )
+                .await;
+                shared.kv.subscribe(&e, publishers, block_size);
+            });
+        }
+    }
+    let live: Vec<String> = snapshot
+        .worker_sets
+        .iter()
+        .map(|w| w.name.clone())
+        .collect();
+    shared.runtime.runtimes.retain(&live);
+    let view = View::build(snapshot, registry, &|route| {
+        let s = shared.clone();
+        shared.runtime.runtimes.runtime_for(
+            route,
+            shared.config.policy,
+            shared.config.prefix_ttl,
+            move || s.runtime.notify_models_changed(),
+        )
+    });
+    shared.runtime.set_view(view);
+    shared.runtime.set_ready(snapshot.synced);
+    for p in shared.runtime.set_problems(&snapshot.problems) {
+        tracing::warn!(problem = %p, "the pool's objects need attention");
+    }
+    crate::tokens::spawn_self_checks(shared);
+}
