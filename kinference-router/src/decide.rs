@@ -231,3 +231,6 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Instant) -> Candidate {
         }),
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -168,25 +168,13 @@ impl KvPlane {
         }
         let mut subs = Vec::new();
         for p in publishers {
-            let id = match self
-                .index
-                .register_worker(WorkerRef::new(e.authority.clone(), p.rank), block_size)
-            {
+            let id = match self.attach(e, p.rank, block_size) {
                 Ok(id) => id,
                 Err(err) => {
                     tracing::warn!(endpoint = %e.authority, rank = p.rank, error = %err, "not subscribing to KV events");
                     continue;
                 }
             };
-            self.owners.rcu(|owners| {
-                let mut owners = Owners::clone(owners);
-                let i = id.0 as usize;
-                if owners.len() <= i {
-                    owners.resize(i + 1, None);
-                }
-                owners[i] = Some((e.id, p.rank));
-                owners
-            });
             let mut cfg = SubscriberConfig::new(p.endpoint);
             if let Some(r) = p.replay {
                 cfg = cfg.with_replay(r);
@@ -203,6 +191,33 @@ impl KvPlane {
             drop(all);
             self.drop_subscriptions(subs);
         }
+    }
+
+    /// Registers DP rank `rank` of `e` as a worker of the index, at block
+    /// width `block_size`, and records its owner. (Subscribing does this;
+    /// tests and benchmarks feed events to the index directly.)
+    ///
+    /// # Errors
+    /// When the index has no room for another worker.
+    pub fn attach(
+        &self,
+        e: &Endpoint,
+        rank: u32,
+        block_size: u32,
+    ) -> Result<WorkerId, kinference_kvindex::IndexError> {
+        let id = self
+            .index
+            .register_worker(WorkerRef::new(e.authority.clone(), rank), block_size)?;
+        self.owners.rcu(|owners| {
+            let mut owners = Owners::clone(owners);
+            let i = id.0 as usize;
+            if owners.len() <= i {
+                owners.resize(i + 1, None);
+            }
+            owners[i] = Some((e.id, rank));
+            owners
+        });
+        Ok(id)
     }
 
     fn drop_subscriptions(&self, subs: Vec<(WorkerId, SubscriberHandle)>) {

@@ -35,6 +35,26 @@ use crate::view::{Target, View};
 const APPROX_BLOCK_BYTES: usize = 64;
 const APPROX_BYTES_PER_TOKEN: usize = 4;
 
+impl Route {
+    /// A route whose prompt is `ids` at block width `block_size` (exact
+    /// mode, keys as the router computes them).
+    pub fn from_ids(target: Target, ids: &[u32], block_size: u32, tokens: Source) -> Self {
+        let mut block_keys = Vec::new();
+        BlockKeyer::new(block_size.max(1), None).keys_into(ids, &ExtraKeys::none(), &mut block_keys);
+        Self {
+            target,
+            tokens,
+            request: Request {
+                prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
+                block_tokens: block_size.max(1),
+                cache: CacheSource::Index,
+            },
+            keys: block_keys.iter().map(|k| k.0).collect(),
+            block_keys,
+        }
+    }
+}
+
 /// One target of a request, ready to decide on.
 #[derive(Clone, Debug)]
 pub struct Route {
@@ -77,6 +97,23 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// A request with `routes` already computed (for embedding the decision
+    /// core, its tests and benchmarks): a completion of `requested` with an
+    /// empty body and no headers.
+    pub fn new(api: openai::Endpoint, requested: &str, routes: Vec<Route>) -> Self {
+        Self {
+            api,
+            requested: requested.to_owned(),
+            stream: false,
+            debug: false,
+            body: Bytes::new(),
+            model_span: None,
+            path_and_query: api.path().to_owned(),
+            headers: HeaderMap::new(),
+            routes,
+        }
+    }
+
     /// The body to send for `route`: as received, or with `model`
     /// rewritten when the client used an alias.
     pub fn body_for(&self, route: &Route) -> Bytes {

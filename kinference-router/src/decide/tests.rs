@@ -1,0 +1,277 @@
+//! The decision core and the commit stage on real state (registry, view,
+//! KV index, policies), without HTTP or a clock.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kinference_api::endpoints::ReadyEndpoint;
+use kinference_api::v1alpha1::{ModelSpec, TokenizationMode};
+use kinference_kvindex::{BlockHash, BlockStored, KvEvent};
+use kinference_scoring::{LatencyParams, PolicyName, SplitMix64};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::catalog::{Snapshot, WorkerSetRoute};
+use crate::commit;
+use crate::endpoint::{EndpointKey, Registry};
+use crate::openai;
+use crate::prepare::{Prepared, Route};
+use crate::runtime::WsRuntime;
+use crate::tokens::Source;
+use crate::view::{Target, View};
+
+const MODEL: &str = "m";
+const BLOCK: u32 = 16;
+
+struct Fixture {
+    view: View,
+    kv: KvPlane,
+    registry: Registry,
+    _stop: CancellationToken,
+}
+
+fn ws(name: &str, addrs: &[&str]) -> WorkerSetRoute {
+    WorkerSetRoute {
+        name: name.into(),
+        kv_block_size: BLOCK,
+        profile_name: "default".into(),
+        profile: None,
+        models: vec![ModelSpec {
+            name: MODEL.into(),
+            aliases: vec![],
+        }],
+        kv_events: true,
+        endpoints: addrs
+            .iter()
+            .map(|a| ReadyEndpoint {
+                address: (*a).into(),
+                http_port: 8000,
+                kv_port: Some(5557),
+                target: None,
+            })
+            .collect(),
+    }
+}
+
+/// Worker sets `(name, endpoint addresses, policy)` on one registry.
+fn fixture(sets: &[(&str, &[&str], PolicyName)]) -> Fixture {
+    let snapshot = Snapshot {
+        synced: true,
+        pool_found: true,
+        worker_sets: sets.iter().map(|(n, a, _)| ws(n, a)).collect(),
+        problems: vec![],
+    };
+    let stop = CancellationToken::new();
+    let mut registry = Registry::default();
+    registry.sync(
+        snapshot.endpoints().map(|(_, e)| EndpointKey {
+            address: e.address.clone(),
+            http_port: e.http_port,
+        }),
+        &stop,
+    );
+    let runtimes: HashMap<String, Arc<WsRuntime>> = sets
+        .iter()
+        .map(|(n, _, p)| {
+            (
+                (*n).to_owned(),
+                Arc::new(WsRuntime::new(
+                    LatencyParams::default(),
+                    TokenizationMode::Engine,
+                    *p,
+                    Duration::from_secs(30),
+                )),
+            )
+        })
+        .collect();
+    let view = View::build(&snapshot, &registry, &|r| runtimes[&r.name].clone());
+    Fixture {
+        view,
+        kv: KvPlane::new(1_000_000),
+        registry,
+        _stop: stop,
+    }
+}
+
+impl Fixture {
+    fn endpoint(&self, address: &str) -> Arc<Endpoint> {
+        self.registry
+            .get(&EndpointKey {
+                address: address.into(),
+                http_port: 8000,
+            })
+            .expect("endpoint in the registry")
+            .clone()
+    }
+
+    /// `address` (rank `rank`) stores the blocks of `ids`.
+    fn store(&self, address: &str, rank: u32, ids: &[u32]) {
+        let e = self.endpoint(address);
+        let w = self.kv.attach(&e, rank, BLOCK).expect("attach");
+        let blocks = ids.len() / BLOCK as usize;
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks)
+                .map(|i| BlockHash::Uint(u64::from(rank) << 32 | (1 + i as u64)))
+                .collect(),
+            parent_block_hash: None,
+            token_ids: ids[..blocks * BLOCK as usize].to_vec(),
+            block_size: BLOCK,
+            ..BlockStored::default()
+        });
+        self.kv.index().apply_event(w, &ev).expect("apply");
+    }
+
+    /// A request for `ids` to every worker set.
+    fn prepared(&self, ids: &[u32]) -> Prepared {
+        let routes = (0..self.view.worker_sets.len())
+            .map(|i| {
+                Route::from_ids(
+                    Target {
+                        worker_set: i,
+                        model: MODEL.into(),
+                    },
+                    ids,
+                    BLOCK,
+                    Source::Local,
+                )
+            })
+            .collect();
+        Prepared::new(openai::Endpoint::Completions, MODEL, routes)
+    }
+
+    fn decide(&self, p: &Prepared, excluded: &[EndpointId], at: Duration) -> Result<Decision, ApiError> {
+        let now = Now {
+            instant: Instant::now(),
+            since_start: at,
+        };
+        decide(&self.view, &self.kv, p, excluded, now, &mut SplitMix64::new(7), true)
+    }
+}
+
+fn prompt(n: u32, blocks: u32) -> Vec<u32> {
+    (0..blocks * BLOCK).map(|i| 100 + n * 10_000 + i).collect()
+}
+
+const T: Duration = Duration::from_secs(100);
+
+#[test]
+fn the_endpoint_holding_the_prefix_wins_and_the_explanation_agrees() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2", "10.0.0.3"], PolicyName::Kinference)]);
+    let ids = prompt(1, 40);
+    f.store("10.0.0.2", 0, &ids);
+    let d = f.decide(&f.prepared(&ids), &[], T).unwrap();
+    assert_eq!(d.endpoint.key.address, "10.0.0.2");
+    let e = d.explanation.expect("asked for");
+    assert_eq!(e.choice.endpoint, d.choice.endpoint);
+    let warm = e
+        .candidates
+        .iter()
+        .find(|c| c.inputs.endpoint.0 == d.endpoint.id.0)
+        .unwrap();
+    assert_eq!(warm.inputs.cached.gpu, 40, "all 40 blocks from the index");
+    assert_eq!(d.dp_rank, None, "one rank: no rank header");
+}
+
+#[test]
+fn deciding_changes_nothing_until_committed() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2", "10.0.0.3"], PolicyName::RoundRobin)]);
+    let p = f.prepared(&prompt(2, 4));
+    let first = f.decide(&p, &[], T).unwrap();
+    let again = f.decide(&p, &[], T).unwrap();
+    assert_eq!(first.endpoint.id, again.endpoint.id, "a proposal advances no rotation");
+    assert_eq!(first.endpoint.load.snapshot().requests, 0, "and counts no load");
+    let now = Now {
+        instant: Instant::now(),
+        since_start: T,
+    };
+    let c = commit::commit(&f.view, &p, &first, now);
+    assert_eq!(first.endpoint.load.snapshot().requests, 1);
+    let next = f.decide(&p, &[], T).unwrap();
+    assert_ne!(next.endpoint.id, first.endpoint.id, "committed: the rotation moved on");
+    drop(c);
+    assert_eq!(first.endpoint.load.snapshot().requests, 0, "the guard released the load");
+}
+
+#[test]
+fn a_refused_attempt_is_withdrawn_and_the_retry_goes_elsewhere() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    let ids = prompt(3, 8);
+    let p = f.prepared(&ids);
+    let now = Now {
+        instant: Instant::now(),
+        since_start: T,
+    };
+    let d = f.decide(&p, &[], T).unwrap();
+    let c = commit::commit(&f.view, &p, &d, now);
+    // The record of the sent prefix makes the endpoint warm for a burst.
+    let burst = f.decide(&p, &[], T).unwrap();
+    assert_eq!(burst.endpoint.id, d.endpoint.id, "the record keeps a burst together");
+    // The engine refused: the record goes, and the retry excludes it.
+    c.withdraw(&p);
+    let retry = f.decide(&p, &[d.endpoint.id], T).unwrap();
+    assert_ne!(retry.endpoint.id, d.endpoint.id);
+    let record = f.view.worker_sets[0].runtime.prefixes.read();
+    let mut out = Vec::new();
+    record.leading_blocks(&p.routes[0].keys, T, &mut out);
+    assert!(out.is_empty(), "nothing recorded for the refusing endpoint: {out:?}");
+    drop(record);
+    // With every endpoint excluded there is nothing to decide.
+    let all = [d.endpoint.id, retry.endpoint.id];
+    let err = f.decide(&p, &all, T).unwrap_err();
+    assert_eq!(err.status, http::StatusCode::SERVICE_UNAVAILABLE);
+}
+
+#[test]
+fn only_the_winning_worker_set_records_the_prefix() {
+    let f = fixture(&[
+        ("cold", &["10.0.1.1"], PolicyName::Kinference),
+        ("warm", &["10.0.2.1"], PolicyName::Kinference),
+    ]);
+    let ids = prompt(4, 64);
+    f.store("10.0.2.1", 0, &ids);
+    let p = f.prepared(&ids);
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(p.routes[d.route].target.worker_set, 1, "the warm set is faster");
+    let now = Now {
+        instant: Instant::now(),
+        since_start: T,
+    };
+    let _c = commit::commit(&f.view, &p, &d, now);
+    let mut out = Vec::new();
+    f.view.worker_sets[0]
+        .runtime
+        .prefixes
+        .read()
+        .leading_blocks(&p.routes[0].keys, T, &mut out);
+    assert!(out.is_empty(), "the losing set recorded nothing");
+    f.view.worker_sets[1]
+        .runtime
+        .prefixes
+        .read()
+        .leading_blocks(&p.routes[1].keys, T, &mut out);
+    assert_eq!(out.len(), 1);
+}
+
+#[test]
+fn the_rank_holding_the_prefix_is_named_when_there_are_several() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    let ids = prompt(5, 32);
+    f.store("10.0.0.1", 0, &ids[..16 * 4]);
+    f.store("10.0.0.1", 1, &ids);
+    f.endpoint("10.0.0.1").set_kv_ranks(2);
+    let d = f.decide(&f.prepared(&ids), &[], T).unwrap();
+    assert_eq!(d.endpoint.key.address, "10.0.0.1");
+    assert_eq!(d.dp_rank, Some(1), "rank 1 holds all 32 blocks, rank 0 only 4");
+}
+
+#[test]
+fn ejected_endpoints_are_not_candidates() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    let ids = prompt(6, 16);
+    f.store("10.0.0.1", 0, &ids);
+    f.endpoint("10.0.0.1").record_failure(Instant::now());
+    let d = f.decide(&f.prepared(&ids), &[], T).unwrap();
+    assert_eq!(d.endpoint.key.address, "10.0.0.2", "the warm one is ejected");
+}
