@@ -28,46 +28,21 @@ impl Sim {
     }
 }
 
-#[derive(Clone, Copy)]
-pub(super) struct EngineSpec {
-    pub(super) http: u16,
-    pub(super) kv: Option<u16>,
-}
+pub(super) use crate::fleet::{EngineSpec, slice_yaml};
 
+/// One engine with its own process (so a scenario can kill it), on free
+/// ports, one worker thread.
 pub(super) async fn sim(env: &Env, name: &str, replay: bool, extra: &[&str]) -> Result<Sim> {
     let (http, kv) = (free_port()?, free_port()?);
-    let mut args: Vec<String> = [
-        "--engines",
-        "1",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &http.to_string(),
-        "--kv-port",
-        &kv.to_string(),
-        "--worker-threads",
-        "1",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
+    let mut spec = crate::fleet::Sim::new(1, http, kv)
+        .with_args(["--worker-threads", "1"])
+        .with_args(extra.iter().copied());
     if replay {
-        args.push("--replay-port".into());
-        args.push(free_port()?.to_string());
+        spec = spec.with_replay(free_port()?);
     }
-    args.extend(extra.iter().map(ToString::to_string));
-    let mut proc = Proc::spawn(
-        name,
-        &env.bin.join("kinference-sim"),
-        &args,
-        &env.logs.join(format!("{name}.log")),
-    )?;
-    procs::wait_ok(
-        &format!("http://127.0.0.1:{http}/health"),
-        Duration::from_secs(30),
-        &mut proc,
-    )
-    .await?;
+    let proc = spec
+        .start(&env.bin, name, &env.logs.join(format!("{name}.log")))
+        .await?;
     Ok(Sim { proc, http, kv })
 }
 
@@ -83,24 +58,11 @@ pub(super) async fn inject(env: &Env, sim: &Sim, faults: &Value) -> Result<()> {
 }
 
 pub(super) fn manifests_yaml(engines: &[EngineSpec], namespace: Option<&str>) -> String {
-    let ns = namespace.map_or(String::new(), |n| format!(", namespace: {n}"));
-    let mut y = format!(
-        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferencePool\nmetadata: {{name: test{ns}}}\nspec:\n  workerSets: [{{name: sim}}]\n---\napiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: sim{ns}}}\nspec:\n  profile: default\n  kvBlockSize: {BLOCK}\n  serviceRef: {{name: sim, port: http}}\n  kvEvents: {{port: kv}}\n  models:\n    - name: {MODEL}\n---\n"
-    );
-    for (i, e) in engines.iter().enumerate() {
-        y.push_str(&slice_yaml(&format!("sim-{i}"), *e, namespace));
-    }
-    y
-}
-
-pub(super) fn slice_yaml(name: &str, e: EngineSpec, namespace: Option<&str>) -> String {
-    let ns = namespace.map_or(String::new(), |n| format!("\n  namespace: {n}"));
-    let kv =
-        e.kv.map_or(String::new(), |k| format!(", {{name: kv, port: {k}}}"));
-    format!(
-        "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {name}{ns}\n  labels: {{kubernetes.io/service-name: sim}}\naddressType: IPv4\nports: [{{name: http, port: {}}}{kv}]\nendpoints:\n  - addresses: [\"127.0.0.1\"]\n    conditions: {{ready: true}}\n---\n",
-        e.http
-    )
+    let mut m = crate::fleet::Manifests::new("test", engines.to_vec());
+    m.namespace = namespace.map(str::to_owned);
+    m.block_size = BLOCK;
+    m.model = MODEL.to_owned();
+    m.yaml()
 }
 
 pub(super) struct Router {
@@ -148,37 +110,33 @@ pub(super) async fn router(
     let dir = std::env::temp_dir().join(format!("kinference-faults-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let (api, admin) = (free_port()?, free_port()?);
-    let mut args: Vec<String> = vec!["serve".into()];
-    match kube {
+    let flags: Vec<String> = flags.iter().map(ToString::to_string).collect();
+    let (listen, admin_addr) = (format!("127.0.0.1:{api}"), format!("127.0.0.1:{admin}"));
+    let args = match kube {
         None => {
             std::fs::write(dir.join("objects.yaml"), manifests_yaml(engines, None))?;
-            args.extend([
-                "--pool".into(),
-                "test".into(),
-                "--manifests".into(),
-                dir.display().to_string(),
-            ]);
+            crate::fleet::serve_args(&dir, "test", &listen, &admin_addr, &flags)
         }
-        Some((pool, _)) => args.extend(["--pool".into(), pool.into()]),
-    }
-    args.extend([
-        "--listen".into(),
-        format!("127.0.0.1:{api}"),
-        "--admin".into(),
-        format!("127.0.0.1:{admin}"),
-    ]);
-    args.extend(flags.iter().map(ToString::to_string));
+        Some((pool, _)) => {
+            let mut a: Vec<String> = [
+                "serve",
+                "--pool",
+                pool,
+                "--listen",
+                &listen,
+                "--admin",
+                &admin_addr,
+            ]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+            a.extend(flags);
+            a
+        }
+    };
     let log = env.logs.join(format!("{name}.log"));
-    let mut cmd = tokio::process::Command::new(env.bin.join("kinference-router"));
-    cmd.args(&args)
-        .stdin(std::process::Stdio::null())
-        .kill_on_drop(true);
-    if let Some((_, vars)) = kube {
-        for (k, v) in vars {
-            cmd.env(k, v);
-        }
-    }
-    let proc = Proc::spawn_command(name, cmd, &log)?;
+    let proc =
+        crate::fleet::start_router(&env.bin, name, &args, kube.map_or(&[], |(_, v)| v), &log)?;
     let r = Router {
         proc,
         api: format!("http://127.0.0.1:{api}"),
