@@ -255,8 +255,8 @@ pub(crate) async fn wait_ready(admin: &str, router: &mut Proc) -> Result<()> {
 }
 
 /// Waits until the router sees `engines` endpoints with KV streams
-/// connected and the tokenizer checked (or, with `approximate`, no
-/// tokenizer to check).
+/// connected and the local tokenizer checked (or none to check: `engine`
+/// and `approximate` tokenization).
 pub(crate) async fn wait_connected(admin: &str, engines: usize, router: &mut Proc) -> Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -265,7 +265,7 @@ pub(crate) async fn wait_connected(admin: &str, engines: usize, router: &mut Pro
             let v: serde_json::Value = serde_json::from_slice(&body)?;
             let eps = v["endpoints"].as_array().cloned().unwrap_or_default();
             let tokenizer = &v["worker_sets"][0]["tokenizer"]["state"];
-            let tokenizer_ready = tokenizer == "checked" || tokenizer.is_null();
+            let tokenizer_ready = tokenizer == "checked" || tokenizer == "not_local";
             if eps.len() == engines
                 && tokenizer_ready
                 && eps.iter().all(|e| {

@@ -663,13 +663,17 @@ mod tests {
         let unscaled = Fleet::new(8, 1, 1).prefill_tokens_per_s();
         assert!((f.prefill_tokens_per_s() / unscaled - 1.0).abs() < 0.01);
         // Knee of the shared-prefix workload: 8 × ~11.3k ÷ 7,200 ≈ 12.6/s.
-        let knee = f.knee(&Workload::of(WorkloadKind::SharedPrefix));
+        let sp = WorkloadKind::SharedPrefix;
+        let knee = f.knee(sp, &Workload::of(sp));
+        // Two of eight engines 3× slower: 6 + 2/3 engines' worth.
+        let het = WorkloadKind::Heterogeneous;
+        assert!((f.knee(het, &Workload::of(het)) / knee - (6.0 + 2.0 / 3.0) / 8.0).abs() < 1e-9);
         assert!((knee - 12.56).abs() < 0.1, "{knee}");
         // A fifth of the groups and of the KV: 6,146 tokens in 385 blocks,
         // + the null block.
         let small = Fleet::new(8, 10, 5);
         assert_eq!(small.num_gpu_blocks, 386);
-        assert!((small.knee(&small.workload(WorkloadKind::SharedPrefix)) - knee).abs() < 1e-9);
+        assert!((small.knee(sp, &small.workload(sp)) - knee).abs() < 1e-9);
     }
 
     /// The whole harness for a few seconds: two debug-built engines, ours
@@ -707,7 +711,7 @@ mod tests {
         let opts = RoutingOptions {
             workloads: vec![WorkloadKind::SharedPrefix],
             loads: Some(vec![0.5]),
-            policies: vec!["kinference".into(), "oracle".into()],
+            policies: vec!["kinference".into(), "greedy-truth".into()],
             engines: 2,
             warmup: Duration::from_secs(1),
             measure: Duration::from_secs(4),
@@ -742,7 +746,8 @@ mod tests {
         .expect("json parses");
         assert_eq!(json["rows"].as_array().map(Vec::len), Some(2));
         let back: Vec<Row> = serde_json::from_value(json["rows"].clone()).expect("rows parse");
-        assert_eq!(back[1].policy, "oracle");
+        assert_eq!(back[1].policy, "greedy-truth");
+        assert!(back[0].floor_p90_ms > 0.0 && back[0].ttft_p90_ms >= back[0].floor_p90_ms);
         assert!(
             json["meta"]["workloads"]["shared-prefix"]["knee_req_per_s"]
                 .as_f64()
@@ -750,7 +755,7 @@ mod tests {
         );
         for f in ["shared-prefix-ttft-p90.svg", "shared-prefix-hit-rate.svg"] {
             let svg = std::fs::read_to_string(out.path().join(f)).expect("plot written");
-            assert!(svg.starts_with("<svg") && svg.contains("oracle"), "{f}");
+            assert!(svg.starts_with("<svg") && svg.contains("greedy-truth"), "{f}");
         }
         let samples = std::fs::read_dir(out.path().join("logs"))
             .expect("logs")
@@ -765,10 +770,22 @@ mod tests {
     #[test]
     fn manifests_list_every_engine_and_the_scaled_profile() {
         let f = Fleet::new(3, 10, 5);
-        let y = f.manifests(Path::new("/repo"), 19000);
+        let y = f.manifests(Path::new("/repo"), 19000).yaml();
         assert_eq!(y.matches("kind: EndpointSlice").count(), 3);
         assert!(y.contains("port: 19002}, {name: kv, port: 19102}"));
         assert!(y.contains("prefillTokensPerSecond: 1162.8"));
         assert!(y.contains("path: /repo/examples/word-level"));
+    }
+
+    #[test]
+    fn two_speed_fleets_run_one_simulator_per_speed() {
+        let f = Fleet::new(8, 10, 5);
+        let sims = f.sims(WorkloadKind::Agent, 18500);
+        assert_eq!(sims.len(), 2);
+        assert_eq!((sims[0].engines, sims[1].engines), (6, 2));
+        let slow = sims[1].args().join(" ");
+        assert!(slow.contains("--port 18506 --kv-port 18606 --replay-port 18706"), "{slow}");
+        assert!(slow.contains("--slowdown 3"), "{slow}");
+        assert_eq!(f.sims(WorkloadKind::SharedPrefix, 18500).len(), 1);
     }
 }
