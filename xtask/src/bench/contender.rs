@@ -78,7 +78,7 @@ const PEERS: [(&str, Peer, &str); 5] = [
 impl Contender {
     /// Every row's name, ours first, the greedy reference last.
     pub(crate) fn all_names() -> Vec<String> {
-        let mut v: Vec<String> = PolicyName::ALL.iter().map(|p| p.to_string()).collect();
+        let mut v: Vec<String> = PolicyName::ALL.iter().map(ToString::to_string).collect();
         v.insert(1, "kinference-installed".into());
         v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
         v.push("greedy-truth".into());

@@ -35,7 +35,7 @@ use self::workload::WorkloadKind;
 pub(crate) enum BenchCommand {
     /// Routing quality: every policy and the real peer routers on identical
     /// request streams, on simulated engines, against the physical floor.
-    Routing(RoutingArgs),
+    Routing(Box<RoutingArgs>),
     /// The criterion benches of kvindex, scoring, tokenize and the router's
     /// decision path, summarised against their goals.
     Micro(MicroArgs),

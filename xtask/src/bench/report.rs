@@ -838,13 +838,24 @@ mod tests {
             g.contains("| shared-prefix | TTFT p90 ≤ 1.05 × the best faithful baseline's | 1.09 × (120 vs 110 ms, dynamo-cost) | **missed** |"),
             "{g}"
         );
-        assert!(g.contains("| TTFT p99 no worse than any other policy's | 500 vs best 111 ms"), "{g}");
-        assert!(g.contains("| as installed within 1.25 × tuned (TTFT p90) | 1.17 × (140 vs 120 ms) | met |"), "{g}");
+        assert!(
+            g.contains("| TTFT p99 no worse than any other policy's | 500 vs best 111 ms"),
+            "{g}"
+        );
+        assert!(
+            g.contains(
+                "| as installed within 1.25 × tuned (TTFT p90) | 1.17 × (140 vs 120 ms) | met |"
+            ),
+            "{g}"
+        );
         // On the two-speed fleet the bar is halving the best peer.
         for r in &mut rows {
             r.workload = "heterogeneous".into();
         }
-        assert!(goals(&rows).contains("| heterogeneous | TTFT p90 ≤ 0.5 × the best real peer's | 0.40 × "));
+        assert!(
+            goals(&rows)
+                .contains("| heterogeneous | TTFT p90 ≤ 0.5 × the best real peer's | 0.40 × ")
+        );
         for r in &mut rows {
             r.load = 0.5;
         }

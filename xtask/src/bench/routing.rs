@@ -755,7 +755,10 @@ mod tests {
         );
         for f in ["shared-prefix-ttft-p90.svg", "shared-prefix-hit-rate.svg"] {
             let svg = std::fs::read_to_string(out.path().join(f)).expect("plot written");
-            assert!(svg.starts_with("<svg") && svg.contains("greedy-truth"), "{f}");
+            assert!(
+                svg.starts_with("<svg") && svg.contains("greedy-truth"),
+                "{f}"
+            );
         }
         let samples = std::fs::read_dir(out.path().join("logs"))
             .expect("logs")
@@ -784,7 +787,10 @@ mod tests {
         assert_eq!(sims.len(), 2);
         assert_eq!((sims[0].engines, sims[1].engines), (6, 2));
         let slow = sims[1].args().join(" ");
-        assert!(slow.contains("--port 18506 --kv-port 18606 --replay-port 18706"), "{slow}");
+        assert!(
+            slow.contains("--port 18506 --kv-port 18606 --replay-port 18706"),
+            "{slow}"
+        );
         assert!(slow.contains("--slowdown 3"), "{slow}");
         assert_eq!(f.sims(WorkloadKind::SharedPrefix, 18500).len(), 1);
     }

@@ -139,8 +139,12 @@ pub(crate) fn synthetic(shape: &AgentShape, block: u32, seed: u64) -> Vec<TraceR
     // Ids: tool prompts first, then fresh ids for session content.
     let mut next_id = u64::from(shape.tool_prompts * shape.tool_blocks);
     let mut rows: Vec<TraceRow> = Vec::new();
-    let mut start = 0.0f64;
-    while rows.len() < shape.requests as usize {
+    // Sessions start from a minute before the trace does, so that it opens
+    // in steady state (as many sessions running as later on); what they
+    // sent before 0 is dropped.
+    let mut start = -60.0f64;
+    let mut kept = 0usize;
+    while kept < shape.requests as usize {
         start += exp(&mut rng, 1.0 / shape.session_rate.max(1e-3));
         let tool = rng.below(u64::from(shape.tool_prompts.max(1)));
         let mut ids: Vec<u64> = (0..shape.tool_blocks)
@@ -159,6 +163,10 @@ pub(crate) fn synthetic(shape: &AgentShape, block: u32, seed: u64) -> Vec<TraceR
                 ids.push(next_id);
                 next_id += 1;
             }
+            if t < 0.0 {
+                continue;
+            }
+            kept += 1;
             rows.push(TraceRow {
                 timestamp: (t * 1e3) as u64,
                 input_length: ids.len() as u32 * block,
@@ -194,8 +202,19 @@ pub(crate) fn plan(
     warmup: Duration,
     measure: Duration,
 ) -> Plan {
-    let span_ms = rows.last().map_or(0, |r| r.timestamp).max(1) as f64;
-    let natural = rows.len() as f64 / (span_ms / 1e3);
+    if rows.is_empty() {
+        return Plan {
+            arrivals: Vec::new(),
+            warmup,
+            measure,
+            conversations: 0,
+        };
+    }
+    // The trace's own rate over its first 90 % (a generated trace thins
+    // out at its end, where sessions were cut off).
+    let k = (rows.len() * 9 / 10).max(1);
+    let span_ms = rows[k - 1].timestamp.max(1) as f64;
+    let natural = k as f64 / (span_ms / 1e3);
     let factor = if rate > 0.0 { natural / rate } else { 1.0 };
     let end = (warmup + measure).as_secs_f64();
     let per_block = scale.tokens(block);

@@ -592,7 +592,11 @@ mod tests {
 
     #[test]
     fn plans_are_identical_for_a_seed_and_differ_across_seeds() {
-        for kind in WorkloadKind::ALL {
+        // The agent workload is planned from its trace (see `trace`).
+        for kind in WorkloadKind::ALL
+            .into_iter()
+            .filter(|k| *k != WorkloadKind::Agent)
+        {
             let a = plan_of(kind, 7);
             assert_eq!(a, plan_of(kind, 7), "{kind:?}");
             assert_ne!(a, plan_of(kind, 8), "{kind:?}");

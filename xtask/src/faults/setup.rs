@@ -61,7 +61,7 @@ pub(super) fn manifests_yaml(engines: &[EngineSpec], namespace: Option<&str>) ->
     let mut m = crate::fleet::Manifests::new("test", engines.to_vec());
     m.namespace = namespace.map(str::to_owned);
     m.block_size = BLOCK;
-    m.model = MODEL.to_owned();
+    MODEL.clone_into(&mut m.model);
     m.yaml()
 }
 
