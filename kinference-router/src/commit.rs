@@ -38,7 +38,7 @@ pub fn commit(view: &View, prepared: &Prepared, d: &Decision, now: Now) -> Commi
     runtime
         .policy
         .lock()
-        .commit(&route.request, &d.choice, now.since_start);
+        .commit(&route.request, &d.candidate, &d.choice, now.since_start);
     let record = (route.request.cache != CacheSource::None && !route.keys.is_empty()).then(|| {
         runtime
             .prefixes

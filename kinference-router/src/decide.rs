@@ -46,6 +46,8 @@ pub struct Decision {
     pub endpoint: Arc<Endpoint>,
     /// The policy's choice (prediction included).
     pub choice: Choice,
+    /// The chosen candidate as the policy saw it.
+    pub candidate: Candidate,
     /// The explanation, when asked for.
     pub explanation: Option<Explanation>,
     /// The DP rank to ask for (`X-data-parallel-rank`), when the engine has
@@ -195,6 +197,7 @@ fn decide_route(
         }
     };
     let endpoint = endpoints.get(choice.index)?.clone();
+    let candidate = *candidates.get(choice.index)?;
     let dp_rank = best_rank
         .get(choice.index)
         .copied()
@@ -204,6 +207,7 @@ fn decide_route(
         route: 0,
         endpoint,
         choice,
+        candidate,
         explanation,
         dp_rank,
     })

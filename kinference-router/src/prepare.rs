@@ -40,7 +40,11 @@ impl Route {
     /// mode, keys as the router computes them).
     pub fn from_ids(target: Target, ids: &[u32], block_size: u32, tokens: Source) -> Self {
         let mut block_keys = Vec::new();
-        BlockKeyer::new(block_size.max(1), None).keys_into(ids, &ExtraKeys::none(), &mut block_keys);
+        BlockKeyer::new(block_size.max(1), None).keys_into(
+            ids,
+            &ExtraKeys::none(),
+            &mut block_keys,
+        );
         Self {
             target,
             tokens,

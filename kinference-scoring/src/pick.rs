@@ -38,14 +38,16 @@ pub enum Reason {
     /// llm-d-blend: highest weighted score.
     HighestWeightedScore,
     /// llm-d-default: among endpoints holding at least the affinity threshold
-    /// of the prompt, fewest in-flight tokens.
+    /// of the prompt, the best token-load and no-hit-LRU score.
     Sticky,
     /// llm-d-default: stickiness released by the TTFT gate; fewest in-flight
     /// tokens among all.
     StickinessReleased,
-    /// llm-d-default: no endpoint reached the affinity threshold; fewest
-    /// in-flight tokens among all.
+    /// llm-d-default: no endpoint reached the affinity threshold; best
+    /// token-load and no-hit-LRU score among all.
     NoStickyEndpoint,
+    /// llm-d-default: the filter's exploration draw kept every endpoint.
+    Exploration,
     /// dynamo-cost: lowest cost.
     LowestCost,
     /// dynamo-cost: softmax sample at a positive temperature.
@@ -115,6 +117,7 @@ impl fmt::Display for Choice {
             Reason::Sticky => "sticky",
             Reason::StickinessReleased => "stickiness_released",
             Reason::NoStickyEndpoint => "no_sticky_endpoint",
+            Reason::Exploration => "exploration",
             Reason::LowestCost => "lowest_cost",
             Reason::SoftmaxSample => "softmax_sample",
             Reason::LoadImbalance => "load_imbalance",
@@ -170,8 +173,8 @@ pub enum ScoreDetail {
         /// Queue length used (scraped waiting, else own prefilling).
         queue_length: u32,
     },
-    /// llm-d-default: score = in-flight tokens incl. this request's uncached
-    /// ones (lower wins, among the kept set).
+    /// llm-d-default: score = token load + no-hit LRU (higher wins, among
+    /// the kept set).
     LlmdDefault {
         /// Matched ÷ total prompt blocks.
         prefix: f64,
@@ -181,13 +184,17 @@ pub enum ScoreDetail {
         gate_ttft_ms: f64,
         /// Kept by the affinity filter.
         kept: bool,
+        /// `1 − min(1, in-flight tokens ÷ threshold)`.
+        token_load: f64,
+        /// The no-hit-LRU score (0.5 for a warm request).
+        no_hit_lru: f64,
     },
-    /// dynamo-cost: score = overlap weight × prefill blocks + decode blocks
-    /// (lower wins).
+    /// dynamo-cost: score = prefill load scale × prefill blocks + decode
+    /// blocks (lower wins).
     DynamoCost {
-        /// `max(prompt blocks + active prefill blocks − cached blocks, 0)`.
+        /// `max(prompt blocks + active prefill blocks − overlap credit, 0)`.
         prefill_blocks: f64,
-        /// Active context blocks plus the prompt's.
+        /// Unique active blocks plus the prompt's blocks new to them.
         decode_blocks: f64,
     },
     /// sglang-cache-aware.
@@ -196,8 +203,7 @@ pub enum ScoreDetail {
         load: u32,
         /// Cached fraction of the prompt.
         match_rate: f64,
-        /// Cache footprint proxy: KV usage if fresh, else in-flight context
-        /// tokens.
+        /// The endpoint's tree size, tokens (grown on every route).
         footprint: f64,
     },
 }

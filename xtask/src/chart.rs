@@ -1230,8 +1230,20 @@ mod tests {
         // its scope, must be in ROUTER_WATCHES, and the reverse.
         let dir = root().join("kinference-router/src");
         let mut seen = BTreeSet::new();
-        for entry in std::fs::read_dir(&dir).expect("router sources") {
-            let text = std::fs::read_to_string(entry.expect("entry").path()).expect("readable");
+        let mut files = Vec::new();
+        let mut dirs = vec![dir];
+        while let Some(d) = dirs.pop() {
+            for entry in std::fs::read_dir(&d).expect("router sources") {
+                let p = entry.expect("entry").path();
+                if p.is_dir() {
+                    dirs.push(p);
+                } else if p.extension().is_some_and(|x| x == "rs") {
+                    files.push(p);
+                }
+            }
+        }
+        for path in files {
+            let text = std::fs::read_to_string(&path).expect("readable");
             for (i, _) in text.match_indices("Api::<") {
                 let rest = &text[i + "Api::<".len()..];
                 let Some((kind, tail)) = rest.split_once(">::") else {

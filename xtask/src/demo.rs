@@ -6,13 +6,15 @@
 //! with round robin, and prints what each achieved. Every process it starts
 //! is killed when it ends or on Ctrl-C.
 
+use std::path::Path;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
+use crate::fleet::{self, Sim};
 use crate::load::{self, Workload};
-use crate::procs::{self, Proc};
+use crate::procs;
 
 const ENGINES: usize = 4;
 const HTTP_BASE: u16 = 18101;
@@ -96,66 +98,29 @@ async fn demo(opts: Options) -> Result<ExitCode> {
 
     let mut rows = Vec::new();
     for policy in ["kinference", "round-robin"] {
-        let sim_args: Vec<String> = [
-            "--engines",
-            &ENGINES.to_string(),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &HTTP_BASE.to_string(),
-            "--kv-port",
-            &KV_BASE.to_string(),
-            "--replay-port",
-            &REPLAY_BASE.to_string(),
-            "--num-gpu-blocks",
-            "2500",
-            "--seed",
-            "1",
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        let mut sim = Proc::spawn(
-            "kinference-sim",
-            &bin.join("kinference-sim"),
-            &sim_args,
-            &logs.join(format!("sim-{policy}.log")),
-        )?;
-        for e in &engines {
-            procs::wait_ok(&format!("{e}/health"), Duration::from_secs(30), &mut sim)
-                .await
-                .with_context(|| format!("the simulator did not start; see {}", logs.display()))?;
-        }
-        let router_args: Vec<String> = [
-            "serve",
-            "--manifests",
-            "examples/local",
-            "--pool",
+        let sim = Sim::new(ENGINES, HTTP_BASE, KV_BASE)
+            .with_replay(REPLAY_BASE)
+            .with_args(["--num-gpu-blocks", "2500", "--seed", "1"]);
+        let sim = sim
+            .start(
+                &bin,
+                "kinference-sim",
+                &logs.join(format!("sim-{policy}.log")),
+            )
+            .await?;
+        let router_args = fleet::serve_args(
+            Path::new("examples/local"),
             "demo",
-            "--listen",
             LISTEN,
-            "--admin",
             ADMIN,
-            "--policy",
-            policy,
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        let mut router = Proc::spawn(
-            "kinference-router",
-            &bin.join("kinference-router"),
-            &router_args,
-            &logs.join(format!("router-{policy}.log")),
-        )?;
-        procs::wait_ok(
-            &format!("http://{ADMIN}/readyz"),
-            Duration::from_secs(30),
-            &mut router,
-        )
-        .await
-        .with_context(|| format!("the router did not become ready; see {}", logs.display()))?;
-        crate::bench::routing::wait_connected(ADMIN, ENGINES, &mut router).await?;
+            &["--policy".to_owned(), policy.to_owned()],
+        );
+        let log = logs.join(format!("router-{policy}.log"));
+        let mut router = fleet::start_router(&bin, "kinference-router", &router_args, &[], &log)?;
+        fleet::wait_ready(ADMIN, &mut router)
+            .await
+            .with_context(|| format!("see {}", log.display()))?;
+        fleet::wait_connected(ADMIN, ENGINES, &mut router).await?;
         println!(
             "[{policy}] router: OpenAI API http://{LISTEN}/v1  metrics http://{ADMIN}/metrics  debug http://{ADMIN}/debug/endpoints, /debug/explain"
         );

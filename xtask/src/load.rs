@@ -40,6 +40,19 @@ pub(crate) async fn get(url: &str) -> Result<(u16, Bytes)> {
     Ok((status, body))
 }
 
+/// `POST url` with a JSON body → (status, body).
+pub(crate) async fn post_json(url: &str, body: &serde_json::Value) -> Result<(u16, Bytes)> {
+    let req = http::Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(serde_json::to_vec(body)?)))?;
+    let resp = tokio::time::timeout(Duration::from_secs(5), client().request(req))
+        .await
+        .context("timed out")??;
+    let status = resp.status().as_u16();
+    let body = resp.into_body().collect().await?.to_bytes();
+    Ok((status, body))
+}
+
 /// The shape of the shared-prefix multi-turn workload.
 #[derive(Clone, Debug)]
 pub(crate) struct Workload {

@@ -23,6 +23,7 @@ mod bench;
 mod chart;
 mod demo;
 mod faults;
+mod fleet;
 mod gen_crds;
 mod load;
 mod procs;

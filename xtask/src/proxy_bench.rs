@@ -20,6 +20,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
+use crate::fleet::{self, Manifests, Sim};
 use crate::procs::{self, Proc};
 
 const ENGINES: usize = 2;
@@ -95,19 +96,15 @@ fn nginx_conf(dir: &Path) -> String {
 
 fn manifests(dir: &Path) -> Result<()> {
     let word_level = crate::workspace_root().join("examples/word-level");
-    let mut y = format!(
-        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferencePool\nmetadata: {{name: bench}}\nspec: {{workerSets: [{{name: sim}}]}}\n---\napiVersion: kinference.buoyant.io/v1alpha1\nkind: RoutingProfile\nmetadata: {{name: word-level}}\nspec:\n  tokenization: {{mode: local, tokenizer: {{path: \"{}\"}}}}\n---\napiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: sim}}\nspec:\n  profile: word-level\n  kvBlockSize: 16\n  serviceRef: {{name: sim, port: http}}\n  kvEvents: {{port: kv}}\n  models: [{{name: kinference/sim}}]\n",
-        word_level.display()
-    );
-    for i in 0..ENGINES {
-        let _ = write!(
-            y,
-            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: sim-{i}, labels: {{kubernetes.io/service-name: sim}}}}\naddressType: IPv4\nports: [{{name: http, port: {}}}, {{name: kv, port: {}}}]\nendpoints: [{{addresses: [\"127.0.0.1\"], conditions: {{ready: true}}}}]\n",
-            HTTP_BASE + i as u16,
-            KV_BASE + i as u16
-        );
-    }
-    std::fs::write(dir.join("objects.yaml"), y)?;
+    let mut m = Manifests::new("bench", Sim::new(ENGINES, HTTP_BASE, KV_BASE).specs());
+    m.profile = Some((
+        "word-level".into(),
+        format!(
+            "  tokenization: {{mode: local, tokenizer: {{path: \"{}\"}}}}\n",
+            word_level.display()
+        ),
+    ));
+    std::fs::write(dir.join("objects.yaml"), m.yaml())?;
     Ok(())
 }
 
@@ -234,15 +231,7 @@ async fn bench(opts: Options) -> Result<ExitCode> {
     manifests(&dir.join("manifests"))?;
     std::fs::write(dir.join("nginx.conf"), nginx_conf(&dir))?;
 
-    let sim_args: Vec<String> = [
-        "--engines",
-        &ENGINES.to_string(),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        &HTTP_BASE.to_string(),
-        "--kv-port",
-        &KV_BASE.to_string(),
+    let sim = Sim::new(ENGINES, HTTP_BASE, KV_BASE).with_args([
         "--step-base-ms",
         "0",
         "--prefill-ms-per-token",
@@ -251,50 +240,19 @@ async fn bench(opts: Options) -> Result<ExitCode> {
         "0",
         "--output-len",
         "fixed:2",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
-    let mut sim = Proc::spawn(
-        "kinference-sim",
-        &bin.join("kinference-sim"),
-        &sim_args,
-        &dir.join("sim.log"),
-    )?;
-    for i in 0..ENGINES {
-        procs::wait_ok(
-            &format!("http://127.0.0.1:{}/health", HTTP_BASE + i as u16),
-            Duration::from_secs(30),
-            &mut sim,
-        )
+    ]);
+    let sim = sim
+        .start(&bin, "kinference-sim", &dir.join("sim.log"))
         .await?;
-    }
-    let router_args: Vec<String> = [
-        "serve",
-        "--manifests",
-        &dir.join("manifests").display().to_string(),
-        "--pool",
-        "bench",
-        "--listen",
-        ROUTER,
-        "--admin",
-        ADMIN,
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
-    let mut router = Proc::spawn(
+    let router_args = fleet::serve_args(&dir.join("manifests"), "bench", ROUTER, ADMIN, &[]);
+    let mut router = fleet::start_router(
+        &bin,
         "kinference-router",
-        &bin.join("kinference-router"),
         &router_args,
+        &[],
         &dir.join("router.log"),
     )?;
-    procs::wait_ok(
-        &format!("http://{ADMIN}/readyz"),
-        Duration::from_secs(30),
-        &mut router,
-    )
-    .await?;
+    fleet::wait_ready(ADMIN, &mut router).await?;
     let nginx_args = vec![
         "-c".to_owned(),
         dir.join("nginx.conf").display().to_string(),

@@ -141,12 +141,25 @@ impl Fixture {
         Prepared::new(openai::Endpoint::Completions, MODEL, routes)
     }
 
-    fn decide(&self, p: &Prepared, excluded: &[EndpointId], at: Duration) -> Result<Decision, ApiError> {
+    fn decide(
+        &self,
+        p: &Prepared,
+        excluded: &[EndpointId],
+        at: Duration,
+    ) -> Result<Decision, ApiError> {
         let now = Now {
             instant: Instant::now(),
             since_start: at,
         };
-        decide(&self.view, &self.kv, p, excluded, now, &mut SplitMix64::new(7), true)
+        decide(
+            &self.view,
+            &self.kv,
+            p,
+            excluded,
+            now,
+            &mut SplitMix64::new(7),
+            true,
+        )
     }
 }
 
@@ -158,7 +171,11 @@ const T: Duration = Duration::from_secs(100);
 
 #[test]
 fn the_endpoint_holding_the_prefix_wins_and_the_explanation_agrees() {
-    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2", "10.0.0.3"], PolicyName::Kinference)]);
+    let f = fixture(&[(
+        "a",
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        PolicyName::Kinference,
+    )]);
     let ids = prompt(1, 40);
     f.store("10.0.0.2", 0, &ids);
     let d = f.decide(&f.prepared(&ids), &[], T).unwrap();
@@ -176,12 +193,23 @@ fn the_endpoint_holding_the_prefix_wins_and_the_explanation_agrees() {
 
 #[test]
 fn deciding_changes_nothing_until_committed() {
-    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2", "10.0.0.3"], PolicyName::RoundRobin)]);
+    let f = fixture(&[(
+        "a",
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        PolicyName::RoundRobin,
+    )]);
     let p = f.prepared(&prompt(2, 4));
     let first = f.decide(&p, &[], T).unwrap();
     let again = f.decide(&p, &[], T).unwrap();
-    assert_eq!(first.endpoint.id, again.endpoint.id, "a proposal advances no rotation");
-    assert_eq!(first.endpoint.load.snapshot().requests, 0, "and counts no load");
+    assert_eq!(
+        first.endpoint.id, again.endpoint.id,
+        "a proposal advances no rotation"
+    );
+    assert_eq!(
+        first.endpoint.load.snapshot().requests,
+        0,
+        "and counts no load"
+    );
     let now = Now {
         instant: Instant::now(),
         since_start: T,
@@ -189,9 +217,16 @@ fn deciding_changes_nothing_until_committed() {
     let c = commit::commit(&f.view, &p, &first, now);
     assert_eq!(first.endpoint.load.snapshot().requests, 1);
     let next = f.decide(&p, &[], T).unwrap();
-    assert_ne!(next.endpoint.id, first.endpoint.id, "committed: the rotation moved on");
+    assert_ne!(
+        next.endpoint.id, first.endpoint.id,
+        "committed: the rotation moved on"
+    );
     drop(c);
-    assert_eq!(first.endpoint.load.snapshot().requests, 0, "the guard released the load");
+    assert_eq!(
+        first.endpoint.load.snapshot().requests,
+        0,
+        "the guard released the load"
+    );
 }
 
 #[test]
@@ -207,7 +242,10 @@ fn a_refused_attempt_is_withdrawn_and_the_retry_goes_elsewhere() {
     let c = commit::commit(&f.view, &p, &d, now);
     // The record of the sent prefix makes the endpoint warm for a burst.
     let burst = f.decide(&p, &[], T).unwrap();
-    assert_eq!(burst.endpoint.id, d.endpoint.id, "the record keeps a burst together");
+    assert_eq!(
+        burst.endpoint.id, d.endpoint.id,
+        "the record keeps a burst together"
+    );
     // The engine refused: the record goes, and the retry excludes it.
     c.withdraw(&p);
     let retry = f.decide(&p, &[d.endpoint.id], T).unwrap();
@@ -215,7 +253,10 @@ fn a_refused_attempt_is_withdrawn_and_the_retry_goes_elsewhere() {
     let record = f.view.worker_sets[0].runtime.prefixes.read();
     let mut out = Vec::new();
     record.leading_blocks(&p.routes[0].keys, T, &mut out);
-    assert!(out.is_empty(), "nothing recorded for the refusing endpoint: {out:?}");
+    assert!(
+        out.is_empty(),
+        "nothing recorded for the refusing endpoint: {out:?}"
+    );
     drop(record);
     // With every endpoint excluded there is nothing to decide.
     let all = [d.endpoint.id, retry.endpoint.id];
@@ -233,7 +274,10 @@ fn only_the_winning_worker_set_records_the_prefix() {
     f.store("10.0.2.1", 0, &ids);
     let p = f.prepared(&ids);
     let d = f.decide(&p, &[], T).unwrap();
-    assert_eq!(p.routes[d.route].target.worker_set, 1, "the warm set is faster");
+    assert_eq!(
+        p.routes[d.route].target.worker_set, 1,
+        "the warm set is faster"
+    );
     let now = Now {
         instant: Instant::now(),
         since_start: T,
@@ -263,7 +307,11 @@ fn the_rank_holding_the_prefix_is_named_when_there_are_several() {
     f.endpoint("10.0.0.1").set_kv_ranks(2);
     let d = f.decide(&f.prepared(&ids), &[], T).unwrap();
     assert_eq!(d.endpoint.key.address, "10.0.0.1");
-    assert_eq!(d.dp_rank, Some(1), "rank 1 holds all 32 blocks, rank 0 only 4");
+    assert_eq!(
+        d.dp_rank,
+        Some(1),
+        "rank 1 holds all 32 blocks, rank 0 only 4"
+    );
 }
 
 #[test]
@@ -273,5 +321,8 @@ fn ejected_endpoints_are_not_candidates() {
     f.store("10.0.0.1", 0, &ids);
     f.endpoint("10.0.0.1").record_failure(Instant::now());
     let d = f.decide(&f.prepared(&ids), &[], T).unwrap();
-    assert_eq!(d.endpoint.key.address, "10.0.0.2", "the warm one is ejected");
+    assert_eq!(
+        d.endpoint.key.address, "10.0.0.2",
+        "the warm one is ejected"
+    );
 }

@@ -373,7 +373,7 @@ impl Pick for Kinference {
     /// The request went to `choice`: its endpoint becomes the most recently
     /// chosen, and its prefill time enters the running mean the externality
     /// charge divides by.
-    fn commit(&mut self, _request: &Request, choice: &Choice, now: Duration) {
+    fn commit(&mut self, _request: &Request, _chosen: &Candidate, choice: &Choice, now: Duration) {
         if let Some(slot) = self.slot_mut(choice.endpoint) {
             slot.last_chosen = nanos(now).saturating_add(1);
         }

@@ -6,19 +6,27 @@
 //! | `round-robin` | next in turn ([`RoundRobin`]) |
 //! | `least-inflight` | fewest requests in flight ([`LeastInflight`]) |
 //! | `llm-d-blend` | llm-d's weighted scorers: prefix 3, queue 2, KV utilisation 2 ([`LlmdBlend`]) |
-//! | `llm-d-default` | llm-d's prefix-cache affinity filter (≥ 0.8, TTFT gate) then token-load scorer ([`LlmdDefault`]) |
-//! | `dynamo-cost` | Dynamo's cost `w·prefill blocks + decode blocks` ([`DynamoCost`]) |
-//! | `sglang-cache-aware` | SGLang's cache-aware policy ([`SglangCacheAware`]) |
+//! | `llm-d-default` | llm-d's default profile: prefix-cache affinity filter (≥ 0.8, 1 % exploration), token-load + no-hit-LRU scorers ([`LlmdDefault`]) |
+//! | `dynamo-cost` | Dynamo's cost `prefill blocks − overlap credit + decode blocks`, shared active blocks counted once ([`DynamoCost`]) |
+//! | `sglang-cache-aware` | SGLang's cache-aware policy, its tree grown on route ([`SglangCacheAware`]) |
 //!
-//! The baselines are re-implementations from their projects' public
-//! descriptions and sources (cited on each type); none of their code is used.
-//! All of them read the same inputs as ours, including the same tier-credited
-//! cache estimate, so a comparison isolates the decision rule. Every policy
+//! The baselines are re-implementations from their projects' sources (each
+//! module cites the upstream file and formula it follows); none of their
+//! code is used. All of them read the same inputs as ours, including the same
+//! tier-credited cache estimate, so a comparison isolates the decision rule;
+//! what an input cannot carry (Dynamo's per-block active-sequence identities)
+//! is estimated and said so on the type. Every policy
 //! returns a candidate from the given slice, breaks exact ties with the
 //! caller's seeded [`RandomSource`], and is deterministic for a given seed.
 
-mod baselines;
+mod baseline;
+mod dynamo;
 mod kinference;
+mod least_inflight;
+mod llmd_blend;
+mod llmd_default;
+mod round_robin;
+mod sglang;
 
 use std::fmt;
 use std::str::FromStr;
@@ -26,11 +34,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-pub use self::baselines::{
-    DynamoConfig, DynamoCost, LeastInflight, LlmdBlend, LlmdBlendConfig, LlmdDefault,
-    LlmdDefaultConfig, RoundRobin, SglangCacheAware, SglangConfig,
-};
+pub use self::dynamo::{DynamoConfig, DynamoCost};
 pub use self::kinference::Kinference;
+pub use self::least_inflight::LeastInflight;
+pub use self::llmd_blend::{LlmdBlend, LlmdBlendConfig};
+pub use self::llmd_default::{LlmdDefault, LlmdDefaultConfig};
+pub use self::round_robin::RoundRobin;
+pub use self::sglang::{SglangCacheAware, SglangConfig};
 use crate::calibrate::{CalibrationView, ObserveOutcome};
 use crate::error::ScoringError;
 use crate::input::{Candidate, EndpointId, Request};
@@ -157,10 +167,11 @@ pub trait Pick {
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError>;
 
-    /// Record that `request` was sent as `choice` proposed, at `now`.
+    /// Record that `request` was sent as `choice` proposed, to `chosen` (the
+    /// candidate at `choice.index`, as it was given to `propose`), at `now`.
     /// Policies without per-decision state ignore it.
-    fn commit(&mut self, request: &Request, choice: &Choice, now: Duration) {
-        let _ = (request, choice, now);
+    fn commit(&mut self, request: &Request, chosen: &Candidate, choice: &Choice, now: Duration) {
+        let _ = (request, chosen, choice, now);
     }
 
     /// [`Pick::propose`] then [`Pick::commit`]: for callers that send every
@@ -177,7 +188,7 @@ pub trait Pick {
         rng: &mut dyn RandomSource,
     ) -> Result<Choice, ScoringError> {
         let choice = self.propose(request, candidates, now, rng)?;
-        self.commit(request, &choice, now);
+        self.commit(request, &candidates[choice.index], &choice, now);
         Ok(choice)
     }
 
@@ -194,7 +205,8 @@ pub trait Pick {
         rng: &mut dyn RandomSource,
     ) -> Result<Explanation, ScoringError> {
         let explanation = self.propose_explained(request, candidates, now, rng)?;
-        self.commit(request, &explanation.choice, now);
+        let chosen = &candidates[explanation.choice.index];
+        self.commit(request, chosen, &explanation.choice, now);
         Ok(explanation)
     }
 
@@ -319,8 +331,8 @@ impl Pick for Policy {
             .propose_explained(request, candidates, now, rng)
     }
 
-    fn commit(&mut self, request: &Request, choice: &Choice, now: Duration) {
-        self.inner().commit(request, choice, now);
+    fn commit(&mut self, request: &Request, chosen: &Candidate, choice: &Choice, now: Duration) {
+        self.inner().commit(request, chosen, choice, now);
     }
 
     fn observe(

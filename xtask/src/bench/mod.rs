@@ -1,18 +1,24 @@
 //! `cargo xtask bench`: routing quality on simulated engines, and the core
 //! crates' micro-benchmarks against their goals.
 //!
-//! - `bench routing`: every policy on identical request streams over a
-//!   ladder of rates, on fresh simulated engines each time; an oracle with
-//!   the simulators' true caches as the upper bound (see [`routing`]).
+//! - `bench routing`: every policy of ours, our router as installed, the
+//!   real peer routers (SGLang's `smg`, `vllm-router`) and a greedy router
+//!   with the simulators' true state, on identical request streams over a
+//!   ladder of rates, on fresh simulated engines each time, against each
+//!   workload's physical floor (see [`routing`], [`contender`], [`floor`]).
+//! - `bench trace`: a synthetic agent trace in the Mooncake format.
 //! - `bench micro`: criterion benches of kvindex, scoring, tokenize (and the
 //!   router's decision path when it has one), medians against the goals
 //!   (see [`micro`]).
 
+pub(crate) mod contender;
 pub(crate) mod drive;
+pub(crate) mod floor;
 pub(crate) mod micro;
 pub(crate) mod oracle;
 pub(crate) mod report;
 pub(crate) mod routing;
+pub(crate) mod trace;
 pub(crate) mod workload;
 
 use std::path::{Path, PathBuf};
@@ -27,9 +33,9 @@ use self::workload::WorkloadKind;
 /// `cargo xtask bench …`.
 #[derive(Subcommand, Debug)]
 pub(crate) enum BenchCommand {
-    /// Routing quality: every policy on identical request streams, on
-    /// simulated engines, with an oracle as the upper bound.
-    Routing(RoutingArgs),
+    /// Routing quality: every policy and the real peer routers on identical
+    /// request streams, on simulated engines, against the physical floor.
+    Routing(Box<RoutingArgs>),
     /// The criterion benches of kvindex, scoring, tokenize and the router's
     /// decision path, summarised against their goals.
     Micro(MicroArgs),
@@ -40,6 +46,23 @@ pub(crate) enum BenchCommand {
     /// The router's added latency, CPU per request and throughput against
     /// direct calls and nginx (needs wrk and nginx).
     Proxy(crate::proxy_bench::Options),
+    /// Write a synthetic agent trace in the Mooncake format (JSON lines of
+    /// timestamp, input_length, output_length, hash_ids), for `bench
+    /// routing --trace` or a third-party replayer.
+    Trace {
+        /// Where to write it.
+        #[arg(long)]
+        out: PathBuf,
+        /// Requests in the trace.
+        #[arg(long, default_value_t = 4000)]
+        requests: u32,
+        /// Seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Tokens per hash id.
+        #[arg(long, default_value_t = trace::MOONCAKE_BLOCK)]
+        block: u32,
+    },
     /// Rewrite the table, Markdown and plots of a `bench routing` output
     /// directory from its results.json (e.g. several merged into one).
     Report {
@@ -109,6 +132,14 @@ pub(crate) struct RoutingArgs {
     /// OUT/logs/samples-*.jsonl (costs router CPU: for looking into results).
     #[arg(long)]
     explain: bool,
+    /// The agent workload's trace, Mooncake format (JSON lines: timestamp
+    /// ms, input_length, output_length, hash_ids); default: a synthetic one
+    /// from --seed (see `bench trace`).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Tokens per hash id in --trace.
+    #[arg(long, default_value_t = trace::MOONCAKE_BLOCK)]
+    trace_block: u32,
 }
 
 /// `bench micro` flags.
@@ -166,7 +197,29 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
             o.release = !a.debug;
             o.port_base = a.port_base;
             o.explain = a.explain;
+            o.trace = a.trace;
+            o.trace_block = a.trace_block.max(1);
             routing::run(root, &o)
+        }
+        BenchCommand::Trace {
+            out,
+            requests,
+            seed,
+            block,
+        } => {
+            let shape = trace::AgentShape {
+                requests,
+                ..trace::AgentShape::default()
+            };
+            let rows = trace::synthetic(&shape, block.max(1), seed);
+            trace::write(&out, &rows)?;
+            let (input, new) = trace::stats(&rows, block.max(1));
+            println!(
+                "wrote {} requests to {} (mean input {input:.0} tokens, of which {new:.0} never seen before)",
+                rows.len(),
+                out.display()
+            );
+            Ok(ExitCode::SUCCESS)
         }
         BenchCommand::Report { dirs, out } => {
             let mut rows = Vec::new();

@@ -13,32 +13,22 @@
 //! times are then those of the unscaled fleet; each streamed token stands
 //! for k tokens, so decoding finishes k× sooner in real-token terms.
 
-use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde_json::json;
 
-use super::drive::{self, Route};
-use super::oracle::{Oracle, StepModel};
+use super::contender::{Contender, Setup};
+use super::drive;
+use super::oracle::StepModel;
 use super::report::{self, Row, Window};
 use super::workload::{self, Scale, Workload, WorkloadKind};
+use super::{floor, trace};
+use crate::fleet::{EngineSpec, Manifests, Sim};
 use crate::load;
 use crate::procs::{self, Proc};
-
-/// Every policy, ours first, the oracle last.
-pub(crate) const POLICIES: [&str; 8] = [
-    "kinference",
-    "round-robin",
-    "least-inflight",
-    "llm-d-blend",
-    "llm-d-default",
-    "dynamo-cost",
-    "sglang-cache-aware",
-    "oracle",
-];
 
 /// The simulator's unscaled defaults (its README: fitted to vLLM on an L4),
 /// and llm-d's published per-pod KV capacity.
@@ -50,7 +40,7 @@ const BLOCK_SIZE: u32 = 16;
 /// llm-d's shared-prefix benchmark: 307,328 KV tokens per pod, sized so the
 /// workload's 1.8M resident tokens fill 73 % of 8 pods.
 const KV_TOKENS_PER_ENGINE: u32 = 307_328;
-const MODEL: &str = "kinference/sim";
+use crate::fleet::MODEL;
 /// The simulator's default context length (real tokens).
 const MAX_MODEL_LEN: u32 = 32_768;
 
@@ -80,6 +70,11 @@ pub(crate) struct RoutingOptions {
     pub explain: bool,
     /// Use the binaries in this directory instead of building them.
     pub bin_dir: Option<PathBuf>,
+    /// The agent workload's Mooncake-format trace (default: a synthetic one
+    /// from the seed).
+    pub trace: Option<PathBuf>,
+    /// Tokens per hash id in that trace.
+    pub trace_block: u32,
 }
 
 impl RoutingOptions {
@@ -88,7 +83,7 @@ impl RoutingOptions {
             workloads: WorkloadKind::ALL.to_vec(),
             rates: None,
             loads: None,
-            policies: POLICIES.iter().map(ToString::to_string).collect(),
+            policies: Contender::all_names(),
             engines: 8,
             scale: 10,
             population: 5,
@@ -103,6 +98,8 @@ impl RoutingOptions {
             quick: false,
             explain: false,
             bin_dir: None,
+            trace: None,
+            trace_block: super::trace::MOONCAKE_BLOCK,
         }
     }
 }
@@ -158,110 +155,87 @@ impl Fleet {
         Workload::of(kind).with_population(self.population)
     }
 
+    /// Engines' worth of prefill throughput for `kind`'s fleet: Σ 1 ÷
+    /// slowdown.
+    pub(crate) fn capacity(&self, kind: WorkloadKind) -> f64 {
+        kind.slowdowns(self.engines).iter().map(|s| 1.0 / s).sum()
+    }
+
     /// The rate at which the fleet's prefill saturates when nothing is
-    /// reused: N × prefill throughput ÷ prompt tokens.
-    pub(crate) fn knee(&self, w: &Workload) -> f64 {
-        self.engines as f64 * self.prefill_tokens_per_s() / w.mean_prompt_tokens()
+    /// reused: capacity × prefill throughput ÷ prompt tokens.
+    pub(crate) fn knee(&self, kind: WorkloadKind, w: &Workload) -> f64 {
+        self.capacity(kind) * self.prefill_tokens_per_s() / w.mean_prompt_tokens()
     }
 
     /// The same with perfect reuse (only new text computed).
-    pub(crate) fn knee_with_reuse(&self, w: &Workload) -> f64 {
-        self.engines as f64 * self.prefill_tokens_per_s() / w.mean_new_tokens()
+    pub(crate) fn knee_with_reuse(&self, kind: WorkloadKind, w: &Workload) -> f64 {
+        self.capacity(kind) * self.prefill_tokens_per_s() / w.mean_new_tokens()
     }
 
-    fn sim_args(&self, port_base: u16) -> Vec<String> {
+    /// The simulator processes for `kind`: one per engine speed, engine i
+    /// on HTTP `base + i`, KV `base + 100 + i`, replay `base + 200 + i`.
+    fn sims(&self, kind: WorkloadKind, port_base: u16) -> Vec<Sim> {
         let s = self.step;
-        [
-            "--engines".to_owned(),
-            self.engines.to_string(),
-            "--host".into(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            http_port(port_base, 0).to_string(),
-            "--kv-port".into(),
-            kv_port(port_base, 0).to_string(),
-            "--replay-port".into(),
-            (kv_port(port_base, 0) + 100).to_string(),
-            "--num-gpu-blocks".into(),
-            self.num_gpu_blocks.to_string(),
-            "--max-model-len".into(),
-            self.scale.tokens(MAX_MODEL_LEN).to_string(),
-            "--block-size".into(),
-            s.block_size.to_string(),
-            "--max-num-batched-tokens".into(),
-            s.budget.to_string(),
-            "--step-base-ms".into(),
-            s.base_ms.to_string(),
-            "--prefill-ms-per-token".into(),
-            s.prefill_ms_per_token.to_string(),
-            "--decode-ms-per-seq".into(),
-            s.decode_ms_per_seq.to_string(),
-            "--seed".into(),
-            "1".into(),
-        ]
-        .to_vec()
+        let speeds = kind.slowdowns(self.engines);
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < speeds.len() {
+            let n = speeds[i..]
+                .iter()
+                .take_while(|x| (**x - speeds[i]).abs() < 1e-12)
+                .count();
+            let sim = Sim::new(n, http_port(port_base, i), kv_port(port_base, i))
+                .with_replay(kv_port(port_base, i) + 100)
+                .with_args([
+                    "--num-gpu-blocks".to_owned(),
+                    self.num_gpu_blocks.to_string(),
+                    "--max-model-len".into(),
+                    self.scale.tokens(MAX_MODEL_LEN).to_string(),
+                    "--block-size".into(),
+                    s.block_size.to_string(),
+                    "--max-num-batched-tokens".into(),
+                    s.budget.to_string(),
+                    "--step-base-ms".into(),
+                    s.base_ms.to_string(),
+                    "--prefill-ms-per-token".into(),
+                    s.prefill_ms_per_token.to_string(),
+                    "--decode-ms-per-seq".into(),
+                    s.decode_ms_per_seq.to_string(),
+                    "--slowdown".into(),
+                    speeds[i].to_string(),
+                    "--seed".into(),
+                    "1".into(),
+                ]);
+            out.push(sim);
+            i += n;
+        }
+        out
     }
 
-    /// The router's objects: pool `bench`, worker set `sim`, a profile with
-    /// the scaled simulator's latency, and one EndpointSlice per engine.
-    fn manifests(&self, root: &Path, port_base: u16) -> String {
+    /// The tuned router's objects: pool `bench`, worker set `sim`, a
+    /// profile with the scaled simulator's latency and `local`
+    /// tokenization, one EndpointSlice per engine.
+    fn manifests(&self, root: &Path, port_base: u16) -> Manifests {
         let tokenizer = root.join("examples").join("word-level");
         let s = self.step;
-        let mut y = format!(
-            "apiVersion: kinference.buoyant.io/v1alpha1
-kind: InferencePool
-metadata: {{name: bench}}
-spec:
-  workerSets: [{{name: sim}}]
----
-apiVersion: kinference.buoyant.io/v1alpha1
-kind: RoutingProfile
-metadata: {{name: bench}}
-spec:
-  tokenization:
-    mode: local
-    tokenizer: {{path: {}}}
-  latency:
-    prefillTokensPerSecond: {:.1}
-    decodeCostMillis: {}
-    calibrate: true
----
-apiVersion: kinference.buoyant.io/v1alpha1
-kind: InferenceWorkerSet
-metadata: {{name: sim}}
-spec:
-  profile: bench
-  kvBlockSize: {}
-  serviceRef: {{name: sim, port: http}}
-  kvEvents: {{port: kv}}
-  models:
-    - name: {MODEL}
-",
-            tokenizer.display(),
-            1e3 / s.prefill_ms_per_token,
-            s.decode_ms_per_seq,
-            s.block_size,
-        );
-        for i in 0..self.engines {
-            let _ = write!(
-                y,
-                "---
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: sim-{i}
-  labels: {{kubernetes.io/service-name: sim}}
-addressType: IPv4
-ports: [{{name: http, port: {}}}, {{name: kv, port: {}}}]
-endpoints:
-  - addresses: [\"127.0.0.1\"]
-    conditions: {{ready: true}}
-",
-                http_port(port_base, i),
-                kv_port(port_base, i)
-            );
-        }
-        y
+        let engines = (0..self.engines)
+            .map(|i| EngineSpec {
+                http: http_port(port_base, i),
+                kv: Some(kv_port(port_base, i)),
+            })
+            .collect();
+        let mut m = Manifests::new("bench", engines);
+        m.block_size = s.block_size;
+        m.profile = Some((
+            "bench".into(),
+            format!(
+                "  tokenization:\n    mode: local\n    tokenizer: {{path: {}}}\n  latency:\n    prefillTokensPerSecond: {:.1}\n    decodeCostMillis: {}\n    calibrate: true\n",
+                tokenizer.display(),
+                1e3 / s.prefill_ms_per_token,
+                s.decode_ms_per_seq,
+            ),
+        ));
+        m
     }
 }
 
@@ -284,6 +258,13 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
         (WorkloadKind::SharedPrefix, false) => vec![0.25, 0.5, 0.75, 1.0, 1.5],
         (WorkloadKind::SharedPrefix, true) | (WorkloadKind::NoReuse, false) => vec![0.5, 1.0],
         (WorkloadKind::MultiTurn, false) => vec![0.5, 1.0, 1.5],
+        (
+            WorkloadKind::Heterogeneous
+            | WorkloadKind::Agent
+            | WorkloadKind::Bursts
+            | WorkloadKind::LongContext,
+            false,
+        ) => vec![0.5, 0.75, 1.0],
         (_, true) => vec![1.0],
     }
 }
@@ -328,34 +309,6 @@ fn loadavg() -> String {
         .join(" ")
 }
 
-/// Waits until the router sees `engines` endpoints with KV streams
-/// connected and the tokenizer checked.
-pub(crate) async fn wait_connected(admin: &str, engines: usize, router: &mut Proc) -> Result<()> {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        router.check_running()?;
-        if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/endpoints")).await {
-            let v: serde_json::Value = serde_json::from_slice(&body)?;
-            let eps = v["endpoints"].as_array().cloned().unwrap_or_default();
-            let tokenizer_ready = v["worker_sets"][0]["tokenizer"]["state"] == "checked";
-            if eps.len() == engines
-                && tokenizer_ready
-                && eps.iter().all(|e| {
-                    e["kv"]
-                        .as_array()
-                        .is_some_and(|k| k.iter().all(|s| s["connected"] == true) && !k.is_empty())
-                })
-            {
-                return Ok(());
-            }
-        }
-        if tokio::time::Instant::now() > deadline {
-            bail!("the router did not connect to every engine's KV events within 30 s");
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-}
-
 pub(crate) fn run(root: &Path, opts: &RoutingOptions) -> Result<ExitCode> {
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
@@ -371,10 +324,13 @@ pub(crate) fn run(root: &Path, opts: &RoutingOptions) -> Result<ExitCode> {
 
 /// Runs the benchmark and returns its rows (also written to `opts.out`).
 pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Row>> {
-    for p in &opts.policies {
-        if !POLICIES.contains(&p.as_str()) {
-            bail!("unknown policy {p:?}; known: {}", POLICIES.join(", "));
-        }
+    let contenders: Vec<(String, Contender)> = opts
+        .policies
+        .iter()
+        .map(|p| Contender::parse(p).map(|c| (p.clone(), c)))
+        .collect::<Result<_>>()?;
+    for (_, c) in &contenders {
+        c.check_available()?;
     }
     let fleet = Fleet::new(opts.engines, opts.scale, opts.population);
     let bin = if let Some(dir) = &opts.bin_dir {
@@ -389,12 +345,7 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
     std::fs::create_dir_all(&opts.out)?;
     let logs = opts.out.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let manifests = opts.out.join("manifests");
-    std::fs::create_dir_all(&manifests)?;
-    std::fs::write(
-        manifests.join("bench.yaml"),
-        fleet.manifests(root, opts.port_base),
-    )?;
+    let manifests = fleet.manifests(root, opts.port_base);
     let ticks = clock_ticks();
     let engines: Vec<String> = (0..opts.engines)
         .map(|i| format!("http://127.0.0.1:{}", http_port(opts.port_base, i)))
@@ -434,8 +385,25 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
     });
     let mut rows: Vec<Row> = Vec::new();
     for &kind in &opts.workloads {
-        let w = fleet.workload(kind);
-        let knee = fleet.knee(&w);
+        let trace_rows = if kind == WorkloadKind::Agent {
+            Some(agent_trace(opts)?)
+        } else {
+            None
+        };
+        let w = match &trace_rows {
+            Some(rows) => {
+                let (mean_input_tokens, mean_new_tokens) = trace::stats(rows, opts.trace_block);
+                Workload::Trace {
+                    requests: rows.len(),
+                    mean_input_tokens,
+                    mean_new_tokens,
+                    output_tokens: rows.iter().map(|r| f64::from(r.output_length)).sum::<f64>()
+                        / rows.len().max(1) as f64,
+                }
+            }
+            None => fleet.workload(kind),
+        };
+        let knee = fleet.knee(kind, &w);
         let rates: Vec<f64> = match (&opts.rates, &opts.loads) {
             (Some(r), _) => r.clone(),
             (None, Some(l)) => l.iter().map(|x| x * knee).collect(),
@@ -447,12 +415,13 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
         meta["workloads"][kind.name()] = json!({
             "shape_real_tokens": w,
             "knee_req_per_s": knee,
-            "knee_with_reuse_req_per_s": fleet.knee_with_reuse(&w),
+            "knee_with_reuse_req_per_s": fleet.knee_with_reuse(kind, &w),
+            "slowdowns": kind.slowdowns(opts.engines),
             "resident_tokens_real": w.resident_tokens(),
             "resident_fraction_of_fleet_kv": w.resident_tokens() / (fleet.kv_tokens_per_engine() * opts.engines as f64),
             "rates": rates,
         });
-        let with_reuse = fleet.knee_with_reuse(&w);
+        let with_reuse = fleet.knee_with_reuse(kind, &w);
         println!(
             "\n== {}: knee {knee:.2} req/s (prefill-bound with no reuse: {:.0} prompt tokens each); with perfect reuse {}; resident set {:.0}% of the fleet's KV; rates {}",
             kind.name(),
@@ -470,25 +439,54 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                 .join(", ")
         );
         for &rate in &rates {
-            let plan = workload::plan(&w, fleet.scale, rate, opts.warmup, opts.measure, opts.seed);
+            let plan = match &trace_rows {
+                Some(rows) => trace::plan(
+                    rows,
+                    opts.trace_block,
+                    fleet.scale,
+                    rate,
+                    opts.warmup,
+                    opts.measure,
+                ),
+                None => workload::plan(&w, fleet.scale, rate, opts.warmup, opts.measure, opts.seed),
+            };
+            let floor_all = floor::ttfts(&plan, &fleet.step);
+            let mut floor_ms: Vec<f64> = plan
+                .arrivals
+                .iter()
+                .zip(&floor_all)
+                .filter(|(a, _)| a.at >= plan.warmup)
+                .map(|(_, f)| *f)
+                .collect();
+            floor_ms.sort_by(f64::total_cmp);
+            let floor = (
+                report::percentile(&floor_ms, 0.5),
+                report::percentile(&floor_ms, 0.9),
+                report::percentile(&floor_ms, 0.99),
+            );
+            println!(
+                "  {rate:.2} req/s: physical floor TTFT p50 {:.0} p90 {:.0} p99 {:.0} ms",
+                floor.0, floor.1, floor.2
+            );
             for repeat in 0..opts.repeat {
-                for policy in &opts.policies {
+                for (policy, contender) in &contenders {
                     let tag = format!("{}-{rate:.2}-{policy}-{repeat}", kind.name());
-                    let row = one_run(
+                    let mut row = one_run(
                         &bin,
                         &fleet,
                         opts,
                         &engines,
                         &manifests,
-                        &logs,
+                        kind,
                         &plan,
-                        policy,
+                        (policy, contender),
                         ticks,
                         &tag,
                         (kind.name(), rate, rate / knee, repeat),
                     )
                     .await
                     .with_context(|| format!("run {tag}; logs in {}", logs.display()))?;
+                    (row.floor_p50_ms, row.floor_p90_ms, row.floor_p99_ms) = floor;
                     println!(
                         "  {:<20} {rate:>6.2} req/s  reqs {:>4} ok {:>4}  hit {:>5.1}%  TTFT p50 {:>7.0} p90 {:>7.0} p99 {:>7.0} ms  ITL {:>5.1} ms  {:>6.2} req/s  CPU {:>5.0} µs/req  [load {}]",
                         policy,
@@ -539,80 +537,60 @@ fn check_fingerprints(rows: &[Row], workload: &str, rate: f64) {
     }
 }
 
+/// The agent workload's trace: the user's file, or a synthetic one.
+fn agent_trace(opts: &RoutingOptions) -> Result<Vec<trace::TraceRow>> {
+    match &opts.trace {
+        Some(path) => trace::read(path, opts.trace_block),
+        None => Ok(trace::synthetic(
+            &trace::AgentShape::default(),
+            opts.trace_block,
+            opts.seed,
+        )),
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn one_run(
     bin: &Path,
     fleet: &Fleet,
     opts: &RoutingOptions,
     engines: &[String],
-    manifests: &Path,
-    logs: &Path,
+    manifests: &Manifests,
+    kind: WorkloadKind,
     plan: &workload::Plan,
-    policy: &str,
+    (policy, contender): (&str, &Contender),
     ticks: f64,
     tag: &str,
     key: (&str, f64, f64, u32),
 ) -> Result<Row> {
-    let mut sim = Proc::spawn(
-        "kinference-sim",
-        &bin.join("kinference-sim"),
-        &fleet.sim_args(opts.port_base),
-        &logs.join(format!("sim-{tag}.log")),
-    )?;
-    for e in engines {
-        procs::wait_ok(&format!("{e}/health"), Duration::from_secs(30), &mut sim)
-            .await
-            .context("the simulator did not start")?;
+    let logs = opts.out.join("logs");
+    let mut sims = Vec::new();
+    for (i, s) in fleet.sims(kind, opts.port_base).iter().enumerate() {
+        sims.push(
+            s.start(
+                bin,
+                "kinference-sim",
+                &logs.join(format!("sim{i}-{tag}.log")),
+            )
+            .await?,
+        );
     }
-    let admin = admin_addr(opts.port_base);
-    let mut router = None;
-    let route = if policy == "oracle" {
-        Route::Oracle(std::sync::Arc::new(Oracle::new(
-            engines.to_vec(),
-            fleet.step,
-        )))
-    } else {
-        let args: Vec<String> = [
-            "serve",
-            "--manifests",
-            &manifests.display().to_string(),
-            "--pool",
-            "bench",
-            "--listen",
-            &listen_addr(opts.port_base),
-            "--admin",
-            &admin,
-            "--policy",
-            policy,
-            "--scrape-interval-s",
-            "1",
-        ]
-        .iter()
-        .map(ToString::to_string)
-        .collect();
-        let mut r = Proc::spawn(
-            "kinference-router",
-            &bin.join("kinference-router"),
-            &args,
-            &logs.join(format!("router-{tag}.log")),
-        )?;
-        procs::wait_ok(
-            &format!("http://{admin}/readyz"),
-            Duration::from_secs(30),
-            &mut r,
-        )
-        .await
-        .context("the router did not become ready")?;
-        wait_connected(&admin, engines.len(), &mut r).await?;
-        router = Some(r);
-        Route::Router(
-            format!("http://{}", listen_addr(opts.port_base)),
-            opts.explain,
-        )
+    let setup = Setup {
+        bin,
+        engines,
+        kv_base: kv_port(opts.port_base, 0),
+        tuned: manifests,
+        out: &opts.out,
+        listen: listen_addr(opts.port_base),
+        admin: admin_addr(opts.port_base),
+        step: fleet.step,
+        explain: opts.explain,
+        tag,
     };
-    let pid = router.as_ref().and_then(Proc::pid);
+    let running = contender.start(&setup).await?;
+    let pid = running.proc.as_ref().and_then(Proc::pid);
     let (samples, (counters_before, cpu_before)) =
-        drive::drive(plan, &route, MODEL, opts.drain, || async {
+        drive::drive(plan, &running.route, MODEL, opts.drain, || async {
             (
                 load::prefix_cache_counters(engines).await,
                 pid.and_then(|p| cpu_seconds(p, ticks)),
@@ -627,16 +605,20 @@ async fn one_run(
         .collect();
     let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
     let cpu_after = pid.and_then(|p| cpu_seconds(p, ticks));
-    if policy == "kinference" {
+    if policy == "kinference"
+        && let Some(admin) = &running.admin
+    {
         // Keep the last decisions for looking into predictions afterwards.
         if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/explain")).await {
             let _ = std::fs::write(logs.join(format!("explain-{tag}.json")), &body);
         }
     }
-    if let Some(r) = router {
+    if let Some(r) = running.proc {
         r.stop().await;
     }
-    sim.stop().await;
+    for s in sims {
+        s.stop().await;
+    }
     let queries = counters_after.1 - counters_before.1;
     let window = Window {
         hit_rate: if queries > 0.0 {
@@ -681,13 +663,17 @@ mod tests {
         let unscaled = Fleet::new(8, 1, 1).prefill_tokens_per_s();
         assert!((f.prefill_tokens_per_s() / unscaled - 1.0).abs() < 0.01);
         // Knee of the shared-prefix workload: 8 × ~11.3k ÷ 7,200 ≈ 12.6/s.
-        let knee = f.knee(&Workload::of(WorkloadKind::SharedPrefix));
+        let sp = WorkloadKind::SharedPrefix;
+        let knee = f.knee(sp, &Workload::of(sp));
+        // Two of eight engines 3× slower: 6 + 2/3 engines' worth.
+        let het = WorkloadKind::Heterogeneous;
+        assert!((f.knee(het, &Workload::of(het)) / knee - (6.0 + 2.0 / 3.0) / 8.0).abs() < 1e-9);
         assert!((knee - 12.56).abs() < 0.1, "{knee}");
         // A fifth of the groups and of the KV: 6,146 tokens in 385 blocks,
         // + the null block.
         let small = Fleet::new(8, 10, 5);
         assert_eq!(small.num_gpu_blocks, 386);
-        assert!((small.knee(&small.workload(WorkloadKind::SharedPrefix)) - knee).abs() < 1e-9);
+        assert!((small.knee(sp, &small.workload(sp)) - knee).abs() < 1e-9);
     }
 
     /// The whole harness for a few seconds: two debug-built engines, ours
@@ -725,7 +711,7 @@ mod tests {
         let opts = RoutingOptions {
             workloads: vec![WorkloadKind::SharedPrefix],
             loads: Some(vec![0.5]),
-            policies: vec!["kinference".into(), "oracle".into()],
+            policies: vec!["kinference".into(), "greedy-truth".into()],
             engines: 2,
             warmup: Duration::from_secs(1),
             measure: Duration::from_secs(4),
@@ -760,7 +746,8 @@ mod tests {
         .expect("json parses");
         assert_eq!(json["rows"].as_array().map(Vec::len), Some(2));
         let back: Vec<Row> = serde_json::from_value(json["rows"].clone()).expect("rows parse");
-        assert_eq!(back[1].policy, "oracle");
+        assert_eq!(back[1].policy, "greedy-truth");
+        assert!(back[0].floor_p90_ms > 0.0 && back[0].ttft_p90_ms >= back[0].floor_p90_ms);
         assert!(
             json["meta"]["workloads"]["shared-prefix"]["knee_req_per_s"]
                 .as_f64()
@@ -768,7 +755,10 @@ mod tests {
         );
         for f in ["shared-prefix-ttft-p90.svg", "shared-prefix-hit-rate.svg"] {
             let svg = std::fs::read_to_string(out.path().join(f)).expect("plot written");
-            assert!(svg.starts_with("<svg") && svg.contains("oracle"), "{f}");
+            assert!(
+                svg.starts_with("<svg") && svg.contains("greedy-truth"),
+                "{f}"
+            );
         }
         let samples = std::fs::read_dir(out.path().join("logs"))
             .expect("logs")
@@ -783,10 +773,25 @@ mod tests {
     #[test]
     fn manifests_list_every_engine_and_the_scaled_profile() {
         let f = Fleet::new(3, 10, 5);
-        let y = f.manifests(Path::new("/repo"), 19000);
+        let y = f.manifests(Path::new("/repo"), 19000).yaml();
         assert_eq!(y.matches("kind: EndpointSlice").count(), 3);
         assert!(y.contains("port: 19002}, {name: kv, port: 19102}"));
         assert!(y.contains("prefillTokensPerSecond: 1162.8"));
         assert!(y.contains("path: /repo/examples/word-level"));
+    }
+
+    #[test]
+    fn two_speed_fleets_run_one_simulator_per_speed() {
+        let f = Fleet::new(8, 10, 5);
+        let sims = f.sims(WorkloadKind::Agent, 18500);
+        assert_eq!(sims.len(), 2);
+        assert_eq!((sims[0].engines, sims[1].engines), (6, 2));
+        let slow = sims[1].args().join(" ");
+        assert!(
+            slow.contains("--port 18506 --kv-port 18606 --replay-port 18706"),
+            "{slow}"
+        );
+        assert!(slow.contains("--slowdown 3"), "{slow}");
+        assert_eq!(f.sims(WorkloadKind::SharedPrefix, 18500).len(), 1);
     }
 }

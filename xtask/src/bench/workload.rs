@@ -44,17 +44,53 @@ pub(crate) enum WorkloadKind {
     MultiTurn,
     /// Every prompt distinct: routing can only balance load.
     NoReuse,
+    /// The shared-prefix prompts on a fleet of two speeds (a quarter of the
+    /// engines 3× slower; the router is not told).
+    Heterogeneous,
+    /// Agent/tool sessions replayed from a Mooncake-format trace (a file,
+    /// or a synthetic one from the seed), on the two-speed fleet.
+    Agent,
+    /// The shared-prefix prompts in on/off bursts: 2 s at 4× the rate, 6 s
+    /// of silence.
+    Bursts,
+    /// Long shared documents whose resident set is about 3× the fleet's
+    /// KV: heavy eviction.
+    LongContext,
 }
 
 impl WorkloadKind {
-    pub(crate) const ALL: [Self; 3] = [Self::SharedPrefix, Self::MultiTurn, Self::NoReuse];
+    pub(crate) const ALL: [Self; 7] = [
+        Self::SharedPrefix,
+        Self::MultiTurn,
+        Self::NoReuse,
+        Self::Heterogeneous,
+        Self::Agent,
+        Self::Bursts,
+        Self::LongContext,
+    ];
 
     pub(crate) fn name(self) -> &'static str {
         match self {
             Self::SharedPrefix => "shared-prefix",
             Self::MultiTurn => "multi-turn",
             Self::NoReuse => "no-reuse",
+            Self::Heterogeneous => "heterogeneous",
+            Self::Agent => "agent",
+            Self::Bursts => "bursts",
+            Self::LongContext => "long-context",
         }
+    }
+
+    /// Each engine's step-time multiplier (the simulator's `--slowdown`):
+    /// on the two-speed fleets the last quarter (at least one) is 3× slower.
+    pub(crate) fn slowdowns(self, engines: usize) -> Vec<f64> {
+        let slow = match self {
+            Self::Heterogeneous | Self::Agent if engines > 1 => (engines / 4).max(1),
+            _ => 0,
+        };
+        (0..engines)
+            .map(|i| if i >= engines - slow { 3.0 } else { 1.0 })
+            .collect()
     }
 }
 
@@ -89,6 +125,24 @@ pub(crate) enum Workload {
         prompt_tokens: u32,
         output_tokens: u32,
     },
+    /// Shared-prefix prompts arriving in bursts: Poisson at `rate × (on +
+    /// off) ÷ on` during `on_ms`, nothing during `off_ms`.
+    Bursts {
+        groups: u32,
+        prompts_per_group: u32,
+        system_tokens: u32,
+        question_tokens: u32,
+        output_tokens: u32,
+        on_ms: u32,
+        off_ms: u32,
+    },
+    /// A trace (see [`super::trace`]): its mean input and never-seen tokens.
+    Trace {
+        requests: usize,
+        mean_input_tokens: f64,
+        mean_new_tokens: f64,
+        output_tokens: f64,
+    },
 }
 
 impl Workload {
@@ -119,6 +173,32 @@ impl Workload {
                 prompt_tokens: 7_200,
                 output_tokens: 1_000,
             },
+            WorkloadKind::Heterogeneous => Self::of(WorkloadKind::SharedPrefix),
+            WorkloadKind::Bursts => Self::Bursts {
+                groups: 150,
+                prompts_per_group: 5,
+                system_tokens: 6_000,
+                question_tokens: 1_200,
+                output_tokens: 1_000,
+                on_ms: 2_000,
+                off_ms: 6_000,
+            },
+            // 300 documents of 20,000 tokens, two 2,000-token questions each:
+            // 7.2M resident tokens, 2.9× llm-d's 8-pod KV.
+            WorkloadKind::LongContext => Self::SharedPrefix {
+                groups: 300,
+                prompts_per_group: 2,
+                system_tokens: 20_000,
+                question_tokens: 2_000,
+                output_tokens: 500,
+            },
+            // Replaced by the trace's own figures when it is loaded.
+            WorkloadKind::Agent => Self::Trace {
+                requests: 0,
+                mean_input_tokens: 1.0,
+                mean_new_tokens: 1.0,
+                output_tokens: 300.0,
+            },
         }
     }
 
@@ -127,10 +207,12 @@ impl Workload {
     /// the caches warm `p`× sooner.
     pub(crate) fn with_population(mut self, p: u32) -> Self {
         match &mut self {
-            Self::SharedPrefix { groups, .. } | Self::MultiTurn { groups, .. } => {
+            Self::SharedPrefix { groups, .. }
+            | Self::MultiTurn { groups, .. }
+            | Self::Bursts { groups, .. } => {
                 *groups = (*groups / p.max(1)).max(1);
             }
-            Self::NoReuse { .. } => {}
+            Self::NoReuse { .. } | Self::Trace { .. } => {}
         }
         self
     }
@@ -142,7 +224,15 @@ impl Workload {
                 system_tokens,
                 question_tokens,
                 ..
+            }
+            | Self::Bursts {
+                system_tokens,
+                question_tokens,
+                ..
             } => f64::from(system_tokens + question_tokens),
+            Self::Trace {
+                mean_input_tokens, ..
+            } => mean_input_tokens,
             Self::MultiTurn {
                 system_tokens,
                 user_tokens,
@@ -165,7 +255,10 @@ impl Workload {
     pub(crate) fn mean_new_tokens(&self) -> f64 {
         match *self {
             // Exact repeats: in steady state only the last token.
-            Self::SharedPrefix { .. } => 1.0,
+            Self::SharedPrefix { .. } | Self::Bursts { .. } => 1.0,
+            Self::Trace {
+                mean_new_tokens, ..
+            } => mean_new_tokens,
             Self::MultiTurn { user_tokens, .. } => f64::from(user_tokens),
             Self::NoReuse { prompt_tokens, .. } => f64::from(prompt_tokens),
         }
@@ -180,7 +273,19 @@ impl Workload {
                 system_tokens,
                 question_tokens,
                 ..
+            }
+            | Self::Bursts {
+                groups,
+                prompts_per_group,
+                system_tokens,
+                question_tokens,
+                ..
             } => f64::from(groups) * f64::from(system_tokens + prompts_per_group * question_tokens),
+            Self::Trace {
+                requests,
+                mean_new_tokens,
+                ..
+            } => requests as f64 * mean_new_tokens,
             Self::MultiTurn {
                 groups,
                 users_per_group,
@@ -299,6 +404,31 @@ pub(crate) fn arrival_times(rate: f64, total: Duration, seed: u64) -> Vec<Durati
     }
 }
 
+/// On/off arrivals: Poisson at `rate × (on + off) ÷ on` during the first
+/// `on` of every `on + off`, none in the rest; mean rate `rate`.
+pub(crate) fn burst_times(
+    rate: f64,
+    total: Duration,
+    seed: u64,
+    on: Duration,
+    off: Duration,
+) -> Vec<Duration> {
+    let period = (on + off).as_secs_f64();
+    let on_s = on.as_secs_f64().max(1e-3);
+    // Poisson at the burst rate over the "on" time only, laid out on the
+    // clock period by period.
+    let on_total = Duration::from_secs_f64(total.as_secs_f64() / period * on_s + on_s);
+    arrival_times(rate * period / on_s, on_total, seed)
+        .into_iter()
+        .map(|t| {
+            let t = t.as_secs_f64();
+            let k = (t / on_s).floor();
+            Duration::from_secs_f64(k * period + (t - k * on_s))
+        })
+        .filter(|t| *t < total)
+        .collect()
+}
+
 /// The plan of `workload` (real tokens, scaled by `scale`) at `rate`.
 pub(crate) fn plan(
     workload: &Workload,
@@ -308,7 +438,16 @@ pub(crate) fn plan(
     measure: Duration,
     seed: u64,
 ) -> Plan {
-    let times = arrival_times(rate, warmup + measure, seed);
+    let times = match *workload {
+        Workload::Bursts { on_ms, off_ms, .. } => burst_times(
+            rate,
+            warmup + measure,
+            seed,
+            Duration::from_millis(u64::from(on_ms)),
+            Duration::from_millis(u64::from(off_ms)),
+        ),
+        _ => arrival_times(rate, warmup + measure, seed),
+    };
     let mut pick = SplitMix(seed ^ 0x0C40_1CE5);
     let mut arrivals = Vec::with_capacity(times.len());
     let mut conversations = 0;
@@ -319,6 +458,14 @@ pub(crate) fn plan(
             system_tokens,
             question_tokens,
             output_tokens,
+        }
+        | Workload::Bursts {
+            groups,
+            prompts_per_group,
+            system_tokens,
+            question_tokens,
+            output_tokens,
+            ..
         } => {
             let (sys, q, out) = (
                 scale.tokens(system_tokens),
@@ -417,6 +564,8 @@ pub(crate) fn plan(
                 turn[c] += 1;
             }
         }
+        // Traces are planned by `super::trace::plan`.
+        Workload::Trace { .. } => {}
     }
     Plan {
         arrivals,
@@ -443,7 +592,11 @@ mod tests {
 
     #[test]
     fn plans_are_identical_for_a_seed_and_differ_across_seeds() {
-        for kind in WorkloadKind::ALL {
+        // The agent workload is planned from its trace (see `trace`).
+        for kind in WorkloadKind::ALL
+            .into_iter()
+            .filter(|k| *k != WorkloadKind::Agent)
+        {
             let a = plan_of(kind, 7);
             assert_eq!(a, plan_of(kind, 7), "{kind:?}");
             assert_ne!(a, plan_of(kind, 8), "{kind:?}");
@@ -537,6 +690,31 @@ mod tests {
         }
         let (lo, hi) = (seen.iter().min(), seen.iter().max());
         assert!(hi.zip(lo).is_some_and(|(h, l)| h - l <= 1), "{seen:?}");
+    }
+
+    #[test]
+    fn bursts_keep_the_mean_rate_and_stay_in_their_on_windows() {
+        let (on, off) = (Duration::from_secs(2), Duration::from_secs(6));
+        let t = burst_times(5.0, Duration::from_secs(400), 3, on, off);
+        let n = t.len() as f64;
+        assert!((n / 400.0 - 5.0).abs() < 0.5, "{n}");
+        assert!(t.iter().all(|t| t.as_secs_f64() % 8.0 < 2.0));
+        assert!(t.windows(2).all(|w| w[0] <= w[1]));
+    }
+
+    #[test]
+    fn two_speed_fleets_slow_a_quarter() {
+        assert_eq!(
+            WorkloadKind::Heterogeneous.slowdowns(8),
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0]
+        );
+        assert_eq!(WorkloadKind::Agent.slowdowns(2), [1.0, 3.0]);
+        assert!(
+            WorkloadKind::SharedPrefix
+                .slowdowns(8)
+                .iter()
+                .all(|s| (*s - 1.0).abs() < 1e-12)
+        );
     }
 
     #[test]

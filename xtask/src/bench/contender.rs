@@ -1,0 +1,330 @@
+//! What sits between the client and the engines in one run: our router with
+//! a policy (tuned, or as installed), a real peer router from PyPI, or the
+//! harness routing greedily with the simulators' true state.
+//!
+//! | name | what runs |
+//! |---|---|
+//! | `kinference`, `round-robin`, … (every [`PolicyName`]) | `kinference-router --policy NAME`, tuned: the bench's profile (`local` tokenization, the simulator's step costs), 1 s scrapes, KV replay; `llm-d-blend` scrapes every 50 ms as llm-d does; `sglang-cache-aware` routes on the router's record of prefixes it sent (`approximate` mode: SGLang's tree, grown on route) |
+//! | `kinference-installed` | our policy as installed: the built-in `default` profile (`engine` tokenization), 5 s scrapes, no replay, one replica |
+//! | `smg-cache-aware`, `smg-power-of-two`, `smg-round-robin` | `smg launch --policy …` (PyPI `sglang-router`) |
+//! | `vllm-router-cache-aware`, `vllm-router-kv-aware` | `vllm-router --policy …` (PyPI `vllm-router`); `kv_aware` subscribes to the engines' KV events |
+//! | `greedy-truth` | the harness itself: per request the engines' true cached prefix and its own exact queue accounting, greedy minimum of predicted TTFT (see [`super::oracle`]); not a bound |
+//!
+//! Two-replica "as installed" rows wait for router replicas; the hook is
+//! [`Contender::Installed`]'s `replicas` (always 1 today).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use kinference_scoring::PolicyName;
+
+use super::drive::Route;
+use super::oracle::Oracle;
+use crate::fleet::{self, Manifests};
+use crate::procs::Proc;
+
+/// A real peer router.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Peer {
+    /// `smg launch` from PyPI's `sglang-router`.
+    Smg,
+    /// `vllm-router` from PyPI's `vllm-router`.
+    VllmRouter,
+}
+
+impl Peer {
+    fn binary(self) -> &'static str {
+        match self {
+            Self::Smg => "smg",
+            Self::VllmRouter => "vllm-router",
+        }
+    }
+
+    fn package(self) -> &'static str {
+        match self {
+            Self::Smg => "sglang-router",
+            Self::VllmRouter => "vllm-router",
+        }
+    }
+}
+
+/// One row's router.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Contender {
+    /// Ours with a policy, tuned.
+    Router(PolicyName),
+    /// Ours as a user gets it.
+    Installed {
+        /// Router replicas sharing the load (1 until replicas exist).
+        replicas: u32,
+    },
+    /// A peer with its policy name as its flags spell it.
+    Peer(Peer, &'static str),
+    /// The harness with the simulators' truth.
+    GreedyTruth,
+}
+
+/// The peers' rows: (name, peer, policy flag).
+const PEERS: [(&str, Peer, &str); 5] = [
+    ("smg-cache-aware", Peer::Smg, "cache_aware"),
+    ("smg-power-of-two", Peer::Smg, "power_of_two"),
+    ("smg-round-robin", Peer::Smg, "round_robin"),
+    ("vllm-router-cache-aware", Peer::VllmRouter, "cache_aware"),
+    ("vllm-router-kv-aware", Peer::VllmRouter, "kv_aware"),
+];
+
+impl Contender {
+    /// Every row's name, ours first, the greedy reference last.
+    pub(crate) fn all_names() -> Vec<String> {
+        let mut v: Vec<String> = PolicyName::ALL.iter().map(ToString::to_string).collect();
+        v.insert(1, "kinference-installed".into());
+        v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
+        v.push("greedy-truth".into());
+        v
+    }
+
+    pub(crate) fn parse(name: &str) -> Result<Self> {
+        if name == "kinference-installed" {
+            return Ok(Self::Installed { replicas: 1 });
+        }
+        if name == "greedy-truth" {
+            return Ok(Self::GreedyTruth);
+        }
+        if let Some((_, peer, policy)) = PEERS.iter().find(|(n, _, _)| *n == name) {
+            return Ok(Self::Peer(*peer, policy));
+        }
+        name.parse::<PolicyName>().map(Self::Router).map_err(|_| {
+            anyhow::anyhow!(
+                "unknown policy {name:?}; known: {}",
+                Self::all_names().join(", ")
+            )
+        })
+    }
+
+    /// Peers whose binary is missing, with the advice to install them.
+    pub(crate) fn check_available(&self) -> Result<()> {
+        if let Self::Peer(p, _) = self
+            && which(p.binary()).is_none()
+        {
+            bail!(
+                "{} not found: python3 -m pip install {} (a prebuilt wheel from PyPI)",
+                p.binary(),
+                p.package()
+            );
+        }
+        Ok(())
+    }
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    std::env::var("PATH")
+        .unwrap_or_default()
+        .split(':')
+        .map(|d| Path::new(d).join(tool))
+        .find(|p| p.is_file())
+}
+
+/// What a run needs to start its contender.
+pub(crate) struct Setup<'a> {
+    pub bin: &'a Path,
+    pub engines: &'a [String],
+    /// Engine 0's KV-event port (engine i: + i); its replay port is + 100.
+    pub kv_base: u16,
+    /// The tuned objects (the bench's profile, local tokenization).
+    pub tuned: &'a Manifests,
+    pub out: &'a Path,
+    pub listen: String,
+    pub admin: String,
+    pub step: super::oracle::StepModel,
+    pub explain: bool,
+    pub tag: &'a str,
+}
+
+/// A started contender: where to send requests, and the process whose CPU
+/// counts (none for the harness).
+pub(crate) struct Running {
+    pub route: Route,
+    pub proc: Option<Proc>,
+    /// Our router's admin address, for `/debug/explain`.
+    pub admin: Option<String>,
+}
+
+impl Contender {
+    pub(crate) async fn start(&self, s: &Setup<'_>) -> Result<Running> {
+        let logs = s.out.join("logs");
+        match self {
+            Self::GreedyTruth => Ok(Running {
+                route: Route::Oracle(Arc::new(Oracle::new(s.engines.to_vec(), s.step))),
+                proc: None,
+                admin: None,
+            }),
+            Self::Router(policy) => {
+                let mut m = s.tuned.clone();
+                let mut scrape = "1";
+                match policy {
+                    PolicyName::LlmdBlend => scrape = "0.05",
+                    PolicyName::SglangCacheAware => {
+                        if let Some((name, spec)) = &mut m.profile {
+                            *name = "bench-approximate".into();
+                            *spec = spec.replace("mode: local", "mode: approximate");
+                        }
+                    }
+                    _ => {}
+                }
+                let flags = vec![
+                    "--policy".to_owned(),
+                    policy.to_string(),
+                    "--scrape-interval-s".into(),
+                    scrape.into(),
+                    // The simulator's replay socket is its KV port + 100.
+                    "--kv-replay-offset".into(),
+                    "100".into(),
+                ];
+                self.ours(s, &m, &flags, &logs).await
+            }
+            Self::Installed { replicas } => {
+                debug_assert_eq!(*replicas, 1, "router replicas do not exist yet");
+                let mut m = s.tuned.clone();
+                m.profile = None;
+                let flags = vec![
+                    "--policy".to_owned(),
+                    "kinference".into(),
+                    "--scrape-interval-s".into(),
+                    "5".into(),
+                    "--kv-replay-offset".into(),
+                    "0".into(),
+                ];
+                self.ours(s, &m, &flags, &logs).await
+            }
+            Self::Peer(peer, policy) => {
+                let port = s.listen.rsplit(':').next().unwrap_or("0").to_owned();
+                let prom: u16 = port.parse::<u16>().unwrap_or(0).saturating_add(2);
+                let mut args: Vec<String> = Vec::new();
+                if *peer == Peer::Smg {
+                    args.push("launch".into());
+                }
+                args.extend([
+                    "--host".into(),
+                    "127.0.0.1".into(),
+                    "--port".into(),
+                    port,
+                    "--prometheus-port".into(),
+                    prom.to_string(),
+                    "--policy".into(),
+                    (*policy).to_owned(),
+                    "--log-level".into(),
+                    if *peer == Peer::Smg {
+                        "warn"
+                    } else {
+                        "warning"
+                    }
+                    .into(),
+                    "--worker-urls".into(),
+                ]);
+                args.extend(s.engines.iter().cloned());
+                if *policy == "kv_aware" {
+                    for (i, e) in s.engines.iter().enumerate() {
+                        args.push("--kv-event-source".into());
+                        args.push(format!("{e}=tcp://127.0.0.1:{}", s.kv_base + i as u16));
+                    }
+                    args.extend([
+                        "--kv-event-block-size".into(),
+                        s.tuned.block_size.to_string(),
+                        "--kv-event-model".into(),
+                        s.tuned.model.clone(),
+                    ]);
+                }
+                let bin = which(peer.binary()).with_context(|| {
+                    format!(
+                        "{} not found: pip install {}",
+                        peer.binary(),
+                        peer.package()
+                    )
+                })?;
+                let mut proc = Proc::spawn(
+                    peer.binary(),
+                    &bin,
+                    &args,
+                    &logs.join(format!("router-{}.log", s.tag)),
+                )?;
+                // Ready when it routes a request.
+                let probe =
+                    serde_json::json!({"model": s.tuned.model, "prompt": "w1", "max_tokens": 1});
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    proc.check_running()?;
+                    if let Ok((200, _)) = crate::load::post_json(
+                        &format!("http://{}/v1/completions", s.listen),
+                        &probe,
+                    )
+                    .await
+                    {
+                        break;
+                    }
+                    if tokio::time::Instant::now() > deadline {
+                        bail!("{} did not route a request within 60 s", peer.binary());
+                    }
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                Ok(Running {
+                    route: Route::Router(format!("http://{}", s.listen), false),
+                    proc: Some(proc),
+                    admin: None,
+                })
+            }
+        }
+    }
+
+    async fn ours(
+        &self,
+        s: &Setup<'_>,
+        m: &Manifests,
+        flags: &[String],
+        logs: &Path,
+    ) -> Result<Running> {
+        let dir = s.out.join("manifests").join(s.tag);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("bench.yaml"), m.yaml())?;
+        let args = fleet::serve_args(&dir, "bench", &s.listen, &s.admin, flags);
+        let mut r = fleet::start_router(
+            s.bin,
+            "kinference-router",
+            &args,
+            &[],
+            &logs.join(format!("router-{}.log", s.tag)),
+        )?;
+        fleet::wait_ready(&s.admin, &mut r).await?;
+        fleet::wait_connected(&s.admin, s.engines.len(), &mut r).await?;
+        Ok(Running {
+            route: Route::Router(format!("http://{}", s.listen), s.explain),
+            proc: Some(r),
+            admin: Some(s.admin.clone()),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_parses_back() {
+        for n in Contender::all_names() {
+            let c = Contender::parse(&n).expect("known");
+            let back = match &c {
+                Contender::Router(p) => p.to_string(),
+                Contender::Installed { .. } => "kinference-installed".into(),
+                Contender::GreedyTruth => "greedy-truth".into(),
+                Contender::Peer(peer, policy) => PEERS
+                    .iter()
+                    .find(|(_, p, f)| p == peer && f == policy)
+                    .map(|(n, _, _)| (*n).to_owned())
+                    .expect("listed"),
+            };
+            assert_eq!(back, n);
+        }
+        assert!(Contender::parse("oracle").is_err());
+    }
+}
