@@ -1,29 +1,48 @@
-//! The router's decision path for one request: tokenize (local, prefix cache
-//! warm) → block keys → KV-index lookup → score and pick, on a 10-turn chat of
+//! The router's own decision path, called as the router calls it: the
+//! prepare stage (`kinference_router::prepare::prepare`: the body's routing
+//! fields, local tokenization with the worker set's tokenizer, block keys)
+//! then the decision core (`kinference_router::decide::decide`: candidates,
+//! index lookup, prefix record, the policy's proposal), on a 10-turn chat of
 //! about 8K Qwen3 tokens among 16 endpoints, 4 of which hold the history.
-//! Goal (issue 7): ≤ 200 µs median for the whole path.
 //!
-//! These are the calls `kinference_router::decide` makes, without the
-//! async plumbing around them (the blocking-pool hop and the HTTP parts are
-//! measured end to end by `cargo xtask bench proxy`).
+//! | function | what |
+//! |---|---|
+//! | `chat_8k_warm/total` | prepare + decide, the same chat re-sent (every cache warm) |
+//! | `chat_8k_warm/new_turn` | prepare + decide, the history cached and a new turn |
+//! | `chat_8k_warm/decide` | the decision core alone |
+//! | `chat_5k_cold/total` | prepare + decide for a 5K-token chat with every tokenizer cache cleared (a new conversation) |
+//!
+//! Goals (issue 14): warm ≤ 20 µs, cold 5K ≤ 1 ms of CPU. The HTTP parts are
+//! measured end to end by `cargo xtask bench proxy`.
 
 use std::hint::black_box;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use criterion::{Criterion, criterion_group, criterion_main};
-use kinference_kvindex::{
-    BlockHash, BlockKey, BlockKeyer, BlockStored, ExtraKeys, KvEvent, KvIndex, Matches, WorkerRef,
-};
-use kinference_scoring::{
-    CacheSource, CachedBlocks, Candidate, EndpointId, InFlight, LatencyParams, Pick, Policy,
-    PolicyName, Request, SplitMix64,
-};
+use kinference_api::endpoints::ReadyEndpoint;
+use kinference_api::v1alpha1::{ModelSpec, TokenizationMode};
+use kinference_kvindex::{BlockHash, BlockStored, KvEvent};
+use kinference_router::catalog::{Snapshot, WorkerSetRoute};
+use kinference_router::config::Config;
+use kinference_router::decide::{Now, decide};
+use kinference_router::endpoint::{EndpointKey, Registry};
+use kinference_router::openai;
+use kinference_router::prepare::{Head, Prepared, prepare};
+use kinference_router::runtime::{TokenizerState, WsRuntime};
+use kinference_router::state::Shared;
+use kinference_router::view::View;
+use kinference_scoring::{LatencyParams, PolicyName, SplitMix64};
 use kinference_tokenize::{Endpoint, ModelTokenizer};
 use serde_json::{Value, json};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 const BLOCK: u32 = 16;
-const ENDPOINTS: u32 = 16;
+const ENDPOINTS: usize = 16;
+const MODEL: &str = "qwen3";
 
 fn testdata(p: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -46,16 +65,16 @@ fn prose() -> String {
         .to_owned()
 }
 
-/// Ten alternating turns of about 800 tokens each.
-fn ten_turns(text: &str) -> Vec<Value> {
+/// `n` alternating turns of about 800 tokens each, starting at `skew`.
+fn turns(text: &str, n: usize, skew: usize) -> Vec<Value> {
     let words: Vec<&str> = text.split(' ').collect();
-    (0..10)
+    (0..n)
         .map(|i| {
             let role = if i % 2 == 0 { "user" } else { "assistant" };
             let t: Vec<&str> = words
                 .iter()
                 .cycle()
-                .skip(i * 37)
+                .skip(i * 37 + skew)
                 .take(words.len() * 3 / 4)
                 .copied()
                 .collect();
@@ -64,124 +83,226 @@ fn ten_turns(text: &str) -> Vec<Value> {
         .collect()
 }
 
-fn store(index: &KvIndex, worker: u32, ids: &[u32]) {
-    let w = index
-        .register_worker(WorkerRef::new(format!("10.0.0.{worker}:8000"), 0), BLOCK)
-        .expect("register");
-    let blocks = ids.len() / BLOCK as usize;
-    let hashes: Vec<BlockHash> = (0..blocks).map(|i| BlockHash::Uint(1 + i as u64)).collect();
-    let ev = KvEvent::BlockStored(BlockStored {
-        block_hashes: hashes,
-        parent_block_hash: None,
-        token_ids: ids[..blocks * BLOCK as usize].to_vec(),
-        block_size: BLOCK,
-        ..BlockStored::default()
-    });
-    index.apply_event(w, &ev).expect("apply");
+struct Bench {
+    shared: Arc<Shared>,
+    view: Arc<View>,
+    rt: tokio::runtime::Runtime,
+    _stop: CancellationToken,
 }
 
-fn bench(c: &mut Criterion) {
-    let tok = ModelTokenizer::from_dir(testdata("qwen3")).expect("qwen3 tokenizer in testdata");
-    let turns = ten_turns(&prose());
-    let history = json!({"model": "qwen3", "messages": turns[..9], "max_tokens": 64});
-    let body = json!({"model": "qwen3", "messages": turns, "max_tokens": 64});
+impl Bench {
+    fn new(tok: &Arc<ModelTokenizer>) -> Self {
+        let stop = CancellationToken::new();
+        let shared = Shared::new(Config::default(), stop.clone());
+        let route = WorkerSetRoute {
+            name: "qwen".into(),
+            kv_block_size: BLOCK,
+            profile_name: "default".into(),
+            profile: None,
+            models: vec![ModelSpec {
+                name: MODEL.into(),
+                aliases: vec![],
+            }],
+            kv_events: true,
+            endpoints: (0..ENDPOINTS)
+                .map(|i| ReadyEndpoint {
+                    address: format!("10.0.0.{i}"),
+                    http_port: 8000,
+                    kv_port: Some(5557),
+                    target: None,
+                })
+                .collect(),
+        };
+        let snapshot = Snapshot {
+            synced: true,
+            pool_found: true,
+            worker_sets: vec![route],
+            problems: vec![],
+        };
+        let mut registry = Registry::default();
+        registry.sync(
+            snapshot.endpoints().map(|(_, e)| EndpointKey {
+                address: e.address.clone(),
+                http_port: e.http_port,
+            }),
+            &stop,
+        );
+        let ws = Arc::new(WsRuntime::new(
+            LatencyParams::default(),
+            TokenizationMode::Local,
+            PolicyName::Kinference,
+            Duration::from_secs(30),
+        ));
+        *ws.tokenizer.write() = Some(tok.clone());
+        *ws.tokenizer_state.write() = TokenizerState::Checked;
+        let view = View::build(&snapshot, &registry, &|_| ws.clone());
+        shared.runtime.set_view(view);
+        for (i, e) in registry.all().enumerate() {
+            // Some load, so the candidates differ.
+            std::mem::forget(e.begin((i as u64 % 3) * 100, 0));
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime");
+        let view = shared.view();
+        Self {
+            shared,
+            view,
+            rt,
+            _stop: stop,
+        }
+    }
+
+    /// `address` holds the blocks of `ids`.
+    fn store(&self, endpoint: usize, ids: &[u32]) {
+        let e = self.view.worker_sets[0].endpoints[endpoint].clone();
+        let w = self.shared.kv.attach(&e, 0, BLOCK).expect("attach");
+        let blocks = ids.len() / BLOCK as usize;
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks)
+                .map(|i| BlockHash::Uint((endpoint as u64) << 32 | (1 + i as u64)))
+                .collect(),
+            parent_block_hash: None,
+            token_ids: ids[..blocks * BLOCK as usize].to_vec(),
+            block_size: BLOCK,
+            ..BlockStored::default()
+        });
+        self.shared.kv.index().apply_event(w, &ev).expect("apply");
+    }
+
+    fn prepare(&self, body: &Bytes) -> Prepared {
+        let head = Head {
+            path_and_query: "/v1/chat/completions".into(),
+            headers: http::HeaderMap::new(),
+            debug: false,
+        };
+        self.rt
+            .block_on(prepare(
+                &self.shared,
+                &self.view,
+                openai::Endpoint::Chat,
+                head,
+                body.clone(),
+            ))
+            .expect("prepared")
+    }
+
+    fn decide(&self, p: &Prepared, rng: &mut SplitMix64) -> usize {
+        let now = Now {
+            instant: Instant::now(),
+            since_start: Duration::from_secs(1),
+        };
+        let d = decide(&self.view, &self.shared.kv, p, &[], now, rng, false).expect("decided");
+        d.choice.index
+    }
+}
+
+fn bench(crit: &mut Criterion) {
+    let tok =
+        Arc::new(ModelTokenizer::from_dir(testdata("qwen3")).expect("qwen3 tokenizer in testdata"));
+    let bench = Bench::new(&tok);
+    let text = prose();
+    let ten = turns(&text, 10, 0);
+    let body = |messages: &[Value]| {
+        Bytes::from(
+            serde_json::to_vec(&json!({"model": MODEL, "messages": messages, "max_tokens": 64}))
+                .expect("json"),
+        )
+    };
+    let history = body(&ten[..9]);
+    let full = body(&ten);
     let history_ids = tok
-        .tokenize(Endpoint::ChatCompletions, &history)
+        .tokenize(
+            Endpoint::ChatCompletions,
+            &serde_json::from_slice(&history).expect("json"),
+        )
         .expect("tokenize")
         .token_ids
         .remove(0);
-    let ids = tok
-        .tokenize(Endpoint::ChatCompletions, &body)
-        .expect("tokenize")
-        .token_ids
-        .remove(0);
+    for e in 0..4 {
+        bench.store(e, &history_ids);
+    }
+    for e in 4..ENDPOINTS {
+        // Other conversations: unrelated prefixes.
+        let other: Vec<u32> = (0..4096).map(|i| 200_000 + e as u32 * 10_000 + i).collect();
+        bench.store(e, &other);
+    }
+    let mut rng = SplitMix64::new(1);
+    let warm = bench.prepare(&full);
     eprintln!(
         "prompt: {} tokens, {} blocks; history held by 4 of {ENDPOINTS} endpoints",
-        ids.len(),
-        ids.len() / BLOCK as usize
+        warm.routes[0].request.prompt_tokens,
+        warm.routes[0].keys.len()
+    );
+    assert!(
+        bench.decide(&warm, &mut rng) < 4,
+        "the warm endpoints should win"
     );
 
-    let index = KvIndex::default();
-    for w in 0..4 {
-        store(&index, w, &history_ids);
-    }
-    for w in 4..ENDPOINTS {
-        // Other conversations: unrelated prefixes.
-        let other: Vec<u32> = (0..4096).map(|i| 200_000 + w * 10_000 + i).collect();
-        store(&index, w, &other);
-    }
-    let keyer = BlockKeyer::new(BLOCK, None);
-    let mut policy = Policy::new(PolicyName::Kinference, LatencyParams::default());
-    let mut rng = SplitMix64::new(1);
-
-    let decide =
-        |policy: &mut Policy, rng: &mut SplitMix64, m: &mut Matches, keys: &mut Vec<BlockKey>| {
-            let t = tok
-                .tokenize(Endpoint::ChatCompletions, black_box(&body))
-                .expect("tokenize");
-            let ids = &t.token_ids[0];
-            keyer.keys_into(ids, &ExtraKeys::none(), keys);
-            index.find_matches_into(keys, m);
-            let candidates: Vec<Candidate> = (0..ENDPOINTS)
-                .map(|e| {
-                    let held = m
-                        .as_slice()
-                        .iter()
-                        .find(|x| x.worker.0 == e)
-                        .map_or(0, |x| x.gpu_blocks);
-                    Candidate {
-                        endpoint: EndpointId(e),
-                        cached: CachedBlocks {
-                            gpu: held,
-                            cpu: held,
-                            disk: 0,
-                        },
-                        in_flight: InFlight {
-                            requests: e % 3,
-                            decoding: e % 2,
-                            prefill_tokens: u64::from(e) * 100,
-                            context_tokens: 0,
-                        },
-                        engine: None,
-                    }
-                })
-                .collect();
-            let request = Request {
-                prompt_tokens: ids.len() as u32,
-                block_tokens: BLOCK,
-                cache: CacheSource::Index,
-            };
-            policy
-                .pick(&request, &candidates, Duration::from_secs(1), rng)
-                .expect("pick")
-        };
-
-    let mut g = c.benchmark_group("decision");
-    let (mut m, mut keys) = (Matches::default(), Vec::new());
-    g.bench_function("chat_8k_warm/total", |b| {
-        b.iter(|| black_box(decide(&mut policy, &mut rng, &mut m, &mut keys)));
-    });
-    g.bench_function("chat_8k_warm/tokenize", |b| {
-        b.iter(|| {
-            black_box(
-                tok.tokenize(Endpoint::ChatCompletions, black_box(&body))
-                    .expect("tokenize"),
-            )
+    let mut g = crit.benchmark_group("decision");
+    g.bench_function("chat_8k_warm/total", |bch| {
+        bch.iter(|| {
+            let p = bench.prepare(black_box(&full));
+            black_box(bench.decide(&p, &mut rng))
         });
     });
-    g.bench_function("chat_8k_warm/keys", |b| {
-        b.iter(|| keyer.keys_into(black_box(&ids), &ExtraKeys::none(), &mut keys));
+    g.bench_function("chat_8k_warm/decide", |bch| {
+        bch.iter(|| black_box(bench.decide(black_box(&warm), &mut rng)));
     });
-    keyer.keys_into(&ids, &ExtraKeys::none(), &mut keys);
-    g.bench_function("chat_8k_warm/lookup", |b| {
-        b.iter(|| index.find_matches_into(black_box(&keys), &mut m));
+    // New turns of the same history: each iteration sends turns 0..9 and a
+    // new 10th turn never seen before.
+    let mut n = 0usize;
+    g.bench_function("chat_8k_warm/new_turn", |bch| {
+        bch.iter_batched(
+            || {
+                n += 1;
+                let mut m = ten[..9].to_vec();
+                let mut last = turns(&text, 10, n * 11)[9].clone();
+                last["content"] = json!(format!(
+                    "New turn {n}. {}",
+                    last["content"].as_str().unwrap_or("")
+                ));
+                m.push(last);
+                body(&m)
+            },
+            |fresh| {
+                let p = bench.prepare(&fresh);
+                black_box(bench.decide(&p, &mut rng))
+            },
+            criterion::BatchSize::SmallInput,
+        );
+    });
+    // A new conversation of text no cache has seen: random vocabulary
+    // tokens decoded (what synthetic agent traces send), about 5K tokens in
+    // a system prompt and a user turn.
+    let vocab = u64::try_from(tok.vocab_size()).expect("vocab size") - 1000;
+    let mut seed = SplitMix64::new(99);
+    let mut cold_body = || {
+        let mut part = |n: usize| {
+            let ids: Vec<u32> = (0..n)
+                .map(|_| (kinference_scoring::RandomSource::next_u64(&mut seed) % vocab) as u32)
+                .collect();
+            tok.decode(&ids).expect("decode")
+        };
+        body(&[
+            json!({"role": "system", "content": part(4000)}),
+            json!({"role": "user", "content": part(1000)}),
+        ])
+    };
+    let cold = bench.prepare(&cold_body());
+    eprintln!("cold chat: {} tokens", cold.routes[0].request.prompt_tokens);
+    g.bench_function("chat_5k_cold/total", |bch| {
+        bch.iter_batched(
+            &mut cold_body,
+            |fresh| {
+                let p = bench.prepare(black_box(&fresh));
+                black_box(bench.decide(&p, &mut rng))
+            },
+            criterion::BatchSize::SmallInput,
+        );
     });
     g.finish();
-    let chosen = decide(&mut policy, &mut rng, &mut m, &mut keys);
-    assert!(
-        chosen.endpoint.0 < 4,
-        "the warm endpoints should win: {chosen:?}"
-    );
 }
 
 criterion_group!(benches, bench);

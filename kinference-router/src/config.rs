@@ -59,6 +59,10 @@ pub mod defaults {
     pub const DRAIN: Duration = Duration::from_secs(30);
     /// Whether clients may ask for the decision in response headers.
     pub const DEBUG_HEADERS: bool = true;
+    /// Bytes of block keys kept per worker set for prompts seen before
+    /// ([`crate::memo`]; 16 bytes per block: 32 MiB hold about two
+    /// million blocks).
+    pub const ROUTE_MEMO_BYTES: usize = 32 << 20;
 }
 
 /// How often and how patiently engines are probed.

@@ -55,6 +55,7 @@ pub mod events;
 pub mod feedback;
 pub mod kv;
 pub mod maintain;
+pub mod memo;
 pub mod metrics;
 pub mod openai;
 pub mod prepare;

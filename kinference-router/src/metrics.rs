@@ -69,6 +69,8 @@ pub struct Metrics {
     pub tokenize_duration: Family<TokenizeLabels, Histogram>,
     /// Requests routed on load alone because tokens were not available.
     pub routed_without_tokens: Counter,
+    /// Routes taken from the memo of prompts prepared before.
+    pub prepared_from_memo: Counter,
     /// Upstream attempts retried on another endpoint.
     pub retries: Family<RetryLabels, Counter>,
 }
@@ -83,6 +85,7 @@ impl Default for Metrics {
             decision_duration: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             tokenize_duration: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             routed_without_tokens: Counter::default(),
+            prepared_from_memo: Counter::default(),
             retries: Family::default(),
         }
     }
@@ -121,6 +124,11 @@ impl Metrics {
             "routed_without_tokens",
             "Requests routed on load alone because their token ids were not available",
             self.routed_without_tokens.clone(),
+        );
+        registry.register(
+            "prepared_from_memo",
+            "Requests whose block keys came from the memo of prompts prepared before (no tokenization)",
+            self.prepared_from_memo.clone(),
         );
         registry.register(
             "retries",

@@ -26,6 +26,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::endpoint::Endpoint;
+use crate::memo::{self, Memo};
 use crate::openai::{self, ApiError, Fields};
 use crate::state::Shared;
 use crate::tokens::{self, Source};
@@ -54,7 +55,7 @@ impl Route {
                 cache: CacheSource::Index,
             },
             keys: block_keys.iter().map(|k| k.0).collect(),
-            block_keys,
+            block_keys: block_keys.into(),
         }
     }
 }
@@ -71,9 +72,9 @@ pub struct Route {
     /// Keys of the prompt's full blocks: index keys at the worker set's
     /// `kvBlockSize` (exact mode) or text keys (approximate mode); what the
     /// prefix record stores.
-    pub keys: Vec<u64>,
+    pub keys: Arc<[u64]>,
     /// The same keys for the KV index (exact mode only).
-    pub block_keys: Vec<BlockKey>,
+    pub block_keys: Arc<[BlockKey]>,
 }
 
 /// A request, prepared.
@@ -200,6 +201,30 @@ async fn route(
     let rt = &ws.runtime;
     let block_size = ws.route.kv_block_size.max(1);
     let endpoints = ws.serving(&target.model, Instant::now(), &[]);
+    let lora = lora_name(&endpoints, &target.model);
+    let mode = rt.effective_mode();
+    let memo_key = (mode != TokenizationMode::Approximate).then(|| {
+        memo::key(
+            api,
+            memo::KeyScope {
+                model: &target.model,
+                mode: mode.as_str(),
+                block_size,
+                lora: lora.as_deref(),
+            },
+            fields,
+        )
+    });
+    if let Some(m) = memo_key.and_then(|k| rt.memo.get(k)) {
+        shared.metrics.prepared_from_memo.inc();
+        return Route {
+            target: target.clone(),
+            tokens: m.tokens,
+            request: m.request,
+            keys: m.keys,
+            block_keys: m.block_keys,
+        };
+    }
     // Ask the least loaded endpoint when the engine tokenizes, preferring
     // those that have answered `/v1/models` (an engine that never answered
     // has no load either, and every request would wait for it).
@@ -207,7 +232,6 @@ async fn route(
         .iter()
         .min_by_key(|e| (e.models().is_empty(), e.load.snapshot().requests));
     let (ids, source) = tokens::ids(shared, rt, api, fields, body_len, ask, &target.model).await;
-    let lora = lora_name(&endpoints, &target.model);
     if let Some(ids) = ids {
         let keyer = BlockKeyer::new(block_size, lora.as_deref());
         let mut extra = ExtraKeys::none();
@@ -216,8 +240,7 @@ async fn route(
         }
         let mut block_keys: Vec<BlockKey> = Vec::new();
         keyer.keys_into(&ids, &extra, &mut block_keys);
-        return Route {
-            target: target.clone(),
+        let m = Memo {
             tokens: source,
             request: Request {
                 prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
@@ -225,12 +248,22 @@ async fn route(
                 cache: CacheSource::Index,
             },
             keys: block_keys.iter().map(|k| k.0).collect(),
-            block_keys,
+            block_keys: block_keys.into(),
+        };
+        if let Some(k) = memo_key {
+            rt.memo.insert(k, m.clone());
+        }
+        return Route {
+            target: target.clone(),
+            tokens: m.tokens,
+            request: m.request,
+            keys: m.keys,
+            block_keys: m.block_keys,
         };
     }
     let text = prompt_text(api, fields);
     let estimate = u32::try_from(text.len() / APPROX_BYTES_PER_TOKEN).unwrap_or(u32::MAX);
-    if rt.effective_mode() == TokenizationMode::Approximate {
+    if mode == TokenizationMode::Approximate {
         let seed = xxhash_seed(&target.model, lora.as_deref());
         let mut keys = Vec::new();
         kinference_scoring::approx::text_block_keys(
@@ -247,8 +280,8 @@ async fn route(
                 block_tokens: (APPROX_BLOCK_BYTES / APPROX_BYTES_PER_TOKEN) as u32,
                 cache: CacheSource::Approximate,
             },
-            keys,
-            block_keys: Vec::new(),
+            keys: keys.into(),
+            block_keys: Arc::new([]),
         };
     }
     shared.metrics.routed_without_tokens.inc();
@@ -260,8 +293,8 @@ async fn route(
             block_tokens: block_size,
             cache: CacheSource::None,
         },
-        keys: Vec::new(),
-        block_keys: Vec::new(),
+        keys: Arc::new([]),
+        block_keys: Arc::new([]),
     }
 }
 

@@ -25,6 +25,7 @@ use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 
 use crate::catalog::WorkerSetRoute;
+use crate::memo::RouteMemo;
 
 /// The state of a worker set's local tokenizer.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -63,6 +64,8 @@ pub struct WsRuntime {
     pub tokenizer: RwLock<Option<Arc<ModelTokenizer>>>,
     /// The local tokenizer's state.
     pub tokenizer_state: RwLock<TokenizerState>,
+    /// Routes of prompts prepared before.
+    pub memo: RouteMemo,
 }
 
 impl WsRuntime {
@@ -84,6 +87,7 @@ impl WsRuntime {
             )),
             tokenizer: RwLock::new(None),
             tokenizer_state: RwLock::new(TokenizerState::NotLocal),
+            memo: RouteMemo::new(crate::config::defaults::ROUTE_MEMO_BYTES),
         }
     }
 
