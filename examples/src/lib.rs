@@ -4,8 +4,11 @@
 //!   pool, a profile), parsed by kinference-api's tests and applied to a real
 //!   API server by its cluster test.
 //! - [`cluster`]: a Kubernetes API server for tests, taken from `KUBECONFIG`.
+//! - [`testing`]: what integration tests share (`eventually`, `median`,
+//!   `closed_port`).
 
 pub mod cluster;
+pub mod testing;
 
 use std::path::{Path, PathBuf};
 

@@ -24,6 +24,7 @@
 //! | feature | default | what it adds |
 //! |---|---|---|
 //! | `cel` | yes | [`manifests::validate`] runs the CRDs' CEL rules client-side, as the API server does |
+//! | `test-util` | no | `test_util`: builders of worker sets, pools and EndpointSlices for tests |
 //!
 //! # Validation
 //!
@@ -43,6 +44,8 @@ pub mod endpoints;
 pub mod engine;
 pub mod manifests;
 pub mod state;
+#[cfg(feature = "test-util")]
+pub mod test_util;
 pub mod v1alpha1;
 
 pub use diagnosis::{DiagnosisReason, UnknownDiagnosis};

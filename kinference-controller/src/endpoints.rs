@@ -159,48 +159,8 @@ pub fn describe_port(port: &IntOrString) -> String {
 pub(crate) mod tests {
     use super::*;
     use crate::tests::mk_spec;
-    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
-    use kube::core::ObjectMeta;
 
-    /// A slice of `service` with `ports` (name, number) and endpoints
-    /// (address, ready).
-    pub(crate) fn mk_slice(
-        name: &str,
-        service: &str,
-        ports: &[(&str, i32)],
-        endpoints: &[(&str, Option<bool>)],
-    ) -> EndpointSlice {
-        EndpointSlice {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some("ns".into()),
-                labels: Some([(SERVICE_NAME_LABEL.to_owned(), service.to_owned())].into()),
-                ..Default::default()
-            },
-            address_type: "IPv4".into(),
-            ports: Some(
-                ports
-                    .iter()
-                    .map(|(n, p)| EndpointPort {
-                        name: Some((*n).to_owned()),
-                        port: Some(*p),
-                        ..Default::default()
-                    })
-                    .collect(),
-            ),
-            endpoints: endpoints
-                .iter()
-                .map(|(a, ready)| Endpoint {
-                    addresses: vec![(*a).to_owned()],
-                    conditions: Some(EndpointConditions {
-                        ready: *ready,
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                })
-                .collect(),
-        }
-    }
+    pub(crate) use kinference_api::test_util::mk_slice;
 
     fn addresses(r: &Resolution) -> Vec<&str> {
         r.ready().iter().map(|e| e.address.as_str()).collect()

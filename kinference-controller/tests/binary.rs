@@ -2,7 +2,6 @@
 //! election on a real Lease, the admin endpoints, and a graceful stop on
 //! SIGTERM that releases the Lease.
 
-use std::future::Future;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -13,26 +12,11 @@ use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::coordination::v1::Lease;
 use kinference_api::InferenceWorkerSet;
 use kinference_examples::cluster;
+use kinference_examples::testing::eventually;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let start = tokio::time::Instant::now();
-    loop {
-        match check().await {
-            Ok(()) => return,
-            Err(why) if start.elapsed() > DEADLINE => {
-                panic!("{what}: not reached within {DEADLINE:?}: {why}")
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    }
-}
 
 async fn get(url: &str) -> Result<(u16, String), String> {
     let client: HttpClient<_, Empty<Bytes>> =
@@ -85,7 +69,7 @@ async fn runs_serves_admin_and_stops_on_sigterm() {
         .spawn()
         .expect("starting kinference-controller");
 
-    eventually("/readyz", || async {
+    eventually(DEADLINE, "/readyz", || async {
         match get(&format!("{admin}/readyz")).await? {
             (200, _) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -107,7 +91,7 @@ async fn runs_serves_admin_and_stops_on_sigterm() {
     iws.create(&PostParams::default(), &ws)
         .await
         .expect("creating w");
-    eventually("w's status", || async {
+    eventually(DEADLINE, "w's status", || async {
         let w = iws.get("w").await.map_err(|e| e.to_string())?;
         match w.status.map(|s| s.state) {
             Some(s) if s == "UnknownProfile" => Ok(()),
@@ -127,7 +111,7 @@ async fn runs_serves_admin_and_stops_on_sigterm() {
         ),
         Some("bin-test".into())
     );
-    eventually("the metrics", || async {
+    eventually(DEADLINE, "the metrics", || async {
         let (code, metrics) = get(&format!("{admin}/metrics")).await?;
         if code != 200 {
             return Err(format!("status {code}"));

@@ -11,12 +11,10 @@
 
 mod support;
 
-use std::collections::BTreeMap;
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort, EndpointSlice};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::api::events::v1::Event;
 use kinference_api::conditions;
 use kinference_api::manifests::{self, Object};
@@ -28,8 +26,8 @@ use kinference_controller::metrics::{Kind, Metrics};
 use kinference_controller::probe::HttpProber;
 use kinference_controller::{Context, Runtime, Seams, Settings};
 use kinference_examples::cluster;
+use kinference_examples::testing::eventually;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::core::ObjectMeta;
 use kube::{Client, ResourceExt};
 use prometheus_client::registry::Registry;
 use support::{closed_port, config, restart, start, three_engines, traffic};
@@ -38,24 +36,6 @@ use tokio_util::sync::CancellationToken;
 const DEADLINE: Duration = Duration::from_secs(90);
 const KV_WINDOW: Duration = Duration::from_secs(1);
 
-/// Polls `check` until it returns `Ok`, panicking with its last complaint
-/// after [`DEADLINE`].
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let start = tokio::time::Instant::now();
-    loop {
-        match check().await {
-            Ok(()) => return,
-            Err(why) if start.elapsed() > DEADLINE => {
-                panic!("{what}: not reached within {DEADLINE:?}: {why}")
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    }
-}
 
 /// The controller, running in this process for one namespace.
 struct Running {
@@ -158,41 +138,8 @@ fn slice(
     ports: &[(&str, i32)],
     endpoints: &[(&str, bool)],
 ) -> EndpointSlice {
-    EndpointSlice {
-        metadata: ObjectMeta {
-            name: Some(name.into()),
-            namespace: Some(ns.into()),
-            labels: Some(BTreeMap::from([(
-                "kubernetes.io/service-name".to_owned(),
-                service.to_owned(),
-            )])),
-            ..Default::default()
-        },
-        address_type: "IPv4".into(),
-        ports: Some(
-            ports
-                .iter()
-                .map(|(n, p)| EndpointPort {
-                    name: Some((*n).into()),
-                    port: Some(*p),
-                    protocol: Some("TCP".into()),
-                    ..Default::default()
-                })
-                .collect(),
-        ),
-        endpoints: endpoints
-            .iter()
-            .map(|(a, ready)| Endpoint {
-                addresses: vec![(*a).into()],
-                conditions: Some(EndpointConditions {
-                    ready: Some(*ready),
-                    serving: Some(*ready),
-                    terminating: Some(false),
-                }),
-                ..Default::default()
-            })
-            .collect(),
-    }
+    let eps: Vec<(&str, Option<bool>)> = endpoints.iter().map(|(a, r)| (*a, Some(*r))).collect();
+    kinference_api::test_util::mk_slice_in(ns, name, service, ports, &eps)
 }
 
 async fn apply<K>(api: &Api<K>, obj: &K)
@@ -317,11 +264,11 @@ async fn the_seed_table_and_status_following_the_objects() {
         ("orphan", "0", "Accepted,NotReady,Unreferenced"),
         ("no-such-profile", "0", "UnknownProfile"),
     ];
-    eventually("the seed's table", || table_is(&ns, &seed_table)).await;
+    eventually(DEADLINE, "the seed's table", || table_is(&ns, &seed_table)).await;
     println!("{}", cluster::kubectl_run(&["get", "iws", "-n", &ns]));
 
     // Discovered models, conditions and observed generations.
-    eventually("qwen's models discovered", || async {
+    eventually(DEADLINE, "qwen's models discovered", || async {
         let q = iws
             .get("qwen-3-6-35b-a3b")
             .await
@@ -370,7 +317,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         ("False", "UnknownProfile")
     );
 
-    eventually("the pool's status", || async {
+    eventually(DEADLINE, "the pool's status", || async {
         let p = pools.get("chat").await.map_err(|e| e.to_string())?;
         let st = p.status.ok_or("no status")?;
         let rr =
@@ -394,7 +341,7 @@ async fn the_seed_table_and_status_following_the_objects() {
 
     // Everything has seen every object (the table alone cannot tell: a
     // condition's message may still change under an unchanged STATE).
-    eventually("every status is complete", || async {
+    eventually(DEADLINE, "every status is complete", || async {
         let get = |n: &'static str| {
             let iws = iws.clone();
             async move {
@@ -452,7 +399,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         .await
         .expect("annotating");
     }
-    eventually("more reconciles", || async {
+    eventually(DEADLINE, "more reconciles", || async {
         let now: Vec<_> = names
             .iter()
             .map(|n| running.ctx.stats(Kind::WorkerSet, &ns, n))
@@ -506,7 +453,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         &[("127.0.0.2", true), ("127.0.0.3", false)],
     );
     apply(&slices, &b).await;
-    eventually("qwen has 2 ready endpoints", || {
+    eventually(DEADLINE, "qwen has 2 ready endpoints", || {
         table_is(
             &ns,
             &[
@@ -518,7 +465,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         )
     })
     .await;
-    eventually("the pool counts 2", || async {
+    eventually(DEADLINE, "the pool counts 2", || async {
         let p = pools.get("chat").await.map_err(|e| e.to_string())?;
         match p.status.map(|s| s.ready_endpoints) {
             Some(2) => Ok(()),
@@ -531,7 +478,7 @@ async fn the_seed_table_and_status_following_the_objects() {
     // Event.
     let e = engines.remove(1);
     engines.insert(1, restart(e, "google/gemma-4-12b-it").await);
-    eventually("a ModelMismatch diagnosis", || async {
+    eventually(DEADLINE, "a ModelMismatch diagnosis", || async {
         let q = iws
             .get("qwen-3-6-35b-a3b")
             .await
@@ -547,7 +494,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         }
     })
     .await;
-    eventually("a ModelMismatch Event", || async {
+    eventually(DEADLINE, "a ModelMismatch Event", || async {
         let list = events
             .list(&ListParams::default())
             .await
@@ -567,7 +514,7 @@ async fn the_seed_table_and_status_following_the_objects() {
     .await;
     let e = engines.remove(1);
     engines.insert(1, restart(e, "Qwen/Qwen3.6-35B-A3B").await);
-    eventually("the diagnosis clears", || async {
+    eventually(DEADLINE, "the diagnosis clears", || async {
         let q = iws
             .get("qwen-3-6-35b-a3b")
             .await
@@ -589,7 +536,7 @@ async fn the_seed_table_and_status_following_the_objects() {
     )
     .await
     .expect("fixing the profile");
-    eventually("no-such-profile is accepted", || {
+    eventually(DEADLINE, "no-such-profile is accepted", || {
         table_is(
             &ns,
             &[
@@ -601,7 +548,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         )
     })
     .await;
-    eventually("the pool resolves", || async {
+    eventually(DEADLINE, "the pool resolves", || async {
         let p = pools.get("chat").await.map_err(|e| e.to_string())?;
         let st = p.status.ok_or("no status")?;
         if conditions::is_true(&st.conditions, conditions::RESOLVED_REFS) {
@@ -628,7 +575,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         .delete("chat", &DeleteParams::default())
         .await
         .expect("deleting the pool");
-    eventually("everything is unreferenced", || {
+    eventually(DEADLINE, "everything is unreferenced", || {
         table_is(
             &ns,
             &[
@@ -646,7 +593,7 @@ async fn the_seed_table_and_status_following_the_objects() {
         .delete("qwen-vllm-b", &DeleteParams::default())
         .await
         .expect("deleting a slice");
-    eventually("qwen keeps the endpoints of its other slice", || async {
+    eventually(DEADLINE, "qwen keeps the endpoints of its other slice", || async {
         let rows = iws_table(&ns)?;
         match rows.iter().find(|r| r.0 == "qwen-3-6-35b-a3b") {
             Some((_, ready, _)) if ready == "2" => Ok(()),
@@ -702,7 +649,7 @@ async fn rejections_follow_the_objects() {
     )
     .await
     .expect("first");
-    eventually("first is seen", || async {
+    eventually(DEADLINE, "first is seen", || async {
         iws.get("first")
             .await
             .map_err(|e| e.to_string())?
@@ -754,7 +701,7 @@ async fn rejections_follow_the_objects() {
         .await
         .expect("pool");
 
-    eventually("the rejections", || {
+    eventually(DEADLINE, "the rejections", || {
         table_is(
             &ns,
             &[
@@ -803,7 +750,7 @@ async fn rejections_follow_the_objects() {
         .patch("p", &PatchParams::default(), &Patch::Merge(serde_json::json!({"spec": {"workerSets": [{"name": "second"}, {"name": "port"}, {"name": "own-profile"}]}})))
         .await
         .expect("changing the pool");
-    eventually("everything accepted", || {
+    eventually(DEADLINE, "everything accepted", || {
         table_is(
             &ns,
             &[
@@ -815,7 +762,7 @@ async fn rejections_follow_the_objects() {
         )
     })
     .await;
-    eventually("no conflicts left", || async {
+    eventually(DEADLINE, "no conflicts left", || async {
         let p = pools
             .get("p")
             .await
@@ -834,7 +781,7 @@ async fn rejections_follow_the_objects() {
     iws.delete("port", &DeleteParams::default())
         .await
         .expect("deleting port");
-    eventually("the pool misses it", || async {
+    eventually(DEADLINE, "the pool misses it", || async {
         let p = pools
             .get("p")
             .await
@@ -856,7 +803,7 @@ async fn rejections_follow_the_objects() {
         .delete(&profile, &DeleteParams::default())
         .await
         .expect("deleting the profile");
-    eventually("UnknownProfile again", || async {
+    eventually(DEADLINE, "UnknownProfile again", || async {
         let rows = iws_table(&ns)?;
         match rows.iter().find(|r| r.0 == "own-profile") {
             Some((_, _, state)) if state == "UnknownProfile" => Ok(()),
@@ -989,7 +936,7 @@ async fn kv_diagnoses_follow_the_engines() {
     let traffic_to = [&gemma, &uncached]
         .map(|e| traffic(e.http_addr(), e.model(), Duration::from_millis(200), None));
 
-    eventually("every worker set accepted and ready", || {
+    eventually(DEADLINE, "every worker set accepted and ready", || {
         table_is(
             &ns,
             &[
@@ -1000,7 +947,7 @@ async fn kv_diagnoses_follow_the_engines() {
         )
     })
     .await;
-    eventually("the block-width diagnosis", || async {
+    eventually(DEADLINE, "the block-width diagnosis", || async {
         let d = diagnoses(&iws, "gemma").await?;
         let want = format!(
             "KV events from {} carry 256-token blocks but kvBlockSize is 16: set kvBlockSize: 256",
@@ -1012,11 +959,11 @@ async fn kv_diagnoses_follow_the_engines() {
         }
     })
     .await;
-    eventually("a BlockSizeMismatch Event", || {
+    eventually(DEADLINE, "a BlockSizeMismatch Event", || {
         has_event(&events, "gemma", "BlockSizeMismatch")
     })
     .await;
-    eventually("the closed-port diagnosis", || async {
+    eventually(DEADLINE, "the closed-port diagnosis", || async {
         let d = diagnoses(&iws, "quiet").await?;
         match d.as_slice() {
             [(r, m)] if r == "KvPortClosed" && m.contains("(connection refused)") => Ok(()),
@@ -1024,11 +971,11 @@ async fn kv_diagnoses_follow_the_engines() {
         }
     })
     .await;
-    eventually("a KvPortClosed Event", || {
+    eventually(DEADLINE, "a KvPortClosed Event", || {
         has_event(&events, "quiet", "KvPortClosed")
     })
     .await;
-    eventually("the no-events diagnosis", || async {
+    eventually(DEADLINE, "the no-events diagnosis", || async {
         let d = diagnoses(&iws, "uncached").await?;
         match d.as_slice() {
             [(r, m)]
@@ -1041,7 +988,7 @@ async fn kv_diagnoses_follow_the_engines() {
         }
     })
     .await;
-    eventually("a NoKvEvents Event", || {
+    eventually(DEADLINE, "a NoKvEvents Event", || {
         has_event(&events, "uncached", "NoKvEvents")
     })
     .await;
@@ -1066,7 +1013,7 @@ async fn kv_diagnoses_follow_the_engines() {
     .await
     .expect("unsetting kvEvents");
     for name in ["gemma", "quiet"] {
-        eventually(&format!("{name}'s diagnosis clears"), || async {
+        eventually(DEADLINE, &format!("{name}'s diagnosis clears"), || async {
             let d = diagnoses(&iws, name).await?;
             if d.is_empty() {
                 Ok(())
@@ -1078,7 +1025,7 @@ async fn kv_diagnoses_follow_the_engines() {
     }
     // And stays cleared over two more windows under traffic.
     let windows = running.ctx.stats(Kind::WorkerSet, &ns, "gemma").kv_windows;
-    eventually("two more windows of gemma", || async {
+    eventually(DEADLINE, "two more windows of gemma", || async {
         let now = running.ctx.stats(Kind::WorkerSet, &ns, "gemma").kv_windows;
         if now >= windows + 2 {
             Ok(())

@@ -2,7 +2,6 @@
 //! stand-in of `shared/k8s`): one writer at a time, and a successor once the
 //! leader lets go.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -14,6 +13,7 @@ use kinference_controller::metrics::{Kind, Metrics};
 use kinference_controller::probe::HttpProber;
 use kinference_controller::{Runtime, Seams, Settings};
 use kinference_examples::cluster;
+use kinference_examples::testing::eventually;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use prometheus_client::registry::Registry;
@@ -21,22 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), String>>,
-{
-    let start = tokio::time::Instant::now();
-    loop {
-        match check().await {
-            Ok(()) => return,
-            Err(why) if start.elapsed() > DEADLINE => {
-                panic!("{what}: not reached within {DEADLINE:?}: {why}")
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(250)).await,
-        }
-    }
-}
 
 async fn compete(client: &Client, ns: &str, identity: &str) -> Leadership {
     Leadership::lease(
@@ -105,7 +89,7 @@ async fn one_writer_then_a_successor() {
 
     let a = start(&client, &ns, compete(&client, &ns, "a").await);
     let b = start(&client, &ns, compete(&client, &ns, "b").await);
-    eventually("exactly one leader", || async {
+    eventually(DEADLINE, "exactly one leader", || async {
         match (a.leadership.is_leader(), b.leadership.is_leader()) {
             (true, false) | (false, true) => Ok(()),
             other => Err(format!("{other:?}")),
@@ -136,7 +120,7 @@ async fn one_writer_then_a_successor() {
     iws.create(&PostParams::default(), &ws)
         .await
         .expect("creating w");
-    eventually("w gets a status", || async {
+    eventually(DEADLINE, "w gets a status", || async {
         let w = iws.get("w").await.map_err(|e| e.to_string())?;
         match w.status.map(|s| s.state) {
             Some(s) if s == "Accepted,NotReady,Unreferenced" => Ok(()),
@@ -146,7 +130,7 @@ async fn one_writer_then_a_successor() {
     .await;
     // The status can be visible before the leader's patch call has returned
     // and been counted.
-    eventually("the leader counts its write", || async {
+    eventually(DEADLINE, "the leader counts its write", || async {
         match leader.ctx.stats(Kind::WorkerSet, &ns, "w").writes {
             0 => Err("no write counted".into()),
             _ => Ok(()),
@@ -164,7 +148,7 @@ async fn one_writer_then_a_successor() {
     let leader_writes = leader.ctx.stats(Kind::WorkerSet, &ns, "w").writes;
     let leader_ctx = leader.ctx.clone();
     leader.stop().await;
-    eventually("the follower leads", || async {
+    eventually(DEADLINE, "the follower leads", || async {
         if follower.leadership.is_leader() {
             Ok(())
         } else {
@@ -183,7 +167,7 @@ async fn one_writer_then_a_successor() {
         .create(&PostParams::default(), &pool)
         .await
         .expect("creating p");
-    eventually("the successor writes", || async {
+    eventually(DEADLINE, "the successor writes", || async {
         let w = iws.get("w").await.map_err(|e| e.to_string())?;
         match w.status.map(|s| s.state) {
             Some(s) if s == "Accepted,NotReady" => Ok(()),
@@ -191,7 +175,7 @@ async fn one_writer_then_a_successor() {
         }
     })
     .await;
-    eventually("the successor counts its write", || async {
+    eventually(DEADLINE, "the successor counts its write", || async {
         match follower.ctx.stats(Kind::WorkerSet, &ns, "w").writes {
             0 => Err("no write counted".into()),
             _ => Ok(()),

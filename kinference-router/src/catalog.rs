@@ -348,83 +348,24 @@ impl Catalog {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use k8s_openapi::api::discovery::v1::{Endpoint, EndpointConditions, EndpointPort};
-    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-    use kinference_api::v1alpha1::{
-        InferencePoolSpec, InferenceWorkerSetSpec, KvEventsRef, ServiceRef, WorkerSetRef,
-    };
 
-    fn mk_pool(name: &str, sets: &[&str]) -> InferencePool {
-        let mut p = InferencePool::new(
-            name,
-            InferencePoolSpec {
-                worker_sets: sets
-                    .iter()
-                    .map(|s| WorkerSetRef { name: (*s).into() })
-                    .collect(),
-            },
-        );
-        p.metadata.namespace = Some("default".into());
-        p
-    }
+    use kinference_api::test_util::{mk_pool, mk_slice as slice, mk_spec};
 
+    /// A worker set of `service` (ports `http` and `kv`) naming `profile`.
     fn mk_ws(name: &str, service: &str, profile: &str) -> InferenceWorkerSet {
-        let mut w = InferenceWorkerSet::new(
-            name,
-            InferenceWorkerSetSpec {
-                profile: profile.into(),
-                kv_block_size: 16,
-                service_ref: ServiceRef {
-                    name: service.into(),
-                    port: IntOrString::String("http".into()),
-                },
-                kv_events: Some(KvEventsRef {
-                    port: IntOrString::String("kv".into()),
-                }),
-                models: vec![],
-            },
-        );
-        w.metadata.namespace = Some("default".into());
-        w
+        let mut spec = mk_spec(service, "http", Some("kv"), &[]);
+        spec.profile = profile.into();
+        kinference_api::test_util::mk_ws(name, 0, spec)
     }
 
+    /// A slice of `service` with ports `http` 8000 and `kv` 5557.
     fn mk_slice(name: &str, service: &str, ready: &[(&str, bool)]) -> EndpointSlice {
-        let mut s = EndpointSlice {
-            address_type: "IPv4".into(),
-            endpoints: ready
-                .iter()
-                .map(|(a, r)| Endpoint {
-                    addresses: vec![(*a).into()],
-                    conditions: Some(EndpointConditions {
-                        ready: Some(*r),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                })
-                .collect(),
-            ports: Some(vec![
-                EndpointPort {
-                    name: Some("http".into()),
-                    port: Some(8000),
-                    ..Default::default()
-                },
-                EndpointPort {
-                    name: Some("kv".into()),
-                    port: Some(5557),
-                    ..Default::default()
-                },
-            ]),
-            ..Default::default()
-        };
-        s.metadata.name = Some(name.into());
-        s.metadata.namespace = Some("default".into());
-        s.metadata.labels =
-            Some([(endpoints::SERVICE_NAME_LABEL.to_owned(), service.to_owned())].into());
-        s
+        let eps: Vec<(&str, Option<bool>)> = ready.iter().map(|(a, r)| (*a, Some(*r))).collect();
+        slice(name, service, &[("http", 8000), ("kv", 5557)], &eps)
     }
 
     fn pool_ref() -> PoolRef {
-        PoolRef::parse("chat").unwrap()
+        PoolRef::parse(&format!("{}/chat", kinference_api::test_util::NAMESPACE)).unwrap()
     }
 
     #[test]

@@ -144,15 +144,6 @@ fn fake(http: SocketAddr) -> EngineAddr {
     }
 }
 
-/// The median of `v` (sorted in place); NaN when empty.
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 // ------------------------------------------------------- KV audit helpers
 
 /// The block keys of everything the engine has cached, from its own truth

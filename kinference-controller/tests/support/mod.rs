@@ -100,11 +100,7 @@ pub async fn restart(engine: SimHandle, model: &str) -> SimHandle {
     start(cfg).await
 }
 
-/// A port on which nothing listens (bound, then closed).
-pub fn closed_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
-    l.local_addr().expect("an address").port()
-}
+pub use kinference_examples::testing::closed_port;
 
 /// `w{from} w{from+1} …`: `n` words, one token each for the simulator's
 /// word-level tokenizer.

@@ -17,7 +17,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use kinference_router::args::{Args, Command, Running};
 use kinference_sim::{SimConfig, SimEngine, SimHandle};
 use serde_json::Value;
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub const MODEL: &str = "kinference/sim";
@@ -189,21 +188,8 @@ pub async fn router(engines: &[EngineAddr], opts: &WorkerSetOpts, extra_flags: &
     Router { running, stop, dir }
 }
 
-/// Polls `f` until it returns `Some`, or panics with `what` after `within`.
-pub async fn eventually<T, F, Fut>(within: Duration, what: &str, mut f: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Option<T>>,
-{
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(v) = f().await {
-            return v;
-        }
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
+#[allow(unused_imports)]
+pub use kinference_examples::testing::{eventually, median};
 
 pub fn client() -> Client<HttpConnector, Full<Bytes>> {
     Client::builder(hyper_util::rt::TokioExecutor::new()).build(HttpConnector::new())
