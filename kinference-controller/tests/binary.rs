@@ -17,7 +17,6 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
-
 async fn get(url: &str) -> Result<(u16, String), String> {
     let client: HttpClient<_, Empty<Bytes>> =
         HttpClient::builder(TokioExecutor::new()).build_http();

@@ -36,7 +36,6 @@ use tokio_util::sync::CancellationToken;
 const DEADLINE: Duration = Duration::from_secs(90);
 const KV_WINDOW: Duration = Duration::from_secs(1);
 
-
 /// The controller, running in this process for one namespace.
 struct Running {
     ctx: Arc<Context>,
@@ -593,13 +592,17 @@ async fn the_seed_table_and_status_following_the_objects() {
         .delete("qwen-vllm-b", &DeleteParams::default())
         .await
         .expect("deleting a slice");
-    eventually(DEADLINE, "qwen keeps the endpoints of its other slice", || async {
-        let rows = iws_table(&ns)?;
-        match rows.iter().find(|r| r.0 == "qwen-3-6-35b-a3b") {
-            Some((_, ready, _)) if ready == "2" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    eventually(
+        DEADLINE,
+        "qwen keeps the endpoints of its other slice",
+        || async {
+            let rows = iws_table(&ns)?;
+            match rows.iter().find(|r| r.0 == "qwen-3-6-35b-a3b") {
+                Some((_, ready, _)) if ready == "2" => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
     .await;
 
     let total: Vec<_> = names

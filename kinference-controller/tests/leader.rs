@@ -21,7 +21,6 @@ use tokio_util::sync::CancellationToken;
 
 const DEADLINE: Duration = Duration::from_secs(90);
 
-
 async fn compete(client: &Client, ns: &str, identity: &str) -> Leadership {
     Leadership::lease(
         client.clone(),

@@ -142,6 +142,8 @@ pub struct Endpoint {
     pub key: EndpointKey,
     /// `address:port` for requests.
     pub authority: String,
+    /// The same as a header value (the `x-kinference-endpoint` header).
+    pub authority_header: Option<http::HeaderValue>,
     /// Load sent by this router.
     pub load: Load,
     health: RwLock<Health>,
@@ -161,9 +163,11 @@ pub struct Endpoint {
 
 impl Endpoint {
     fn new(id: EndpointId, key: EndpointKey, stop: CancellationToken) -> Self {
+        let authority = key.authority();
         Self {
             id,
-            authority: key.authority(),
+            authority_header: http::HeaderValue::from_str(&authority).ok(),
+            authority,
             key,
             load: Load::default(),
             health: RwLock::default(),

@@ -367,11 +367,11 @@ async fn route(
                     .then(|| feedback::on_first_token(shared, &ws.runtime, &d.choice));
                 let (mut rparts, rbody) = resp.into_parts();
                 proxy::strip_hop_by_hop(&mut rparts.headers);
-                if let Ok(v) = HeaderValue::from_str(&d.endpoint.authority) {
-                    rparts.headers.insert(ENDPOINT_HEADER, v);
+                if let Some(v) = &d.endpoint.authority_header {
+                    rparts.headers.insert(ENDPOINT_HEADER, v.clone());
                 }
-                if let Ok(v) = HeaderValue::from_str(&ws.route.name) {
-                    rparts.headers.insert(WORKER_SET_HEADER, v);
+                if let Some(v) = &ws.name_header {
+                    rparts.headers.insert(WORKER_SET_HEADER, v.clone());
                 }
                 if prepared.debug {
                     if let Ok(v) = HeaderValue::from_str(&format!(

@@ -27,6 +27,8 @@ pub struct WorkerSetView {
     pub endpoints: Vec<Arc<Endpoint>>,
     /// Its policy, tokenizer and prefix record.
     pub runtime: Arc<WsRuntime>,
+    /// Its name as a header value (`x-kinference-worker-set`).
+    pub name_header: Option<http::HeaderValue>,
 }
 
 impl WorkerSetView {
@@ -109,6 +111,7 @@ impl View {
                 })
                 .collect();
             worker_sets.push(WorkerSetView {
+                name_header: http::HeaderValue::from_str(&route.name).ok(),
                 route: route.clone(),
                 endpoints,
                 runtime: runtime(route),
