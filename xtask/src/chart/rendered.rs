@@ -34,11 +34,16 @@ pub(super) fn name_of(o: &Value) -> &str {
     o["metadata"]["name"].as_str().unwrap_or_default()
 }
 
-fn ns_of(o: &Value) -> &str {
+pub(super) fn ns_of(o: &Value) -> &str {
     o["metadata"]["namespace"].as_str().unwrap_or_default()
 }
 
-fn find<'a>(objects: &'a [Value], kind: &str, ns: &str, name: &str) -> Option<&'a Value> {
+pub(super) fn find<'a>(
+    objects: &'a [Value],
+    kind: &str,
+    ns: &str,
+    name: &str,
+) -> Option<&'a Value> {
     objects
         .iter()
         .find(|o| o["kind"] == kind && name_of(o) == name && ns_of(o) == ns)
@@ -389,19 +394,22 @@ pub(crate) fn check_rendered(root: &Path, values: &Value, r: &Rendered) -> Resul
             "the routers' ClusterRoleBinding does not name each router"
         );
     }
+    let found = super::availability::check(objects)?;
     ensure!(!r.notes.is_empty(), "NOTES.txt renders empty");
     let kinds: BTreeMap<&str, usize> = objects.iter().fold(BTreeMap::new(), |mut m, o| {
         *m.entry(o["kind"].as_str().unwrap_or("?")).or_default() += 1;
         m
     });
     Ok(format!(
-        "{} objects ({}), {} CRDs",
+        "{} objects ({}), {} CRDs, {} spread constraints, router drain {} s",
         objects.len(),
         kinds
             .iter()
             .map(|(k, n)| format!("{n} {k}"))
             .collect::<Vec<_>>()
             .join(", "),
-        r.crds.len()
+        r.crds.len(),
+        found.spread,
+        found.max_drain
     ))
 }

@@ -65,7 +65,9 @@ fn chart_lints_renders_and_grants_what_the_code_needs() {
 #[test]
 fn chart_refuses_bad_values() {
     assert_eq!(
-        check_refusals(&root()).unwrap_or_else(|e| panic!("{e:#}")),
+        check_refusals(&root())
+            .unwrap_or_else(|e| panic!("{e:#}"))
+            .0,
         bad_values().len()
     );
 }
@@ -119,4 +121,42 @@ fn router_watches_are_what_source_rs_watches() {
         seen, table,
         "update ROUTER_WATCHES and the chart's router RBAC"
     );
+}
+
+#[test]
+fn a_stopping_router_drains_for_minutes_by_default() {
+    let values = serde_json::json!({"routers": [{"pool": "chat"}]});
+    let r = render(&root(), &values).unwrap_or_else(|e| panic!("{e:#}"));
+    let found = super::availability::check(r.objects.as_ref().expect("rendered"))
+        .unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(
+        found.max_drain >= 300,
+        "the default drain is {} s: long generations would be cut on every rollout",
+        found.max_drain
+    );
+    assert!(found.spread >= 2, "no topology spread by default");
+}
+
+#[test]
+fn every_option_renders_its_objects() {
+    // The example with autoscaling and NetworkPolicies renders them, and
+    // leaves the router's replicas to the autoscaler.
+    let root = root();
+    let (_, values) = values_sets(&root)
+        .expect("values files")
+        .into_iter()
+        .find(|(label, _)| label.ends_with("production.yaml"))
+        .expect("deploy/helm/examples/production.yaml");
+    let r = render(&root, &values).unwrap_or_else(|e| panic!("{e:#}"));
+    let objects = r.objects.expect("rendered");
+    let count = |kind: &str| objects.iter().filter(|o| o["kind"] == kind).count();
+    assert_eq!(count("HorizontalPodAutoscaler"), 1);
+    assert_eq!(count("NetworkPolicy"), 2);
+    assert_eq!(count("PodDisruptionBudget"), 2);
+    let router = objects
+        .iter()
+        .find(|o| o["kind"] == "Deployment" && name_of(o) == "kinference-router-chat")
+        .expect("the router");
+    assert!(router["spec"]["replicas"].is_null());
+    assert!(container_args(router).contains(&"--drain-s=1800".to_owned()));
 }
