@@ -132,7 +132,7 @@ fn check_router_entries(schema: &Value) -> Result<()> {
         "{SCHEMA_FILE}: routers[] entries take {entry_keys:?}, want router's keys plus pool and namespace: {want:?}"
     );
     for key in router_keys {
-        let want_ref = format!("#/$defs/routerSettings/properties/{key}");
+        let want_ref = format!("#/definitions/routerSettings/properties/{key}");
         ensure!(
             entry_props[key]["$ref"] == want_ref.as_str(),
             "{SCHEMA_FILE}: routers[].{key} must be {{\"$ref\": \"{want_ref}\"}} so it stays router.{key}'s schema"
@@ -140,7 +140,7 @@ fn check_router_entries(schema: &Value) -> Result<()> {
     }
     ensure!(
         router.get("$ref").is_none() && schema["properties"]["router"]["$ref"].is_string(),
-        "{SCHEMA_FILE}: router must be a $ref to $defs/routerSettings"
+        "{SCHEMA_FILE}: router must be a $ref to definitions/routerSettings"
     );
     Ok(())
 }
@@ -148,9 +148,9 @@ fn check_router_entries(schema: &Value) -> Result<()> {
 /// The policy names the schema allows.
 pub(super) fn schema_policies(schema: &Value) -> Result<Vec<String>> {
     Ok(schema
-        .pointer("/$defs/routerSettings/properties/policy/enum")
+        .pointer("/definitions/routerSettings/properties/policy/enum")
         .and_then(Value::as_array)
-        .context("no enum of policies in $defs.routerSettings.properties.policy")?
+        .context("no enum of policies in definitions.routerSettings.properties.policy")?
         .iter()
         .filter_map(Value::as_str)
         .map(str::to_owned)
@@ -195,10 +195,10 @@ mod tests {
         let schema = serde_json::json!({
             "type": "object", "additionalProperties": false,
             "properties": {
-                "a": {"$ref": "#/$defs/a"},
+                "a": {"$ref": "#/definitions/a"},
                 "free": {"type": "object"},
             },
-            "$defs": {"a": {"type": "object", "additionalProperties": false,
+            "definitions": {"a": {"type": "object", "additionalProperties": false,
                             "properties": {"b": {"type": "integer"}}}},
         });
         let mut n = 0;
@@ -219,7 +219,7 @@ mod tests {
             assert!(e.to_string().contains(word), "{word}: {e}");
         }
         let mut open = schema.clone();
-        open["$defs"]["a"]["additionalProperties"] = Value::Bool(true);
+        open["definitions"]["a"]["additionalProperties"] = Value::Bool(true);
         let e = walk(&open, &open, &good, "", &mut n).expect_err("open object");
         assert!(e.to_string().contains("additionalProperties"), "{e}");
     }
