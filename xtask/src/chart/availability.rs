@@ -47,17 +47,38 @@ fn one_selected<'a>(objects: &'a [Value], o: &Value, selector: &Value) -> Result
     Ok(hit[0])
 }
 
-/// The value of a `--flag=N` argument.
-fn flag_u64(args: &[String], flag: &str) -> Option<u64> {
+/// The value of a `--flag=VALUE` argument.
+fn flag<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
     args.iter()
-        .find_map(|a| a.strip_prefix(flag)?.strip_prefix('=')?.parse().ok())
+        .find_map(|a| a.strip_prefix(flag)?.strip_prefix('='))
+}
+
+/// Whole seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
+fn seconds(s: &str) -> Option<u64> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n.parse().ok()?;
+    match unit {
+        "" | "s" => Some(n),
+        "m" => Some(n * 60),
+        "h" => Some(n * 3600),
+        _ => None,
+    }
+}
+
+/// The router's drain, seconds: `--drain-s=N` today, or a `--drain=`
+/// duration should the flag become one.
+fn drain_seconds(args: &[String]) -> Option<u64> {
+    flag(args, "--drain-s")
+        .and_then(|v| v.parse().ok())
+        .or_else(|| flag(args, "--drain").and_then(seconds))
 }
 
 /// A router pod's grace period covers its preStop sleep and its drain.
 fn check_drain(d: &Value) -> Result<u64> {
     let what = format!("Deployment {}/{}", ns_of(d), name_of(d));
-    let drain = flag_u64(&container_args(d), "--drain-s")
-        .with_context(|| format!("{what}: the router has no --drain-s"))?;
+    let drain = drain_seconds(&container_args(d))
+        .with_context(|| format!("{what}: the router has no --drain-s (or --drain)"))?;
     let pod = &d["spec"]["template"]["spec"];
     let sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
         .as_u64()
@@ -286,6 +307,16 @@ mod tests {
         json!({"kind": "NetworkPolicy", "metadata": {"name": app, "namespace": "ns"},
                "spec": {"podSelector": {"matchLabels": {"app": app}}, "policyTypes": ["Ingress"],
                         "ingress": [{"ports": ports}]}})
+    }
+
+    #[test]
+    fn drain_in_either_spelling() {
+        let args = |a: &str| vec!["serve".to_owned(), a.to_owned()];
+        assert_eq!(drain_seconds(&args("--drain-s=600")), Some(600));
+        assert_eq!(drain_seconds(&args("--drain=10m")), Some(600));
+        assert_eq!(drain_seconds(&args("--drain=90s")), Some(90));
+        assert_eq!(drain_seconds(&args("--drain=10 minutes")), None);
+        assert_eq!(drain_seconds(&args("--drain-size=3")), None);
     }
 
     #[test]

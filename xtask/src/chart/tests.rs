@@ -158,5 +158,9 @@ fn every_option_renders_its_objects() {
         .find(|o| o["kind"] == "Deployment" && name_of(o) == "kinference-router-chat")
         .expect("the router");
     assert!(router["spec"]["replicas"].is_null());
-    assert!(container_args(router).contains(&"--drain-s=1800".to_owned()));
+    let found = super::availability::check(&objects).unwrap_or_else(|e| panic!("{e:#}"));
+    assert_eq!(
+        found.max_drain, 1800,
+        "routers[].drainSeconds reaches the router"
+    );
 }
