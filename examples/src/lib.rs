@@ -3,6 +3,8 @@
 //! - `manifests/`: the seed's objects (a worker set, one with two aliases, a
 //!   pool, a profile), parsed by kinference-api's tests and applied to a real
 //!   API server by its cluster test.
+//! - `quickstart/`: the manifests of docs/quickstart.md (vLLM engines, their
+//!   worker set and pool, an HTTPRoute), checked by `cargo xtask chart`.
 //! - [`cluster`]: a Kubernetes API server for tests, taken from `KUBECONFIG`.
 //! - [`testing`]: what integration tests share (`eventually`, `median`,
 //!   `closed_port`).

@@ -3,8 +3,8 @@
 //! - `cargo xtask gen-crds [--check]`: write `deploy/crds/*.yaml` from
 //!   kinference-api, or check that they are up to date.
 //! - `cargo xtask demo`: the README's main command.
-//! - `cargo xtask chart`: check the Helm chart (lint, render, RBAC against
-//!   the code) and the Dockerfiles; `gen-crds` also copies the CRDs into the
+//! - `cargo xtask chart`: check the Helm chart (schema, lint, render, RBAC
+//!   against the code), the quickstart's manifests and the Dockerfiles; `gen-crds` also copies the CRDs into the
 //!   chart.
 //! - `cargo xtask bench routing|micro|faults|proxy|report`: routing quality
 //!   of every policy on simulated engines; the core crates' micro-benchmarks
@@ -28,6 +28,7 @@ mod gen_crds;
 mod load;
 mod procs;
 mod proxy_bench;
+mod quickstart;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "kinference project automation")]
@@ -54,8 +55,8 @@ enum Command {
         #[arg(long)]
         release: bool,
     },
-    /// Check the Helm chart and the Dockerfiles (needs helm-python-sdk and
-    /// hadolint from PyPI).
+    /// Check the Helm chart, the quickstart's manifests and the Dockerfiles
+    /// (needs helm-python-sdk and hadolint from PyPI).
     Chart,
     /// Benchmarks: routing quality (`routing`) and micro-benchmarks (`micro`).
     Bench {

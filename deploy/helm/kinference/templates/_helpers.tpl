@@ -100,3 +100,25 @@ its namespace and its object name, as a YAML list (read with fromYamlArray).
 {{- end -}}
 {{- toYaml $out -}}
 {{- end -}}
+
+{{/*
+Topology spread constraints: each one without a labelSelector selects the
+component's own pods (SELECTOR, YAML) and, unless it says otherwise, adds
+matchLabelKeys [pod-template-hash] so that the pods of one rollout are
+spread among themselves. Argument: dict "constraints" LIST "selector" YAML.
+Read with fromYamlArray.
+*/}}
+{{- define "kinference.topologySpread" -}}
+{{- $out := list -}}
+{{- range .constraints -}}
+{{- $c := deepCopy . -}}
+{{- if not (hasKey $c "labelSelector") -}}
+{{- $_ := set $c "labelSelector" (dict "matchLabels" ($.selector | fromYaml)) -}}
+{{- if not (hasKey $c "matchLabelKeys") -}}
+{{- $_ := set $c "matchLabelKeys" (list "pod-template-hash") -}}
+{{- end -}}
+{{- end -}}
+{{- $out = append $out $c -}}
+{{- end -}}
+{{- toYaml $out -}}
+{{- end -}}
