@@ -4,6 +4,7 @@ use crate::config::{EngineConfig, LatencyModel, OutputLen};
 fn core_with(cfg: EngineConfig, output: OutputLen) -> EngineCore {
     EngineCore::new(
         cfg,
+        EngineMode::default(),
         LatencyModel::default(),
         output,
         32_768,
@@ -141,7 +142,7 @@ fn eviction_takes_the_tail_of_the_last_freed_request_first() {
         .take_events()
         .iter()
         .filter_map(|e| match e {
-            SimEvent::Removed(d) => Some(d.id()),
+            SimEvent::Removed { digest, .. } => Some(digest.id()),
             _ => None,
         })
         .collect();
@@ -230,6 +231,7 @@ fn runs_are_deterministic_for_a_seed() {
     let go = |seed: u64| {
         let mut c = EngineCore::new(
             EngineConfig::default(),
+            EngineMode::default(),
             LatencyModel::default(),
             OutputLen::Uniform { min: 1, max: 50 },
             32_768,
@@ -348,6 +350,7 @@ fn aborts_free_blocks_between_steps() {
 fn context_length_is_enforced_at_admission() {
     let mut c = EngineCore::new(
         EngineConfig::default(),
+        EngineMode::default(),
         LatencyModel::default(),
         OutputLen::default(),
         100,
