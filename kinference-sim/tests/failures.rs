@@ -27,14 +27,16 @@ fn completion() -> Value {
     json!({"prompt": "w1 w2 w3", "max_tokens": 2})
 }
 
-async fn metric(c: &HttpClient, base: &str, line_start: &str) -> f64 {
+/// A counter or gauge with an integral value.
+async fn metric(c: &HttpClient, base: &str, line_start: &str) -> u64 {
     let (status, m) = call(c, "GET", &format!("{base}/metrics"), None).await;
     assert_eq!(status, 200);
     let m = String::from_utf8(m.to_vec()).expect("text");
     m.lines()
         .find(|l| l.starts_with(line_start))
         .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
+        .and_then(|v| v.strip_suffix(".0"))
+        .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or_else(|| panic!("{line_start} in\n{m}"))
 }
 
@@ -87,10 +89,10 @@ async fn a_cuda_fault_fails_inference_fast_and_leaves_the_rest_fine() {
         get_json(&c, &format!("{base}/v1/models")).await["data"][0]["id"],
         e.model()
     );
-    assert_eq!(metric(&c, &base, "vllm:num_requests_running{").await, 0.0);
+    assert_eq!(metric(&c, &base, "vllm:num_requests_running{").await, 0);
     assert_eq!(
         metric(&c, &base, "vllm:request_success_total{").await,
-        0.0,
+        0,
         "nothing reached the engine core"
     );
     assert_eq!(
@@ -155,7 +157,7 @@ async fn admission_rejections_are_503s_and_counted() {
     let c = client();
     let base = e.base_url();
     let reason = "vllm:admission_rejections_total{model_name=\"kinference/sim\",reason=\"max_num_queued_reqs\"}";
-    assert_eq!(metric(&c, &base, reason).await, 0.0);
+    assert_eq!(metric(&c, &base, reason).await, 0);
     for stream in [false, true] {
         let mut body = completion();
         body["stream"] = json!(stream);
@@ -167,7 +169,7 @@ async fn admission_rejections_are_503s_and_counted() {
         assert_eq!(err["error"]["type"], "ServiceUnavailableError");
         assert_eq!(err["error"]["code"], 503);
     }
-    assert_eq!(metric(&c, &base, reason).await, 2.0);
+    assert_eq!(metric(&c, &base, reason).await, 2);
     assert_eq!(
         call(&c, "GET", &format!("{base}/health"), None).await.0,
         200
@@ -232,7 +234,7 @@ async fn max_num_queued_reqs_refuses_beyond_the_limit() {
     assert_eq!(status, 503, "two choices take two slots");
     assert_eq!(
         metric(&c, &base, "vllm:admission_rejections_total{model_name=\"kinference/sim\",reason=\"max_num_queued_reqs\"}").await,
-        2.0
+        2
     );
     e.shutdown().await;
 }

@@ -3,6 +3,8 @@
 //! before 0.29 (or with `PYTHONHASHSEED=random`), and the per-request
 //! `kv_cache_report_mode: "full"` of 0.26+. Real engines, real sockets.
 
+#![allow(clippy::many_single_char_names)]
+
 mod common;
 
 use std::time::Duration;
