@@ -94,7 +94,7 @@ fn mode_code(m: FailMode) -> u8 {
     }
 }
 
-/// Faults to inject (`POST /admin/faults`, or [`SimHandle::inject`]). All
+/// Faults to inject (`POST /admin/faults`, or [`crate::SimHandle::inject`]). All
 /// fields are optional; `rank` limits them to one DP rank.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -129,7 +129,7 @@ pub struct FaultRequest {
     pub metrics_delay_ms: Option<u64>,
 }
 
-/// What [`SimHandle::inject`] did.
+/// What [`crate::SimHandle::inject`] did.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct FaultReport {
     /// Requests killed.

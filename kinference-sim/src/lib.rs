@@ -1,12 +1,26 @@
-//! A vLLM-compatible engine simulator that behaves like a loaded GPU.
+//! An engine simulator that behaves like a loaded GPU running vLLM or SGLang.
 //!
-//! It answers vLLM's HTTP API (OpenAI completions and chat, streaming or
-//! not, `/tokenize`, `/metrics` with vLLM's names, `/v1/models`,
-//! `/kv_event_sources`, `/health`), publishes KV-cache events on ZeroMQ
-//! byte-compatible with vLLM 0.33 (and a replay ROUTER), and takes as long as
-//! an engine with a prefix cache and continuous batching would: time to
-//! first token depends on cache hits and queueing. Routers and benchmarks
-//! run fleets of them in one process, cheaply.
+//! It answers the engine's HTTP API (OpenAI completions and chat, streaming
+//! or not, tokenization, `/metrics` with the engine's names, `/v1/models`,
+//! `/health`, vLLM's `/kv_event_sources`, SGLang's `/server_info`),
+//! publishes KV-cache events on ZeroMQ byte-compatible with the chosen
+//! release (and a replay ROUTER when configured), and takes as long as an
+//! engine with a prefix cache and continuous batching would: time to first
+//! token depends on cache hits and queueing. Routers and benchmarks run
+//! fleets of them in one process, cheaply.
+//!
+//! # Features
+//!
+//! | feature | where |
+//! |---|---|
+//! | engine family and release: vLLM 0.22–0.33, SGLang 0.5.10–0.5.23 (default vLLM 0.33) | [`EngineMode`], [`mode`] |
+//! | KV events as the release writes them; replay only when configured ([`KvEventsConfig::with_replay`]) | [`KvEventsConfig`] |
+//! | block hashes: vLLM `sha256_cbor` from a fixed or per-engine NONE_HASH, SGLang's page chain | [`HashSeed`], [`hash`] |
+//! | vLLM's `kv_cache_report_mode: "full"` (`vllm_xargs`) re-announcing prefix hits | [`engine`] |
+//! | vLLM's admission control (`--max-num-queued-reqs`, `--max-num-queued-tokens`) | [`AdmissionLimits`] |
+//! | `--api-key` with each engine's guarded paths | [`SimConfig::api_key`], [`ApiKeyScope`] |
+//! | faults: slow, stalled or restarting engines, lost batches, cut streams, CUDA faults, a dead engine core, admission rejections, a fraction of failing requests, slow `/metrics` | [`FaultConfig`], [`FaultRequest`] |
+//! | the truth: cached blocks, counters, queues, publisher state | [`CacheTruth`] |
 //!
 //! # Start engines in-process
 //!
@@ -27,7 +41,7 @@
 //!
 //! # Data model
 //!
-//! One [`SimEngine`] is one vLLM server: an HTTP listener in front of
+//! One [`SimEngine`] is one engine server: an HTTP listener in front of
 //! `dp_size` *engine cores* (DP ranks). Each core ([`engine::EngineCore`])
 //! has its own block pool (prefix cache), scheduler, clock task and KV-event
 //! publisher (PUB on base port + rank). Requests go to the least loaded rank
@@ -56,12 +70,17 @@
 //!   cached block that allocation reuses; `AllBlocksCleared` after a
 //!   successful reset. Batches are published in engine order, one per step
 //!   that produced events, `seq` counting from 0 per publisher (restart).
+//!   In SGLang mode a digest is announced once while cached (set
+//!   semantics) and removed when its last copy goes.
 //! * [`SimHandle::cache_truth`] (`GET /debug/cache`) is the set of blocks the
 //!   engine would hit right now. Replaying every published event onto a
 //!   multiset (`BlockStored` +1 per hash, `BlockRemoved` −1,
 //!   `AllBlocksCleared` empties it) yields exactly each digest's number of
 //!   `copies` (vLLM can cache one digest in two blocks, and then reports
-//!   each eviction), unless a fault dropped batches.
+//!   each eviction), unless a fault dropped batches or a
+//!   `kv_cache_report_mode: "full"` request re-announced cached blocks
+//!   (counted in [`Counters::blocks_rereported`]; consumers must treat a
+//!   `BlockStored` as an idempotent upsert, as the spec says).
 //! * Same seed, same prompt ⇒ same output tokens on every engine.
 //!
 //! # Complexity and cost
@@ -79,7 +98,9 @@
 //! | `GET /debug/requests[?limit=N]` | timings of recent requests (engine seconds) |
 //! | `POST /debug/prefix_match` | cached prefix tokens per rank for `{"tokens": […]}`, a prompt or messages |
 //! | `GET/POST /admin/faults` | fault state / inject faults ([`FaultRequest`]) |
-//! | `POST /reset_prefix_cache` | vLLM's dev endpoint: `AllBlocksCleared` (409 while requests hold blocks) |
+//! | `POST /reset_prefix_cache` | vLLM's dev endpoint: `AllBlocksCleared` (409 while requests hold blocks); SGLang's is `/flush_cache` |
+//!
+//! The API key never guards these.
 
 pub mod config;
 mod driver;

@@ -209,8 +209,8 @@ impl CoreStats {
     }
 }
 
-/// The work of one step, between [`EngineCore::schedule`] and
-/// [`EngineCore::finish_step`].
+/// The work of one step, between [`super::EngineCore::schedule`] and
+/// [`super::EngineCore::finish_step`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Scheduled {
     /// `(request, tokens computed in this step)`, in batch order.
