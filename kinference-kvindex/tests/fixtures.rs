@@ -211,6 +211,45 @@ fn vllm_033_map_and_023_positional_payloads_reencode_byte_for_byte() {
 }
 
 #[test]
+fn sglang_payloads_reencode_byte_for_byte() {
+    let mut n = 0;
+    for f in fixtures("payload") {
+        let file = f["file"].as_str().expect("file");
+        // 0.5.10–0.5.19 are positional (0.5.18 adds the cache-salt map);
+        // 0.5.20+ are maps. 0.4.x predates `medium` and is not written.
+        let form = if file.starts_with("sglang-0.5.10/") || file.starts_with("sglang-0.5.18/") {
+            EncodeForm::SglangArray
+        } else if file.starts_with("sglang-0.5.23/") {
+            EncodeForm::SglangMap
+        } else {
+            continue;
+        };
+        let bytes = read(file);
+        let b = decode_batch(&bytes).expect("decodes");
+        assert_eq!(encode_batch(&b, form), bytes, "{file}");
+        n += 1;
+    }
+    assert_eq!(n, 5 + 6 + 7, "sglang 0.5.10, 0.5.18 and 0.5.23 payloads");
+    // SGLang forms write every hash as a signed int: an unsigned hash
+    // above i64::MAX comes back as the same id.
+    let b = EventBatch {
+        events: vec![KvEvent::BlockRemoved(kinference_kvindex::BlockRemoved {
+            block_hashes: vec![BlockHash::Uint(u64::MAX - 1), BlockHash::Bytes(vec![1; 32])],
+            ..Default::default()
+        })],
+        ..EventBatch::default()
+    };
+    for form in [EncodeForm::SglangArray, EncodeForm::SglangMap] {
+        let again = decode_batch(&encode_batch(&b, form)).expect("decodes");
+        let KvEvent::BlockRemoved(r) = &again.events[0] else {
+            panic!("{form:?}: expected BlockRemoved")
+        };
+        assert_eq!(r.block_hashes[0], BlockHash::Int(-2), "{form:?}");
+        assert_eq!(r.block_hashes[1].id(), 0x0101_0101_0101_0101, "{form:?}");
+    }
+}
+
+#[test]
 fn every_frame_capture_matches_the_manifest() {
     let fx = fixtures("frames");
     assert_eq!(fx.len(), 39);

@@ -180,7 +180,12 @@ fn exercise(input: &[u8], index: &KvIndex, worker: kinference_kvindex::WorkerId)
         Ok(batch) => {
             let _ = index.apply_batch(worker, &batch);
             // Whatever decodes re-encodes to the same events.
-            for form in [EncodeForm::VllmMap, EncodeForm::VllmArray] {
+            for form in [
+                EncodeForm::VllmMap,
+                EncodeForm::VllmArray,
+                EncodeForm::SglangArray,
+                EncodeForm::SglangMap,
+            ] {
                 let again =
                     decode_batch(&encode_batch(&batch, form)).expect("an encoded batch decodes");
                 assert_eq!(

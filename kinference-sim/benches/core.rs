@@ -12,6 +12,7 @@ fn core() -> EngineCore {
             max_num_batched_tokens: 8192,
             ..EngineConfig::default()
         },
+        kinference_sim::EngineMode::default(),
         LatencyModel::default(),
         OutputLen::default(),
         32_768,

@@ -47,28 +47,53 @@ impl ApiError {
         }
     }
 
-    fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::NOT_FOUND => "NotFoundError",
             StatusCode::CONFLICT => "ConflictError",
             StatusCode::SERVICE_UNAVAILABLE => "ServiceUnavailableError",
+            StatusCode::UNAUTHORIZED => "UnauthorizedError",
             _ => "InternalServerError",
         }
     }
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let body = serde_json::json!({
+impl ApiError {
+    /// The body in vLLM's (≥ 0.10.1) shape.
+    pub(crate) fn vllm_body(&self) -> serde_json::Value {
+        serde_json::json!({
             "error": {
                 "message": self.message,
                 "type": self.kind(),
                 "param": self.param,
                 "code": self.status.as_u16(),
             }
-        });
-        (self.status, axum::Json(body)).into_response()
+        })
+    }
+
+    /// The body in SGLang's shape: a flat `ErrorResponse`.
+    pub(crate) fn sglang_body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "object": "error",
+            "message": self.message,
+            "type": self.kind(),
+            "param": self.param,
+            "code": self.status.as_u16(),
+        })
+    }
+}
+
+/// Marks a response as an [`ApiError`], so the SGLang mode's layer can
+/// rewrite its body in SGLang's shape.
+#[derive(Debug, Clone)]
+pub(crate) struct ErrorMark(pub(crate) ApiError);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, axum::Json(self.vllm_body())).into_response();
+        r.extensions_mut().insert(ErrorMark(self));
+        r
     }
 }
 
@@ -85,6 +110,8 @@ pub(crate) struct Params {
     pub(crate) ignore_eos: bool,
     pub(crate) seed: Option<u64>,
     pub(crate) n: usize,
+    /// `vllm_xargs.kv_cache_report_mode == "full"`.
+    pub(crate) report_full: bool,
 }
 
 fn opt_uint(body: &Value, key: &'static str) -> Result<Option<u64>, ApiError> {
@@ -178,7 +205,24 @@ impl Params {
                 ),
             },
             n: n as usize,
+            report_full: report_mode_full(body)?,
         })
+    }
+}
+
+/// vLLM's per-request `vllm_xargs` (its sampling params' `extra_args`):
+/// whether `kv_cache_report_mode` is `"full"`. vLLM takes any other value
+/// as `"incremental"`; `vllm_xargs` itself must be an object.
+fn report_mode_full(body: &Value) -> Result<bool, ApiError> {
+    match body.get("vllm_xargs") {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Object(x)) => {
+            Ok(x.get("kv_cache_report_mode").and_then(Value::as_str) == Some("full"))
+        }
+        Some(v) => Err(ApiError::bad_param(
+            "vllm_xargs",
+            format!("`vllm_xargs` must be an object, got {v}"),
+        )),
     }
 }
 
@@ -315,12 +359,26 @@ mod tests {
         )
         .expect("valid");
         assert_eq!((p.max_tokens, p.include_usage), (Some(5), true));
+        assert!(!p.report_full);
+        let p = Params::parse(
+            &json!({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "full"}}),
+            false,
+        )
+        .expect("valid");
+        assert!(p.report_full);
+        let p = Params::parse(
+            &json!({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "incremental"}}),
+            false,
+        )
+        .expect("valid");
+        assert!(!p.report_full);
         for bad in [
             json!({"max_tokens": 0}),
             json!({"max_tokens": -1}),
             json!({"stream_options": {"include_usage": true}}),
             json!({"n": 0}),
             json!({"stream": "yes"}),
+            json!({"vllm_xargs": "full"}),
             json!([1]),
         ] {
             assert!(Params::parse(&bad, false).is_err(), "{bad}");

@@ -4,8 +4,7 @@
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use kinference_kvindex::codec::frames::ReplayLayout;
-
+use crate::mode::{ApiKeyScope, EngineMode};
 use crate::textgen::SimTokenizer;
 
 /// The latency model: one engine step (one forward pass over the batch)
@@ -148,8 +147,40 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Prefix caching on (vLLM's default). Off: no hits, no events.
     pub enable_prefix_caching: bool,
-    /// Seed of NONE_HASH (`PYTHONHASHSEED`; default `"vllm-none-hash"`).
-    pub hash_seed: String,
+    /// Seed of vLLM's NONE_HASH (`PYTHONHASHSEED`). SGLang's page chain
+    /// has no seed and accepts only [`HashSeed::EngineDefault`].
+    pub hash_seed: HashSeed,
+}
+
+/// Where vLLM's NONE_HASH (the virtual parent of every first block) comes
+/// from, and so whether two engines agree on block hashes.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum HashSeed {
+    /// What the release does without `PYTHONHASHSEED`: vLLM ≥ 0.29 hashes
+    /// `"vllm-none-hash"` (every pod agrees), older releases draw a random
+    /// NONE_HASH per engine core (pods disagree).
+    #[default]
+    EngineDefault,
+    /// `PYTHONHASHSEED=<seed>`: NONE_HASH = H(seed), the same on every pod
+    /// configured alike.
+    Fixed(String),
+    /// A random NONE_HASH per engine core (`PYTHONHASHSEED=random`, or any
+    /// release before 0.29 without the variable): the same tokens get
+    /// different block hashes on every engine.
+    Random,
+}
+
+impl std::str::FromStr for HashSeed {
+    type Err = String;
+
+    /// `random`, `default`, or a literal seed.
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "random" => HashSeed::Random,
+            "default" | "" => HashSeed::EngineDefault,
+            other => HashSeed::Fixed(other.to_owned()),
+        })
+    }
 }
 
 impl Default for EngineConfig {
@@ -160,19 +191,9 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 2048,
             max_num_seqs: 256,
             enable_prefix_caching: true,
-            hash_seed: crate::hash::DEFAULT_HASH_SEED.to_owned(),
+            hash_seed: HashSeed::EngineDefault,
         }
     }
-}
-
-/// Event encoding on the wire.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum EventForm {
-    /// vLLM ≥ 0.24: events are maps keyed by field name (default).
-    #[default]
-    Map,
-    /// vLLM 0.22–0.23: positional arrays.
-    Array,
 }
 
 /// How block hashes are written.
@@ -185,7 +206,9 @@ pub enum HashRepr {
     Bytes,
 }
 
-/// The KV-event publisher of each DP rank (vLLM's `--kv-events-config`).
+/// The KV-event publisher of each DP rank (vLLM's and SGLang's
+/// `--kv-events-config`). The encoding and the replay reply layout follow
+/// the engine mode ([`SimConfig::engine_mode`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct KvEventsConfig {
     /// Address the PUB (and replay ROUTER) sockets bind.
@@ -193,18 +216,14 @@ pub struct KvEventsConfig {
     /// PUB port of rank 0; rank r binds `port + r`. 0: an ephemeral port
     /// per rank.
     pub port: u16,
-    /// Replay ROUTER port of rank 0 (rank r: `+ r`); `None`: no replay.
-    /// `Some(0)`: ephemeral.
+    /// Replay ROUTER port of rank 0 (rank r: `+ r`); `None` (the default,
+    /// as vLLM's and SGLang's `replay_endpoint` is unset unless
+    /// configured): no replay socket. `Some(0)`: ephemeral.
     pub replay_port: Option<u16>,
     /// Frame 0 of every message (vLLM's default is empty).
     pub topic: String,
-    /// Map (default) or positional events.
-    pub form: EventForm,
-    /// Int (default) or bytes hashes.
+    /// Int (default) or bytes hashes (vLLM only).
     pub hash_repr: HashRepr,
-    /// Replay reply layout: vLLM ≥ 0.26 `[topic, seq, payload]` (default)
-    /// or the older `[seq, payload]`.
-    pub replay_layout: ReplayLayout,
     /// Batches kept for replay (vLLM's `buffer_steps`, default 10000).
     pub buffer_steps: usize,
     /// A fixed batch timestamp instead of the wall clock (tests that compare
@@ -217,14 +236,29 @@ impl Default for KvEventsConfig {
         KvEventsConfig {
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: 0,
-            replay_port: Some(0),
+            replay_port: None,
             topic: String::new(),
-            form: EventForm::Map,
             hash_repr: HashRepr::Int,
-            replay_layout: ReplayLayout::TopicSeqPayload,
             buffer_steps: 10_000,
             fixed_ts: None,
         }
+    }
+}
+
+impl KvEventsConfig {
+    /// The same publisher with a replay ROUTER on `port` for rank 0 (0:
+    /// ephemeral), as `"replay_endpoint": "tcp://*:PORT"` configures.
+    #[must_use]
+    pub fn with_replay(mut self, port: u16) -> Self {
+        self.replay_port = Some(port);
+        self
+    }
+
+    /// The same publisher without a replay socket (the engines' default).
+    #[must_use]
+    pub fn without_replay(mut self) -> Self {
+        self.replay_port = None;
+        self
     }
 }
 
@@ -236,6 +270,14 @@ pub struct FaultConfig {
     /// Drop every n-th published batch from the PUB socket (kept for
     /// replay), so subscribers see a sequence gap; 0 = never.
     pub drop_every: u64,
+    /// How inference requests fail ([`FailMode::None`]: they do not).
+    pub fail_requests: FailMode,
+    /// The fraction of inference requests that fail while `fail_requests`
+    /// is set, in (0, 1]; exact over every run of requests (request i fails
+    /// when `floor((i+1)·f) > floor(i·f)`), not random.
+    pub fail_fraction: f64,
+    /// Delay before every `/metrics` answer, ms (a slow scrape).
+    pub metrics_delay_ms: u64,
 }
 
 impl Default for FaultConfig {
@@ -243,15 +285,73 @@ impl Default for FaultConfig {
         FaultConfig {
             slowdown: 1.0,
             drop_every: 0,
+            fail_requests: FailMode::None,
+            fail_fraction: 1.0,
+            metrics_delay_ms: 0,
         }
     }
 }
 
+/// How failing inference requests (`/v1/completions`,
+/// `/v1/chat/completions`) are answered; every other endpoint stays fine
+/// unless the mode says otherwise.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// No failure.
+    #[default]
+    None,
+    /// A CUDA fault on the GPU surfacing in each request: HTTP 500 with the
+    /// engine's error body and PyTorch's CUDA message (streaming requests:
+    /// 200, then one `data: {"error": …}` event and `data: [DONE]`, as the
+    /// engines' stream generators answer). `/health`, `/v1/models` and
+    /// `/metrics` stay fine.
+    CudaError,
+    /// vLLM's engine core died (`EngineDeadError`): HTTP 500 with an empty
+    /// body, and `/health` answers 503.
+    EngineDead,
+    /// vLLM's admission control (≥ 0.29) refusing the request: HTTP 503
+    /// with its body, counted in `vllm:admission_rejections_total`
+    /// (streaming requests too: the check runs before the stream opens).
+    AdmissionReject,
+}
+
+impl std::str::FromStr for FailMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.replace('-', "_").as_str() {
+            "none" => Ok(FailMode::None),
+            "cuda_error" => Ok(FailMode::CudaError),
+            "engine_dead" => Ok(FailMode::EngineDead),
+            "admission_reject" => Ok(FailMode::AdmissionReject),
+            _ => Err(format!(
+                "unknown failure `{s}`: use none, cuda-error, engine-dead or admission-reject"
+            )),
+        }
+    }
+}
+
+/// vLLM's admission control (`--max-num-queued-reqs`,
+/// `--max-num-queued-tokens`, vLLM ≥ 0.29): requests beyond a limit are
+/// refused with 503 before they reach an engine core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct AdmissionLimits {
+    /// Most requests in flight (waiting + running, over every DP rank; a
+    /// request with `n` choices takes `n`).
+    pub max_num_queued_reqs: Option<usize>,
+    /// Most prompt tokens of requests still in their prefill.
+    pub max_num_queued_tokens: Option<usize>,
+}
+
 /// Everything one simulated engine (one HTTP server, `dp_size` engine
-/// cores) needs. `SimConfig::default()` is a small, fast engine on
-/// ephemeral loopback ports with the word-level tokenizer.
+/// cores) needs. `SimConfig::default()` is a small, fast vLLM 0.33 engine
+/// on ephemeral loopback ports with the word-level tokenizer, publishing KV
+/// events on an ephemeral port without a replay socket (vLLM's default).
 #[derive(Clone, Debug)]
 pub struct SimConfig {
+    /// The engine family and release imitated (default vLLM 0.33.0).
+    pub engine_mode: EngineMode,
     /// The served model name (`--served-model-name`; the card's `id`).
     pub model: String,
     /// More names answering for the same model (each gets a card).
@@ -282,11 +382,19 @@ pub struct SimConfig {
     pub enable_prompt_tokens_details: bool,
     /// Faults from the start.
     pub faults: FaultConfig,
+    /// `--api-key`: requests to guarded paths need
+    /// `Authorization: Bearer <key>` (401 otherwise).
+    pub api_key: Option<String>,
+    /// Which paths the key guards.
+    pub api_key_scope: ApiKeyScope,
+    /// vLLM's admission control; none by default, as in vLLM.
+    pub admission: AdmissionLimits,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
         SimConfig {
+            engine_mode: EngineMode::default(),
             model: "kinference/sim".to_owned(),
             aliases: Vec::new(),
             root: None,
@@ -301,6 +409,9 @@ impl Default for SimConfig {
             tokenizer: None,
             enable_prompt_tokens_details: false,
             faults: FaultConfig::default(),
+            api_key: None,
+            api_key_scope: ApiKeyScope::EngineDefault,
+            admission: AdmissionLimits::default(),
         }
     }
 }
@@ -351,6 +462,55 @@ impl SimConfig {
         {
             return bad("buffer_steps must be positive");
         }
+        self.engine_mode.check().map_err(crate::SimError::Config)?;
+        self.validate_mode()?;
+        let f = &self.faults;
+        if !(f.fail_fraction.is_finite() && f.fail_fraction > 0.0 && f.fail_fraction <= 1.0) {
+            return bad("fail_fraction must be in (0, 1]");
+        }
+        if self.api_key.as_deref() == Some("") {
+            return bad("api_key must not be empty");
+        }
+        Ok(())
+    }
+
+    /// The settings a family or release does not have.
+    fn validate_mode(&self) -> Result<(), crate::SimError> {
+        let mode = self.engine_mode;
+        let bad = |m: String| Err(crate::SimError::Config(m));
+        if mode.is_sglang() {
+            if self.engine.hash_seed != HashSeed::EngineDefault {
+                return bad(format!(
+                    "{mode} has no hash seed: its page hashes are unseeded (PYTHONHASHSEED is vLLM's)"
+                ));
+            }
+            if self
+                .kv_events
+                .as_ref()
+                .is_some_and(|kv| kv.hash_repr == HashRepr::Bytes)
+            {
+                return bad(format!("{mode} always publishes integer hashes"));
+            }
+            if self.api_key_scope != ApiKeyScope::EngineDefault {
+                return bad(format!(
+                    "{mode} has one api key rule; the scope setting is vLLM's"
+                ));
+            }
+        }
+        let limits = self.admission.max_num_queued_reqs.is_some()
+            || self.admission.max_num_queued_tokens.is_some();
+        if (limits || self.faults.fail_requests == FailMode::AdmissionReject)
+            && !mode.has_admission_control()
+        {
+            return bad(format!(
+                "{mode} has no admission control (vLLM 0.29 added --max-num-queued-reqs)"
+            ));
+        }
+        if self.faults.fail_requests == FailMode::EngineDead && !mode.is_vllm() {
+            return bad(format!(
+                "engine_dead models vLLM's EngineDeadError, not {mode}"
+            ));
+        }
         Ok(())
     }
 
@@ -395,6 +555,38 @@ mod tests {
         assert!((l.step_seconds(0, 1) * 1e3 - 5.1).abs() < 0.05);
         assert!((l.step_seconds(0, 32) * 1e3 - 7.1).abs() < 0.05);
         assert!((l.step_seconds(256, 0) * 1e3 - 27.0).abs() < 0.1);
+    }
+
+    #[test]
+    fn modes_refuse_what_their_engine_lacks() {
+        let sglang = SimConfig {
+            engine_mode: "sglang".parse().expect("mode"),
+            ..SimConfig::default()
+        };
+        assert!(sglang.validate().is_ok());
+        let mut c = sglang.clone();
+        c.engine.hash_seed = HashSeed::Fixed("0".to_owned());
+        assert!(c.validate().unwrap_err().to_string().contains("hash seed"));
+        let mut c = sglang.clone();
+        c.admission.max_num_queued_reqs = Some(4);
+        assert!(c.validate().unwrap_err().to_string().contains("admission"));
+        let mut c = SimConfig {
+            engine_mode: "vllm:0.28".parse().expect("mode"),
+            ..SimConfig::default()
+        };
+        c.faults.fail_requests = FailMode::AdmissionReject;
+        assert!(c.validate().is_err());
+        c.faults.fail_requests = FailMode::CudaError;
+        c.faults.fail_fraction = 0.0;
+        assert!(
+            c.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("fail_fraction")
+        );
+        assert_eq!("cuda-error".parse(), Ok(FailMode::CudaError));
+        assert_eq!("random".parse(), Ok(HashSeed::Random));
+        assert_eq!("7".parse(), Ok(HashSeed::Fixed("7".to_owned())));
     }
 
     #[test]

@@ -48,198 +48,24 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use crate::config::{EngineConfig, LatencyModel, OutputLen};
+use crate::config::{EngineConfig, HashSeed, LatencyModel, OutputLen};
 use crate::hash::{BlockHasher, Digest};
-use crate::metrics::{Histogram, ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS};
+use crate::mode::EngineMode;
 use crate::pool::{BlockId, BlockPool, CachedBlock};
 use crate::textgen::{Rng, SimTokenizer};
+
+mod types;
+
+pub use types::{
+    AdmitError, CoreStats, FinishReason, Finished, NewRequest, RequestRecord, Scheduled, SimEvent,
+    StepOut,
+};
 
 /// A request id, unique per engine core.
 pub type ReqId = u64;
 
 /// How many finished requests [`EngineCore::recent`] remembers.
 const RECENT: usize = 4096;
-
-/// A KV event, before it is given its wire form.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum SimEvent {
-    /// Full blocks cached, in prefix order.
-    Stored {
-        /// Their digests.
-        digests: Vec<Digest>,
-        /// Digest of the block before the first (`None`: sequence start).
-        parent: Option<Digest>,
-        /// Their token ids, concatenated.
-        tokens: Vec<u32>,
-    },
-    /// One block evicted.
-    Removed(Digest),
-    /// The prefix cache was reset.
-    Cleared,
-}
-
-/// Why a request stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// Its sampled length was reached before `max_tokens` (an EOS).
-    Stop,
-    /// `max_tokens` or the context length was reached.
-    Length,
-    /// Aborted (client gone, or a fault).
-    Abort,
-}
-
-impl FinishReason {
-    /// The OpenAI `finish_reason`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-        }
-    }
-}
-
-/// What a new request asks for.
-#[derive(Clone, Debug, Default)]
-pub struct NewRequest {
-    /// Prompt token ids (non-empty).
-    pub prompt: Vec<u32>,
-    /// `max_tokens`, already checked against the context length.
-    pub max_tokens: Option<usize>,
-    /// `min_tokens`.
-    pub min_tokens: usize,
-    /// `ignore_eos`: always generate `max_tokens`.
-    pub ignore_eos: bool,
-    /// The request's `seed`.
-    pub seed: Option<u64>,
-}
-
-/// One request's progress, reported after a step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepOut {
-    /// The request.
-    pub id: ReqId,
-    /// The token it sampled in this step.
-    pub token: u32,
-    /// Set when the request finished in this step.
-    pub finished: Option<Finished>,
-}
-
-/// A finished request's accounting.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Finished {
-    /// Why it stopped.
-    pub reason: FinishReason,
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Generated tokens.
-    pub completion_tokens: usize,
-    /// Prompt tokens served from the prefix cache at admission.
-    pub cached_tokens: usize,
-}
-
-/// Timings of a finished request, in engine seconds.
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
-pub struct RequestRecord {
-    /// Engine-local id.
-    pub id: ReqId,
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Prompt tokens that hit the cache at (first) admission.
-    pub cached_tokens: usize,
-    /// Generated tokens.
-    pub completion_tokens: usize,
-    /// `stop`, `length` or `abort`.
-    pub finish_reason: &'static str,
-    /// Arrival.
-    pub arrival: f64,
-    /// First admission into the running batch.
-    pub scheduled: Option<f64>,
-    /// End of the step that produced the first token.
-    pub first_token: Option<f64>,
-    /// End of the last step.
-    pub finished: f64,
-    /// Times it was preempted.
-    pub preemptions: u32,
-}
-
-/// Counters and histograms of one core (what `/metrics` reports).
-#[derive(Clone, Debug)]
-pub struct CoreStats {
-    /// Prompt tokens of requests that finished their prefill.
-    pub prompt_tokens: u64,
-    /// Tokens generated.
-    pub generation_tokens: u64,
-    /// Prompt tokens looked up in the prefix cache at admission.
-    pub prefix_cache_queries: u64,
-    /// Of those, tokens found.
-    pub prefix_cache_hits: u64,
-    /// Requests preempted.
-    pub preemptions: u64,
-    /// Requests finished with `stop`.
-    pub finished_stop: u64,
-    /// Requests finished with `length`.
-    pub finished_length: u64,
-    /// Requests aborted.
-    pub finished_abort: u64,
-    /// Steps run.
-    pub steps: u64,
-    /// Simulated seconds spent in steps (before the slow-down fault).
-    pub busy_seconds: f64,
-    /// Blocks reported in `BlockStored` events.
-    pub blocks_stored: u64,
-    /// Blocks evicted (`BlockRemoved`).
-    pub blocks_removed: u64,
-    /// Successful prefix-cache resets.
-    pub cache_resets: u64,
-    /// Time to first token.
-    pub ttft: Histogram,
-    /// Gap between consecutive tokens of a request.
-    pub itl: Histogram,
-    /// Arrival to finish.
-    pub e2e: Histogram,
-    /// Arrival to first admission.
-    pub queue: Histogram,
-}
-
-impl Default for CoreStats {
-    fn default() -> Self {
-        CoreStats {
-            prompt_tokens: 0,
-            generation_tokens: 0,
-            prefix_cache_queries: 0,
-            prefix_cache_hits: 0,
-            preemptions: 0,
-            finished_stop: 0,
-            finished_length: 0,
-            finished_abort: 0,
-            steps: 0,
-            busy_seconds: 0.0,
-            blocks_stored: 0,
-            blocks_removed: 0,
-            cache_resets: 0,
-            ttft: Histogram::new(TTFT_BUCKETS),
-            itl: Histogram::new(ITL_BUCKETS),
-            e2e: Histogram::new(REQUEST_BUCKETS),
-            queue: Histogram::new(REQUEST_BUCKETS),
-        }
-    }
-}
-
-/// The work of one step, between [`EngineCore::schedule`] and
-/// [`EngineCore::finish_step`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct Scheduled {
-    /// `(request, tokens computed in this step)`, in batch order.
-    pub entries: Vec<(ReqId, usize)>,
-    /// Prompt (or recomputed) tokens in the step.
-    pub prefill_tokens: usize,
-    /// Sequences decoding one token.
-    pub decode_seqs: usize,
-    /// Step duration in seconds, from the latency model.
-    pub duration: f64,
-}
 
 #[derive(Debug)]
 struct Req {
@@ -259,36 +85,7 @@ struct Req {
     first_token: Option<f64>,
     last_token: Option<f64>,
     preemptions: u32,
-}
-
-/// Why a request was refused (vLLM's messages, HTTP 400).
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum AdmitError {
-    /// Empty prompt.
-    #[error("The prompt cannot be empty.")]
-    EmptyPrompt,
-    /// The prompt alone fills the context.
-    #[error(
-        "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt} input tokens. Please reduce the length of the input messages."
-    )]
-    PromptTooLong {
-        /// Context length.
-        max_model_len: usize,
-        /// Prompt tokens.
-        prompt: usize,
-    },
-    /// Prompt plus `max_tokens` exceed the context.
-    #[error(
-        "'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum context length is {max_model_len} tokens and your request has {prompt} input tokens ({max_tokens} > {max_model_len} - {prompt})."
-    )]
-    MaxTokensTooLarge {
-        /// Context length.
-        max_model_len: usize,
-        /// Prompt tokens.
-        prompt: usize,
-        /// Requested output tokens.
-        max_tokens: usize,
-    },
+    report_full: bool,
 }
 
 /// One engine core. See the module docs.
@@ -310,12 +107,43 @@ pub struct EngineCore {
     next_id: ReqId,
     stats: CoreStats,
     recent: VecDeque<RequestRecord>,
+    /// SGLang's radix cache: a digest is stored once and removed once.
+    set_semantics: bool,
+}
+
+/// The hasher an engine core of `mode` uses. A [`HashSeed::Random`] seed
+/// (or a vLLM release before 0.29 without one) draws a fresh NONE_HASH, so
+/// every call gives another hasher, as every vLLM engine-core process does.
+pub fn block_hasher(mode: &EngineMode, block_size: usize, seed: &HashSeed) -> BlockHasher {
+    if mode.is_sglang() {
+        return BlockHasher::sglang(block_size);
+    }
+    match seed {
+        HashSeed::Fixed(s) => BlockHasher::new(block_size, s),
+        HashSeed::EngineDefault if mode.default_seed_is_fixed() => {
+            BlockHasher::new(block_size, crate::hash::DEFAULT_HASH_SEED)
+        }
+        HashSeed::EngineDefault | HashSeed::Random => {
+            use std::hash::{BuildHasher as _, Hasher as _};
+            let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+            h.write_u128(
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos()),
+            );
+            let a = h.finish();
+            h.write_u64(a);
+            BlockHasher::new(block_size, &format!("random-{a:016x}{:016x}", h.finish()))
+        }
+    }
 }
 
 impl EngineCore {
-    /// A core with an empty cache.
+    /// A core with an empty cache, imitating `mode`'s block hashes and
+    /// cache semantics.
     pub fn new(
         cfg: EngineConfig,
+        mode: EngineMode,
         latency: LatencyModel,
         output: OutputLen,
         max_model_len: usize,
@@ -324,7 +152,13 @@ impl EngineCore {
     ) -> Self {
         EngineCore {
             pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
-            hasher: BlockHasher::new(cfg.block_size, &cfg.hash_seed),
+            hasher: block_hasher(&mode, cfg.block_size, &cfg.hash_seed),
+            set_semantics: mode.set_semantics(),
+            stats: if mode.is_sglang() {
+                CoreStats::sglang()
+            } else {
+                CoreStats::default()
+            },
             cfg,
             latency,
             output,
@@ -337,7 +171,6 @@ impl EngineCore {
             aborts: Vec::new(),
             events: Vec::new(),
             next_id: 0,
-            stats: CoreStats::default(),
             recent: VecDeque::new(),
         }
     }
@@ -396,6 +229,7 @@ impl EngineCore {
                 first_token: None,
                 last_token: None,
                 preemptions: 0,
+                report_full: req.report_full,
             },
         );
         self.waiting.push_back(id);
@@ -509,12 +343,14 @@ impl EngineCore {
             budget -= want;
             i += 1;
         }
+        let (mut admitted_prompt, mut admitted_hits) = (0usize, 0usize);
         if !preempted {
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
                 let Some(&id) = self.waiting.front() else {
                     break;
                 };
                 let (hits, hit_tokens) = self.lookup_prefix(id);
+                self.rereport_hits(id, hits.len());
                 let want = (self.reqs[&id].tokens.len() - hit_tokens).min(budget);
                 self.reqs
                     .get_mut(&id)
@@ -537,9 +373,14 @@ impl EngineCore {
                 }
                 self.stats.prefix_cache_queries += r.tokens.len() as u64;
                 self.stats.prefix_cache_hits += hit_tokens as u64;
+                admitted_prompt += r.tokens.len();
+                admitted_hits += hit_tokens;
                 entries.push((id, want));
                 budget -= want;
             }
+        }
+        if admitted_prompt > 0 {
+            self.stats.last_hit_rate = admitted_hits as f64 / admitted_prompt as f64;
         }
         if entries.is_empty() {
             return None;
@@ -568,6 +409,7 @@ impl EngineCore {
         self.stats.steps += 1;
         self.stats.busy_seconds += step.duration;
         let mut out = Vec::with_capacity(step.entries.len());
+        let sampled_before = self.stats.generation_tokens;
         for &(id, n) in &step.entries {
             let Some(r) = self.reqs.get_mut(&id) else {
                 continue;
@@ -612,6 +454,10 @@ impl EngineCore {
             if let Some(reason) = done {
                 self.finish(id, reason, now);
             }
+        }
+        if step.duration > 0.0 {
+            self.stats.gen_throughput =
+                (self.stats.generation_tokens - sampled_before) as f64 / step.duration;
         }
         out
     }
@@ -710,6 +556,40 @@ impl EngineCore {
         &self.cfg
     }
 
+    /// The block hasher (its scheme gives the wire ids of digests).
+    pub fn hasher(&self) -> &BlockHasher {
+        &self.hasher
+    }
+
+    /// Prompt tokens of requests still in their prefill (waiting, or
+    /// running with prompt tokens left): what vLLM's
+    /// `--max-num-queued-tokens` counts.
+    pub fn prefill_tokens_queued(&self) -> usize {
+        self.reqs
+            .values()
+            .filter(|r| r.num_computed < r.prompt_len)
+            .map(|r| r.prompt_len)
+            .sum()
+    }
+
+    /// vLLM's `emit_cached_block_events`: a `kv_cache_report_mode: "full"`
+    /// request re-announces the `hits` blocks its prefix-cache lookup found,
+    /// as one `BlockStored` from the start of the sequence (parent nil),
+    /// without changing any block.
+    fn rereport_hits(&mut self, id: ReqId, hits: usize) {
+        let r = &self.reqs[&id];
+        if !r.report_full || hits == 0 {
+            return;
+        }
+        let bs = self.cfg.block_size;
+        self.events.push(SimEvent::Stored {
+            digests: r.digests[..hits].to_vec(),
+            parent: None,
+            tokens: r.tokens[..hits * bs].to_vec(),
+        });
+        self.stats.blocks_rereported += hits as u64;
+    }
+
     /// Finds the cached prefix of a waiting request: the blocks and the
     /// number of tokens they hold.
     fn lookup_prefix(&mut self, id: ReqId) -> (Vec<BlockId>, usize) {
@@ -745,6 +625,7 @@ impl EngineCore {
             cfg,
             ..
         } = self;
+        let set_semantics = self.set_semantics;
         let r = reqs.get_mut(&id).expect("scheduled request exists");
         let total = r.num_computed + num_new;
         let need = total.div_ceil(bs);
@@ -763,8 +644,10 @@ impl EngineCore {
         }
         for _ in 0..new_blocks {
             let (b, evicted) = pool.allocate().expect("free blocks were counted");
-            if let Some(d) = evicted {
-                events.push(SimEvent::Removed(d));
+            if let Some((digest, parent)) = evicted
+                && !(set_semantics && pool.lookup(&digest).is_some())
+            {
+                events.push(SimEvent::Removed { digest, parent });
                 stats.blocks_removed += 1;
             }
             r.blocks.push(b);
@@ -774,22 +657,25 @@ impl EngineCore {
             if full > r.num_cached_blocks {
                 let from = r.num_cached_blocks;
                 hasher.extend(&r.tokens[..full * bs], &mut r.digests);
-                let parent = from.checked_sub(1).map(|p| r.digests[p]);
+                // One event per run of newly cached blocks; under set
+                // semantics a digest already cached elsewhere is not
+                // announced again (it splits the run).
+                let mut run = from;
                 for i in from..full {
                     let p = i.checked_sub(1).map(|p| r.digests[p]);
+                    let known = set_semantics && pool.lookup(&r.digests[i]).is_some();
                     pool.cache(
                         r.blocks[i],
                         r.digests[i],
                         p,
                         &r.tokens[i * bs..(i + 1) * bs],
                     );
+                    if known {
+                        push_stored(events, stats, r, run, i, bs);
+                        run = i + 1;
+                    }
                 }
-                events.push(SimEvent::Stored {
-                    digests: r.digests[from..full].to_vec(),
-                    parent,
-                    tokens: r.tokens[from * bs..full * bs].to_vec(),
-                });
-                stats.blocks_stored += (full - from) as u64;
+                push_stored(events, stats, r, run, full, bs);
                 r.num_cached_blocks = full;
             }
         }
@@ -838,6 +724,26 @@ impl EngineCore {
             preemptions: r.preemptions,
         });
     }
+}
+
+/// Announces the request's blocks `from..to` (if any) as one `BlockStored`.
+fn push_stored(
+    events: &mut Vec<SimEvent>,
+    stats: &mut CoreStats,
+    r: &Req,
+    from: usize,
+    to: usize,
+    bs: usize,
+) {
+    if to <= from {
+        return;
+    }
+    events.push(SimEvent::Stored {
+        digests: r.digests[from..to].to_vec(),
+        parent: from.checked_sub(1).map(|p| r.digests[p]),
+        tokens: r.tokens[from * bs..to * bs].to_vec(),
+    });
+    stats.blocks_stored += (to - from) as u64;
 }
 
 #[cfg(test)]

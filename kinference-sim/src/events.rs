@@ -3,11 +3,14 @@
 //! optional replay ROUTER answering from a ring buffer of recent batches.
 //!
 //! Encoding and framing are `kinference-kvindex`'s ([`encode_batch`],
-//! [`frames`]); this module only decides what goes into a batch, with
-//! vLLM 0.33's field values: `medium: "GPU"`, `group_idx: 0`,
-//! `kv_cache_spec_kind: "full_attention"`, one `extra_keys` nil per block,
-//! one `BlockRemoved` per evicted block, and the rank stamped into the
-//! batch.
+//! [`frames`]); this module only decides what goes into a batch, with the
+//! engine mode's field values. vLLM (0.33): `medium: "GPU"`, `group_idx:
+//! 0`, `kv_cache_spec_kind: "full_attention"`, one `extra_keys` nil per
+//! block, one `BlockRemoved` per evicted block. SGLang: `medium: "GPU"`,
+//! `lora_id` nil and nothing else; a run of evictions along one chain (a
+//! radix node's pages) becomes one `BlockRemoved` in prefix order, and
+//! before 0.5.18 every page gets its own event, stores and removals alike.
+//! The publisher stamps its rank into every batch.
 //!
 //! Faults: a batch can be *dropped* (its seq is used and it stays in the
 //! replay ring, but it is not sent: subscribers see a gap they can repair),
@@ -30,9 +33,10 @@ use tokio::sync::{mpsc, oneshot, watch};
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::SimError;
-use crate::config::{EventForm, HashRepr, KvEventsConfig};
+use crate::config::{HashRepr, KvEventsConfig};
 use crate::engine::SimEvent;
 use crate::hash::Digest;
+use crate::mode::{EngineMode, WireForm};
 
 /// Counters and addresses of a publisher (shared with the HTTP side).
 #[derive(Debug)]
@@ -89,6 +93,7 @@ impl std::fmt::Debug for Cmd {
 
 struct Wire {
     topic: Bytes,
+    mode: EngineMode,
     form: EncodeForm,
     hash_repr: HashRepr,
     block_size: u32,
@@ -107,6 +112,7 @@ impl Publisher {
     /// [`SimError::Bind`] when a port is taken.
     pub(crate) async fn start(
         cfg: &KvEventsConfig,
+        mode: EngineMode,
         rank: u32,
         port_offset: u16,
         block_size: usize,
@@ -124,13 +130,16 @@ impl Publisher {
         let ring: Ring = Arc::new(Mutex::new(VecDeque::new()));
         let wire = Wire {
             topic: Bytes::from(cfg.topic.clone().into_bytes()),
-            form: match cfg.form {
-                EventForm::Map => EncodeForm::VllmMap,
-                EventForm::Array => EncodeForm::VllmArray,
+            mode,
+            form: match mode.wire_form() {
+                WireForm::VllmMap => EncodeForm::VllmMap,
+                WireForm::VllmArray => EncodeForm::VllmArray,
+                WireForm::SglangArray => EncodeForm::SglangArray,
+                WireForm::SglangMap => EncodeForm::SglangMap,
             },
             hash_repr: cfg.hash_repr,
             block_size: block_size as u32,
-            layout: cfg.replay_layout,
+            layout: mode.replay_layout(),
             fixed_ts: cfg.fixed_ts,
             buffer_steps: cfg.buffer_steps,
         };
@@ -194,6 +203,54 @@ impl Publisher {
             let _ = wait.await;
         }
     }
+}
+
+/// `cfg` with ephemeral base ports (0) replaced by free bases that leave
+/// `n` consecutive ports free, so rank r can bind base + r.
+///
+/// # Errors
+/// [`SimError::Bind`] when no such range is found.
+pub(crate) fn consecutive_ports(cfg: &KvEventsConfig, n: u32) -> Result<KvEventsConfig, SimError> {
+    let mut out = cfg.clone();
+    // The publisher's own range is probed first, so the replay range
+    // starts after it.
+    if out.port == 0 {
+        out.port = free_range(cfg.host, n, &[])?;
+    }
+    if out.replay_port == Some(0) {
+        out.replay_port = Some(free_range(cfg.host, n, &[(out.port, n)])?);
+    }
+    Ok(out)
+}
+
+fn free_range(host: std::net::IpAddr, n: u32, avoid: &[(u16, u32)]) -> Result<u16, SimError> {
+    let clash = |base: u16| {
+        avoid.iter().any(|&(a, len)| {
+            let (a, b) = (u32::from(a), u32::from(base));
+            b < a + len && a < b + n
+        })
+    };
+    for _ in 0..64 {
+        let Ok(probe) = std::net::TcpListener::bind(SocketAddr::new(host, 0)) else {
+            break;
+        };
+        let Ok(base) = probe.local_addr().map(|a| a.port()) else {
+            break;
+        };
+        if u32::from(base) + n > u32::from(u16::MAX) || clash(base) {
+            continue;
+        }
+        let rest: Vec<_> = (1..n)
+            .map_while(|i| std::net::TcpListener::bind(SocketAddr::new(host, base + i as u16)).ok())
+            .collect();
+        if rest.len() + 1 == n as usize {
+            return Ok(base);
+        }
+    }
+    Err(SimError::Bind {
+        addr: SocketAddr::new(host, 0),
+        reason: format!("no {n} consecutive free ports"),
+    })
 }
 
 async fn bind_pub(want: SocketAddr) -> Result<(PubSocket, SocketAddr), SimError> {
@@ -277,7 +334,7 @@ impl Task {
         let ts = self.wire.fixed_ts.unwrap_or_else(wall_clock);
         let batch = EventBatch {
             ts,
-            events: events.into_iter().map(|e| to_wire(e, &self.wire)).collect(),
+            events: to_wire(events, &self.wire),
             dp_rank: Some(i64::from(info.rank)),
             has_rank_field: true,
             ..EventBatch::default()
@@ -384,41 +441,136 @@ fn wall_clock() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn wire_hash(d: &Digest, repr: HashRepr) -> BlockHash {
-    match repr {
+fn wire_hash(d: &Digest, w: &Wire) -> BlockHash {
+    if w.mode.is_sglang() {
+        return BlockHash::Int(d.sglang_id());
+    }
+    match w.hash_repr {
         HashRepr::Int => BlockHash::Uint(d.id()),
         HashRepr::Bytes => BlockHash::Bytes(d.0.to_vec()),
     }
 }
 
-/// An engine event in vLLM 0.33's wire form.
-fn to_wire(ev: SimEvent, w: &Wire) -> KvEvent {
-    match ev {
-        SimEvent::Stored {
-            digests,
-            parent,
-            tokens,
-        } => KvEvent::BlockStored(BlockStored {
-            extra_keys: Some(vec![None; digests.len()]),
-            block_hashes: digests.iter().map(|d| wire_hash(d, w.hash_repr)).collect(),
-            parent_block_hash: parent.as_ref().map(|d| wire_hash(d, w.hash_repr)),
-            token_ids: tokens,
-            block_size: w.block_size,
-            lora_id: None,
-            medium: Some("GPU".to_owned()),
-            lora_name: None,
-            group_idx: Some(0),
-            kv_cache_spec_kind: Some("full_attention".to_owned()),
-            ..BlockStored::default()
-        }),
-        SimEvent::Removed(d) => KvEvent::BlockRemoved(BlockRemoved {
-            block_hashes: vec![wire_hash(&d, w.hash_repr)],
-            medium: Some("GPU".to_owned()),
-            group_idx: Some(0),
-            ..BlockRemoved::default()
-        }),
-        SimEvent::Cleared => KvEvent::AllBlocksCleared,
+/// One step's engine events in the engine mode's wire form.
+fn to_wire(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
+    if w.mode.is_sglang() {
+        return sglang_events(events, w);
     }
+    events
+        .into_iter()
+        .map(|ev| match ev {
+            SimEvent::Stored {
+                digests,
+                parent,
+                tokens,
+            } => KvEvent::BlockStored(BlockStored {
+                extra_keys: Some(vec![None; digests.len()]),
+                block_hashes: digests.iter().map(|d| wire_hash(d, w)).collect(),
+                parent_block_hash: parent.as_ref().map(|d| wire_hash(d, w)),
+                token_ids: tokens,
+                block_size: w.block_size,
+                lora_id: None,
+                medium: Some("GPU".to_owned()),
+                lora_name: None,
+                group_idx: Some(0),
+                kv_cache_spec_kind: Some("full_attention".to_owned()),
+                ..BlockStored::default()
+            }),
+            SimEvent::Removed { digest, .. } => KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![wire_hash(&digest, w)],
+                medium: Some("GPU".to_owned()),
+                group_idx: Some(0),
+                ..BlockRemoved::default()
+            }),
+            SimEvent::Cleared => KvEvent::AllBlocksCleared,
+        })
+        .collect()
+}
+
+fn sglang_stored(
+    digests: &[Digest],
+    parent: Option<&Digest>,
+    tokens: Vec<u32>,
+    w: &Wire,
+) -> KvEvent {
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: digests.iter().map(|d| wire_hash(d, w)).collect(),
+        parent_block_hash: parent.map(|d| wire_hash(d, w)),
+        token_ids: tokens,
+        block_size: w.block_size,
+        medium: Some("GPU".to_owned()),
+        ..BlockStored::default()
+    })
+}
+
+fn sglang_removed(digests: &[Digest], w: &Wire) -> KvEvent {
+    KvEvent::BlockRemoved(BlockRemoved {
+        block_hashes: digests.iter().map(|d| wire_hash(d, w)).collect(),
+        medium: Some("GPU".to_owned()),
+        ..BlockRemoved::default()
+    })
+}
+
+/// SGLang's events: stores as they are (or page by page before 0.5.18);
+/// consecutive evictions that walk up one chain (the pool frees a
+/// request's tail first, so each evicted block is the parent of the one
+/// before) form one radix node, reported in prefix order.
+fn sglang_events(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
+    let per_page = w.mode.one_event_per_page();
+    let bs = w.block_size as usize;
+    let mut out = Vec::with_capacity(events.len());
+    // The eviction run being collected, leaf first, and its last parent.
+    let mut run: Vec<Digest> = Vec::new();
+    let mut run_parent: Option<Digest> = None;
+    let flush = |run: &mut Vec<Digest>, out: &mut Vec<KvEvent>| {
+        run.reverse();
+        if per_page {
+            out.extend(
+                run.iter()
+                    .map(|d| sglang_removed(std::slice::from_ref(d), w)),
+            );
+        } else if !run.is_empty() {
+            out.push(sglang_removed(run, w));
+        }
+        run.clear();
+    };
+    for ev in events {
+        match ev {
+            SimEvent::Removed { digest, parent } => {
+                if !run.is_empty() && run_parent != Some(digest) {
+                    flush(&mut run, &mut out);
+                }
+                run.push(digest);
+                run_parent = parent;
+            }
+            SimEvent::Stored {
+                digests,
+                parent,
+                tokens,
+            } => {
+                flush(&mut run, &mut out);
+                if per_page {
+                    for (i, d) in digests.iter().enumerate() {
+                        let p = if i == 0 {
+                            parent.as_ref()
+                        } else {
+                            Some(&digests[i - 1])
+                        };
+                        let t = tokens[i * bs..(i + 1) * bs].to_vec();
+                        out.push(sglang_stored(std::slice::from_ref(d), p, t, w));
+                    }
+                } else {
+                    out.push(sglang_stored(&digests, parent.as_ref(), tokens, w));
+                }
+            }
+            SimEvent::Cleared => {
+                flush(&mut run, &mut out);
+                out.push(KvEvent::AllBlocksCleared);
+            }
+        }
+    }
+    flush(&mut run, &mut out);
+    out
 }
 
 /// The replay ROUTER task.

@@ -13,6 +13,13 @@
 //!
 //! On the wire a digest is published either whole (32 bytes) or as vLLM's
 //! default int form: the last 8 bytes read big-endian ([`Digest::id`]).
+//!
+//! SGLang (≥ 0.5.6) chains pages differently: a page's digest is SHA-256
+//! over the parent page's 32-byte digest (nothing for the first page)
+//! followed by the page's token ids as little-endian u32, and the event
+//! carries the *first* 8 bytes read big-endian as a signed int
+//! ([`Digest::sglang_id`]); no seed, so every pod agrees
+//! ([`BlockHasher::sglang`], checked against `testdata/kv-events/sglang-*`).
 
 use sha2::{Digest as _, Sha256};
 
@@ -32,6 +39,13 @@ impl Digest {
         u64::from_be_bytes(tail)
     }
 
+    /// SGLang's int form: the first 8 bytes, big-endian, as a signed int.
+    pub fn sglang_id(&self) -> i64 {
+        let mut head = [0u8; 8];
+        head.copy_from_slice(&self.0[..8]);
+        i64::from_be_bytes(head)
+    }
+
     /// Lower-case hex of the 32 bytes.
     pub fn hex(&self) -> String {
         use std::fmt::Write as _;
@@ -48,11 +62,20 @@ impl std::fmt::Debug for Digest {
     }
 }
 
-/// Chains block hashes the way vLLM's `sha256_cbor` does.
+/// Chains block hashes the way vLLM's `sha256_cbor` does, or the way
+/// SGLang chains pages.
 #[derive(Clone, Debug)]
 pub struct BlockHasher {
-    none_hash: Digest,
+    scheme: Scheme,
     block_size: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scheme {
+    /// vLLM `sha256_cbor` from this NONE_HASH.
+    Vllm { none_hash: Digest },
+    /// SGLang's SHA-256 page chain.
+    Sglang,
 }
 
 impl BlockHasher {
@@ -67,14 +90,47 @@ impl BlockHasher {
         cbor_head(&mut buf, 3, seed.len() as u64);
         buf.extend_from_slice(seed.as_bytes());
         BlockHasher {
-            none_hash: Digest(Sha256::digest(&buf).into()),
+            scheme: Scheme::Vllm {
+                none_hash: Digest(Sha256::digest(&buf).into()),
+            },
             block_size,
         }
     }
 
-    /// The virtual parent of every sequence's first block.
-    pub fn none_hash(&self) -> Digest {
-        self.none_hash
+    /// A hasher for SGLang's `block_size`-token pages.
+    ///
+    /// # Panics
+    /// If `block_size` is 0.
+    pub fn sglang(block_size: usize) -> Self {
+        assert!(block_size > 0, "block size must be positive");
+        BlockHasher {
+            scheme: Scheme::Sglang,
+            block_size,
+        }
+    }
+
+    /// The virtual parent of every sequence's first block (vLLM), `None`
+    /// for SGLang's chain, which has none.
+    pub fn none_hash(&self) -> Option<Digest> {
+        match self.scheme {
+            Scheme::Vllm { none_hash } => Some(none_hash),
+            Scheme::Sglang => None,
+        }
+    }
+
+    /// The 64-bit id the engine's int-form events carry for `d`, as
+    /// `BlockHash::id` normalises it: vLLM's last 8 bytes, or SGLang's
+    /// signed first 8 bytes in two's complement.
+    pub fn wire_id(&self, d: &Digest) -> u64 {
+        match self.scheme {
+            Scheme::Vllm { .. } => d.id(),
+            Scheme::Sglang => d.sglang_id() as u64,
+        }
+    }
+
+    /// Whether this is SGLang's page chain.
+    pub fn is_sglang(&self) -> bool {
+        self.scheme == Scheme::Sglang
     }
 
     /// Tokens per block.
@@ -84,7 +140,20 @@ impl BlockHasher {
 
     /// The hash of one block given its parent (`None` = first block).
     pub fn hash_block(&self, parent: Option<&Digest>, tokens: &[u32]) -> Digest {
-        let parent = parent.unwrap_or(&self.none_hash);
+        let none_hash = match self.scheme {
+            Scheme::Vllm { none_hash } => none_hash,
+            Scheme::Sglang => {
+                let mut h = Sha256::new();
+                if let Some(p) = parent {
+                    h.update(p.0);
+                }
+                for &t in tokens {
+                    h.update(t.to_le_bytes());
+                }
+                return Digest(h.finalize().into());
+            }
+        };
+        let parent = parent.unwrap_or(&none_hash);
         let mut buf = Vec::with_capacity(40 + tokens.len() * 5);
         buf.push(0x83); // array(3)
         buf.push(0x58); // bytes, 1-byte length
@@ -140,7 +209,7 @@ mod tests {
         // From testdata/kv-events/manifest.json, set vllm-0.33.0/sha256_cbor-*.
         let h = BlockHasher::new(16, DEFAULT_HASH_SEED);
         assert_eq!(
-            h.none_hash().hex(),
+            h.none_hash().expect("vLLM has one").hex(),
             "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
         );
     }
@@ -172,5 +241,22 @@ mod tests {
         assert_ne!(a[1], h.hash_block(None, &[3, 4]));
         let other_seed = BlockHasher::new(2, "0");
         assert_ne!(other_seed.hash_block(None, &[1, 2]), a[0]);
+    }
+
+    #[test]
+    fn sglang_page_chain_matches_sglang_0_5_23() {
+        // testdata/kv-events/sglang-0.5.23/stored_chain.msgpack: the first
+        // page of the fixtures' request A and its published hash.
+        let page: Vec<u32> = vec![
+            128_000, 7920, 112_649, 89378, 66107, 42836, 19565, 124_294, 101_023, 77752, 54481,
+            31210, 7939, 112_668, 89397, 66126,
+        ];
+        let h = BlockHasher::sglang(16);
+        let d = h.hash_block(None, &page);
+        assert_eq!(d.sglang_id(), -6_399_529_968_389_209_982);
+        assert_eq!(h.wire_id(&d), (-6_399_529_968_389_209_982_i64) as u64);
+        assert!(h.none_hash().is_none());
+        let next = h.hash_block(Some(&d), &page);
+        assert_ne!(next, d, "chained on the parent");
     }
 }

@@ -30,31 +30,55 @@ use crate::{FaultRequest, Shared};
 const BODY_LIMIT: usize = 64 << 20;
 
 pub(crate) fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
+    let mode = shared.cfg.engine_mode;
+    let mut app = Router::new()
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
-        .route("/health", get(health))
-        .route("/ping", get(health))
-        .route("/version", get(version))
-        .route("/load", get(load))
+        .route("/health", get(crate::surface::health))
         .route("/metrics", get(metrics))
-        .route("/kv_event_sources", get(kv_event_sources))
-        .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/debug/cache", get(debug_cache))
         .route("/debug/requests", get(debug_requests))
         .route("/debug/prefix_match", post(prefix_match))
-        .route("/admin/faults", get(faults_get).post(faults_post))
+        .route("/admin/faults", get(faults_get).post(faults_post));
+    if mode.is_vllm() {
+        app = app
+            .route("/ping", get(crate::surface::health))
+            .route("/version", get(version))
+            .route("/load", get(load))
+            .route("/reset_prefix_cache", post(reset_prefix_cache));
+    }
+    if mode.serves_kv_event_sources() {
+        app = app.route("/kv_event_sources", get(kv_event_sources));
+    }
+    if mode.serves_server_info() {
+        app = app
+            .route("/server_info", get(server_info))
+            .route("/get_server_info", get(server_info))
+            .route("/v1/tokenize", post(tokenize))
+            .route("/v1/detokenize", post(detokenize))
+            .route("/flush_cache", get(flush_cache).post(flush_cache));
+    }
+    let mut app = app
         .fallback(|| async {
             (
                 StatusCode::NOT_FOUND,
                 axum::Json(json!({"detail": "Not Found"})),
             )
         })
-        .layer(DefaultBodyLimit::max(BODY_LIMIT))
-        .with_state(shared)
+        .layer(DefaultBodyLimit::max(BODY_LIMIT));
+    if mode.is_sglang() {
+        app = app.layer(axum::middleware::from_fn(crate::surface::sglang_errors));
+    }
+    if shared.cfg.api_key.is_some() {
+        app = app.layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            crate::surface::require_key,
+        ));
+    }
+    app.with_state(shared)
 }
 
 fn unix_now() -> u64 {
@@ -77,6 +101,9 @@ fn tokenize_error(e: &kinference_tokenize::Error) -> ApiError {
 
 async fn models(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     let created = unix_now();
+    if s.cfg.engine_mode.is_sglang() {
+        return axum::Json(crate::surface::sglang_models(&s, created));
+    }
     let root = s.cfg.root.clone().unwrap_or_else(|| s.cfg.model.clone());
     let data: Vec<Value> = s
         .cfg
@@ -110,12 +137,30 @@ async fn models(State(s): State<Arc<Shared>>) -> impl IntoResponse {
     axum::Json(json!({"object": "list", "data": data}))
 }
 
-async fn health() -> StatusCode {
-    StatusCode::OK
+async fn version(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    axum::Json(json!({"version": s.cfg.engine_mode.version_string()}))
 }
 
-async fn version() -> impl IntoResponse {
-    axum::Json(json!({"version": crate::VLLM_VERSION}))
+async fn server_info(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    axum::Json(crate::surface::sglang_server_info(&s))
+}
+
+/// SGLang's `/flush_cache`: its prefix-cache reset (`AllBlocksCleared`),
+/// refused while requests run.
+async fn flush_cache(State(s): State<Arc<Shared>>) -> Response {
+    if s.reset_prefix_cache() {
+        (
+            StatusCode::OK,
+            "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+        )
+            .into_response()
+    } else {
+        (
+            StatusCode::BAD_REQUEST,
+            "Cache not flushed. Please check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+        )
+            .into_response()
+    }
 }
 
 async fn load(State(s): State<Arc<Shared>>) -> impl IntoResponse {
@@ -123,6 +168,10 @@ async fn load(State(s): State<Arc<Shared>>) -> impl IntoResponse {
 }
 
 async fn metrics(State(s): State<Arc<Shared>>) -> impl IntoResponse {
+    let delay = s.faults.metrics_delay();
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -258,7 +307,13 @@ async fn generate(
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
         .map_err(|e| tokenize_error(&e))?;
+    if let Some(failed) =
+        crate::surface::failure(&s, params.stream, tokenized.token_ids.len() * params.n)
+    {
+        return Ok(failed);
+    }
     let rank = s.pick_rank(headers)?;
+    let report_full = params.report_full && s.cfg.engine_mode.honours_report_mode_full();
     let mut choices = Choices(Vec::new());
     for (p, prompt) in tokenized.token_ids.into_iter().enumerate() {
         for i in 0..params.n {
@@ -268,6 +323,7 @@ async fn generate(
                 min_tokens: params.min_tokens,
                 ignore_eos: params.ignore_eos,
                 seed: Some(params.seed.unwrap_or(0).wrapping_add(i as u64)),
+                report_full,
             };
             let prompt_tokens = req.prompt.len();
             let (id, rx) = rank.submit(req).map_err(|e| ApiError::bad(e.to_string()))?;

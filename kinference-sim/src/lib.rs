@@ -1,12 +1,26 @@
-//! A vLLM-compatible engine simulator that behaves like a loaded GPU.
+//! An engine simulator that behaves like a loaded GPU running vLLM or SGLang.
 //!
-//! It answers vLLM's HTTP API (OpenAI completions and chat, streaming or
-//! not, `/tokenize`, `/metrics` with vLLM's names, `/v1/models`,
-//! `/kv_event_sources`, `/health`), publishes KV-cache events on ZeroMQ
-//! byte-compatible with vLLM 0.33 (and a replay ROUTER), and takes as long as
-//! an engine with a prefix cache and continuous batching would: time to
-//! first token depends on cache hits and queueing. Routers and benchmarks
-//! run fleets of them in one process, cheaply.
+//! It answers the engine's HTTP API (OpenAI completions and chat, streaming
+//! or not, tokenization, `/metrics` with the engine's names, `/v1/models`,
+//! `/health`, vLLM's `/kv_event_sources`, SGLang's `/server_info`),
+//! publishes KV-cache events on ZeroMQ byte-compatible with the chosen
+//! release (and a replay ROUTER when configured), and takes as long as an
+//! engine with a prefix cache and continuous batching would: time to first
+//! token depends on cache hits and queueing. Routers and benchmarks run
+//! fleets of them in one process, cheaply.
+//!
+//! # Features
+//!
+//! | feature | where |
+//! |---|---|
+//! | engine family and release: vLLM 0.22–0.33, SGLang 0.5.10–0.5.23 (default vLLM 0.33) | [`EngineMode`], [`mode`] |
+//! | KV events as the release writes them; replay only when configured ([`KvEventsConfig::with_replay`]) | [`KvEventsConfig`] |
+//! | block hashes: vLLM `sha256_cbor` from a fixed or per-engine NONE_HASH, SGLang's page chain | [`HashSeed`], [`hash`] |
+//! | vLLM's `kv_cache_report_mode: "full"` (`vllm_xargs`) re-announcing prefix hits | [`engine`] |
+//! | vLLM's admission control (`--max-num-queued-reqs`, `--max-num-queued-tokens`) | [`AdmissionLimits`] |
+//! | `--api-key` with each engine's guarded paths | [`SimConfig::api_key`], [`ApiKeyScope`] |
+//! | faults: slow, stalled or restarting engines, lost batches, cut streams, CUDA faults, a dead engine core, admission rejections, a fraction of failing requests, slow `/metrics` | [`FaultConfig`], [`FaultRequest`] |
+//! | the truth: cached blocks, counters, queues, publisher state | [`CacheTruth`] |
 //!
 //! # Start engines in-process
 //!
@@ -27,7 +41,7 @@
 //!
 //! # Data model
 //!
-//! One [`SimEngine`] is one vLLM server: an HTTP listener in front of
+//! One [`SimEngine`] is one engine server: an HTTP listener in front of
 //! `dp_size` *engine cores* (DP ranks). Each core ([`engine::EngineCore`])
 //! has its own block pool (prefix cache), scheduler, clock task and KV-event
 //! publisher (PUB on base port + rank). Requests go to the least loaded rank
@@ -56,12 +70,17 @@
 //!   cached block that allocation reuses; `AllBlocksCleared` after a
 //!   successful reset. Batches are published in engine order, one per step
 //!   that produced events, `seq` counting from 0 per publisher (restart).
+//!   In SGLang mode a digest is announced once while cached (set
+//!   semantics) and removed when its last copy goes.
 //! * [`SimHandle::cache_truth`] (`GET /debug/cache`) is the set of blocks the
 //!   engine would hit right now. Replaying every published event onto a
 //!   multiset (`BlockStored` +1 per hash, `BlockRemoved` −1,
 //!   `AllBlocksCleared` empties it) yields exactly each digest's number of
 //!   `copies` (vLLM can cache one digest in two blocks, and then reports
-//!   each eviction), unless a fault dropped batches.
+//!   each eviction), unless a fault dropped batches or a
+//!   `kv_cache_report_mode: "full"` request re-announced cached blocks
+//!   (counted in [`Counters::blocks_rereported`]; consumers must treat a
+//!   `BlockStored` as an idempotent upsert, as the spec says).
 //! * Same seed, same prompt ⇒ same output tokens on every engine.
 //!
 //! # Complexity and cost
@@ -79,45 +98,54 @@
 //! | `GET /debug/requests[?limit=N]` | timings of recent requests (engine seconds) |
 //! | `POST /debug/prefix_match` | cached prefix tokens per rank for `{"tokens": […]}`, a prompt or messages |
 //! | `GET/POST /admin/faults` | fault state / inject faults ([`FaultRequest`]) |
-//! | `POST /reset_prefix_cache` | vLLM's dev endpoint: `AllBlocksCleared` (409 while requests hold blocks) |
+//! | `POST /reset_prefix_cache` | vLLM's dev endpoint: `AllBlocksCleared` (409 while requests hold blocks); SGLang's is `/flush_cache` |
+//!
+//! The API key never guards these.
 
 pub mod config;
 mod driver;
 pub mod engine;
 pub mod hash;
+pub mod mode;
 pub mod pool;
 pub mod textgen;
 
 mod api;
 mod events;
+mod faults;
 mod http;
 mod metrics;
+mod surface;
+mod truth;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use config::{
-    EngineConfig, EventForm, FaultConfig, HashRepr, KvEventsConfig, LatencyModel, OutputLen,
-    SimConfig,
+    AdmissionLimits, EngineConfig, FailMode, FaultConfig, HashRepr, HashSeed, KvEventsConfig,
+    LatencyModel, OutputLen, SimConfig,
 };
 pub use engine::{CoreStats, RequestRecord};
+pub use faults::{FaultReport, FaultRequest};
 pub use hash::{BlockHasher, Digest};
 pub use kinference_kvindex::codec::frames::ReplayLayout;
+pub use mode::{ApiKeyScope, EngineMode, Family, Version};
 pub use textgen::SimTokenizer;
+pub use truth::{BlockTruth, CacheTruth, Counters, KvEndpoint, PublisherTruth, RankTruth};
 
 use crate::api::ApiError;
 use crate::driver::Rank;
 use crate::engine::EngineCore;
 use crate::events::Publisher;
+use crate::faults::LiveFaults;
 
-/// The vLLM release whose wire formats the simulator reproduces.
+/// The newest vLLM release whose wire formats the simulator reproduces
+/// (the default engine mode).
 pub const VLLM_VERSION: &str = "0.33.0";
 
 /// Why an engine could not start.
@@ -145,198 +173,16 @@ pub(crate) struct Shared {
     pub(crate) cfg: SimConfig,
     pub(crate) tok: Arc<SimTokenizer>,
     pub(crate) ranks: Vec<Arc<Rank>>,
+    /// Engine-wide failures (`/admin/faults`).
+    pub(crate) faults: LiveFaults,
+    /// `vllm:admission_rejections_total` by reason.
+    pub(crate) admission_rejections: metrics::Rejections,
     id_salt: u64,
     id_seq: AtomicU64,
 }
 
-/// KV-event endpoints of one DP rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-pub struct KvEndpoint {
-    /// DP rank.
-    pub rank: u32,
-    /// PUB socket.
-    pub pub_addr: SocketAddr,
-    /// Replay ROUTER socket.
-    pub replay_addr: Option<SocketAddr>,
-}
-
-/// One cached block as the engine holds it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct BlockTruth {
-    /// vLLM's int form of the digest (what int-mode events carry).
-    pub hash: u64,
-    /// The parent's int form (`None`: first block of a sequence).
-    pub parent: Option<u64>,
-    /// The whole digest, hex (`digests=1`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub digest: Option<String>,
-    /// Physical copies (vLLM may cache one digest twice).
-    pub copies: usize,
-    /// Held by a running request.
-    pub in_use: bool,
-    /// Token ids (`tokens=1`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tokens: Option<Vec<u32>>,
-}
-
-/// The truth about one engine core, for oracles and reliability checks.
-#[derive(Debug, Clone, Serialize)]
-pub struct RankTruth {
-    /// DP rank.
-    pub rank: u32,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// Blocks including the null block.
-    pub num_gpu_blocks: usize,
-    /// Unreferenced blocks (cached or not).
-    pub free_blocks: usize,
-    /// `vllm:kv_cache_usage_perc`.
-    pub kv_cache_usage_perc: f64,
-    /// Distinct cached digests.
-    pub cached_hashes: usize,
-    /// Blocks carrying a digest.
-    pub cached_blocks: usize,
-    /// The cached blocks, sorted by digest (omitted with `summary=1`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub blocks: Option<Vec<BlockTruth>>,
-    /// Counters.
-    pub counters: Counters,
-    /// Request ids running, in batch order.
-    pub running: Vec<u64>,
-    /// Request ids waiting, in queue order.
-    pub waiting: Vec<u64>,
-    /// Publisher state.
-    pub publisher: Option<PublisherTruth>,
-    /// Remaining stall, in ms.
-    pub stalled_ms: u64,
-    /// Step-time multiplier.
-    pub slowdown: f64,
-}
-
-/// Counters of one core (the same numbers `/metrics` shows).
-#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
-pub struct Counters {
-    /// `vllm:prompt_tokens_total`.
-    pub prompt_tokens: u64,
-    /// `vllm:generation_tokens_total`.
-    pub generation_tokens: u64,
-    /// `vllm:prefix_cache_queries_total`.
-    pub prefix_cache_queries: u64,
-    /// `vllm:prefix_cache_hits_total`.
-    pub prefix_cache_hits: u64,
-    /// `vllm:num_preemptions_total`.
-    pub preemptions: u64,
-    /// Requests finished (stop + length).
-    pub finished: u64,
-    /// Requests aborted.
-    pub aborted: u64,
-    /// Engine steps.
-    pub steps: u64,
-    /// Simulated busy seconds.
-    pub busy_seconds: f64,
-    /// Blocks announced by `BlockStored`.
-    pub blocks_stored: u64,
-    /// `BlockRemoved` events.
-    pub blocks_removed: u64,
-    /// Successful resets.
-    pub cache_resets: u64,
-}
-
-impl From<&CoreStats> for Counters {
-    fn from(s: &CoreStats) -> Self {
-        Counters {
-            prompt_tokens: s.prompt_tokens,
-            generation_tokens: s.generation_tokens,
-            prefix_cache_queries: s.prefix_cache_queries,
-            prefix_cache_hits: s.prefix_cache_hits,
-            preemptions: s.preemptions,
-            finished: s.finished_stop + s.finished_length,
-            aborted: s.finished_abort,
-            steps: s.steps,
-            busy_seconds: s.busy_seconds,
-            blocks_stored: s.blocks_stored,
-            blocks_removed: s.blocks_removed,
-            cache_resets: s.cache_resets,
-        }
-    }
-}
-
-/// A publisher's state.
-#[derive(Debug, Clone, Serialize)]
-pub struct PublisherTruth {
-    /// PUB endpoint.
-    pub endpoint: String,
-    /// Replay endpoint.
-    pub replay_endpoint: Option<String>,
-    /// Next sequence number.
-    pub next_seq: u64,
-    /// Batches sent.
-    pub sent: u64,
-    /// Batches dropped from PUB (kept for replay).
-    pub dropped: u64,
-    /// Batches lost.
-    pub lost: u64,
-    /// Restarts.
-    pub restarts: u64,
-    /// Replay requests answered.
-    pub replays: u64,
-    /// Drop every n-th batch.
-    pub drop_every: u64,
-    /// Drops still pending.
-    pub drop_pending: u64,
-    /// Losses still pending.
-    pub lose_pending: u64,
-}
-
-/// The whole engine's truth (`GET /debug/cache`).
-#[derive(Debug, Clone, Serialize)]
-pub struct CacheTruth {
-    /// Served model name.
-    pub model: String,
-    /// One entry per DP rank.
-    pub engines: Vec<RankTruth>,
-}
-
-/// Faults to inject (`POST /admin/faults`, or [`SimHandle::inject`]). All
-/// fields are optional; `rank` limits them to one DP rank.
-#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct FaultRequest {
-    /// Only this DP rank (default: all).
-    pub rank: Option<u32>,
-    /// Multiply step times by this (1.0 = normal).
-    pub slowdown: Option<f64>,
-    /// Stop stepping for this long (0 ends a stall).
-    pub stall_ms: Option<u64>,
-    /// Do not send the next n batches (seq used, kept for replay): a gap.
-    pub drop_batches: Option<u64>,
-    /// Lose the next n batches (seq used, not kept): an unrecoverable gap.
-    pub lose_batches: Option<u64>,
-    /// Drop every n-th batch from now on (0 = never).
-    pub drop_every: Option<u64>,
-    /// Restart the publisher (seq back to 0, replay ring cleared).
-    pub restart_publisher: Option<bool>,
-    /// How long the restarted publisher stays down, ms (default 0).
-    pub restart_down_ms: Option<u64>,
-    /// End every in-flight request abruptly (connections cut).
-    pub kill_streams: Option<bool>,
-    /// Reset the prefix cache (`AllBlocksCleared`) if idle.
-    pub reset_prefix_cache: Option<bool>,
-}
-
-/// What [`SimHandle::inject`] did.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct FaultReport {
-    /// Requests killed.
-    pub killed: usize,
-    /// Publishers restarted.
-    pub restarted: usize,
-    /// Whether the requested reset succeeded on every rank.
-    pub reset: Option<bool>,
-}
-
 impl Shared {
-    fn next_id_hex(&self) -> String {
+    pub(crate) fn next_id_hex(&self) -> String {
         let n = self.id_seq.fetch_add(1, Ordering::Relaxed);
         format!("{:016x}{:016x}", self.id_salt, n)
     }
@@ -378,7 +224,7 @@ impl Shared {
             .ok_or_else(|| ApiError::internal("no engine core"))
     }
 
-    fn in_flight(&self) -> usize {
+    pub(crate) fn in_flight(&self) -> usize {
         self.ranks
             .iter()
             .map(|r| {
@@ -388,7 +234,7 @@ impl Shared {
             .sum()
     }
 
-    fn render_metrics(&self) -> String {
+    pub(crate) fn render_metrics(&self) -> String {
         let e = &self.cfg.engine;
         let cache_info: Vec<(&str, String)> = vec![
             ("block_size", e.block_size.to_string()),
@@ -412,13 +258,22 @@ impl Shared {
                 running: st.core.num_running(),
                 waiting: st.core.num_waiting(),
                 usage: st.core.kv_usage(),
+                used_tokens: (st.core.capacity_blocks() - st.core.free_blocks()) * e.block_size,
                 stats: st.core.stats(),
             })
             .collect();
-        metrics::render(&self.cfg.model, &cache_info, &ranks)
+        let mode = self.cfg.engine_mode;
+        if mode.is_sglang() {
+            return metrics::render_sglang(&self.cfg.model, self.ranks.len() > 1, &ranks);
+        }
+        let mut out = metrics::render(&self.cfg.model, &cache_info, &ranks);
+        if mode.has_admission_control() {
+            self.admission_rejections.render(&mut out, &self.cfg.model);
+        }
+        out
     }
 
-    fn kv_event_sources(&self) -> Value {
+    pub(crate) fn kv_event_sources(&self) -> Value {
         let Some(kv) = &self.cfg.kv_events else {
             return json!({});
         };
@@ -454,151 +309,6 @@ impl Shared {
             .map(|r| r.lock().core.cached_prefix_tokens(tokens))
             .collect()
     }
-
-    fn cache_truth(
-        &self,
-        only: Option<u32>,
-        tokens: bool,
-        digests: bool,
-        blocks: bool,
-    ) -> CacheTruth {
-        let engines = self
-            .ranks
-            .iter()
-            .filter(|r| only.is_none_or(|o| o == r.index))
-            .map(|r| {
-                let (running, waiting, counters, free, usage, (hashes, cached), list) = {
-                    let st = r.lock();
-                    let (running, waiting) = st.core.queue();
-                    let list = blocks.then(|| {
-                        st.core
-                            .cache_snapshot(tokens)
-                            .into_iter()
-                            .map(|b| BlockTruth {
-                                hash: b.digest.id(),
-                                parent: b.parent.map(|p| p.id()),
-                                digest: digests.then(|| b.digest.hex()),
-                                copies: b.copies,
-                                in_use: b.in_use,
-                                tokens: b.tokens,
-                            })
-                            .collect()
-                    });
-                    (
-                        running,
-                        waiting,
-                        Counters::from(st.core.stats()),
-                        st.core.free_blocks(),
-                        st.core.kv_usage(),
-                        st.core.cached_counts(),
-                        list,
-                    )
-                };
-                RankTruth {
-                    rank: r.index,
-                    block_size: self.cfg.engine.block_size,
-                    num_gpu_blocks: self.cfg.engine.num_gpu_blocks,
-                    free_blocks: free,
-                    kv_cache_usage_perc: usage,
-                    cached_hashes: hashes,
-                    cached_blocks: cached,
-                    blocks: list,
-                    counters,
-                    running,
-                    waiting,
-                    publisher: r.publisher.as_ref().map(|p| publisher_truth(&p.info)),
-                    stalled_ms: r.stalled_until().map_or(0, |u| {
-                        u.saturating_duration_since(tokio::time::Instant::now())
-                            .as_millis() as u64
-                    }),
-                    slowdown: r.slowdown(),
-                }
-            })
-            .collect();
-        CacheTruth {
-            model: self.cfg.model.clone(),
-            engines,
-        }
-    }
-
-    fn fault_state(&self) -> Value {
-        let ranks: Vec<Value> = self
-            .ranks
-            .iter()
-            .map(|r| {
-                json!({
-                    "rank": r.index,
-                    "slowdown": r.slowdown(),
-                    "stalled_ms": r.stalled_until().map_or(0, |u| {
-                        u.saturating_duration_since(tokio::time::Instant::now()).as_millis() as u64
-                    }),
-                    "publisher": r.publisher.as_ref().map(|p| publisher_truth(&p.info)),
-                })
-            })
-            .collect();
-        json!({"engines": ranks})
-    }
-
-    async fn apply_faults(&self, f: &FaultRequest) -> Result<FaultReport, String> {
-        if let Some(r) = f.rank
-            && r as usize >= self.ranks.len()
-        {
-            return Err(format!(
-                "rank {r} does not exist (dp_size {})",
-                self.ranks.len()
-            ));
-        }
-        if let Some(s) = f.slowdown
-            && !(s.is_finite() && s > 0.0)
-        {
-            return Err("slowdown must be a positive number".to_owned());
-        }
-        let targets: Vec<&Arc<Rank>> = self
-            .ranks
-            .iter()
-            .filter(|r| f.rank.is_none_or(|o| o == r.index))
-            .collect();
-        let mut report = FaultReport {
-            killed: 0,
-            restarted: 0,
-            reset: None,
-        };
-        for r in &targets {
-            if let Some(s) = f.slowdown {
-                r.set_slowdown(s);
-            }
-            if let Some(ms) = f.stall_ms {
-                r.stall(Duration::from_millis(ms));
-            }
-            if let Some(p) = &r.publisher {
-                if let Some(n) = f.drop_batches {
-                    p.info.drop_pending.fetch_add(n, Ordering::Relaxed);
-                }
-                if let Some(n) = f.lose_batches {
-                    p.info.lose_pending.fetch_add(n, Ordering::Relaxed);
-                }
-                if let Some(n) = f.drop_every {
-                    p.info.drop_every.store(n, Ordering::Relaxed);
-                }
-            }
-            if f.kill_streams == Some(true) {
-                report.killed += r.kill_all();
-            }
-            if f.reset_prefix_cache == Some(true) {
-                let ok = r.reset_prefix_cache();
-                report.reset = Some(report.reset.unwrap_or(true) && ok);
-            }
-        }
-        if f.restart_publisher == Some(true) {
-            let down = Duration::from_millis(f.restart_down_ms.unwrap_or(0));
-            let restarts = targets
-                .iter()
-                .filter_map(|r| r.publisher.clone())
-                .map(|p| async move { p.restart(down).await });
-            report.restarted = futures::future::join_all(restarts).await.len();
-        }
-        Ok(report)
-    }
 }
 
 fn py_bool(b: bool) -> String {
@@ -610,23 +320,6 @@ fn endpoint_str(addr: SocketAddr) -> String {
         format!("tcp://*:{}", addr.port())
     } else {
         format!("tcp://{addr}")
-    }
-}
-
-fn publisher_truth(i: &events::PublisherInfo) -> PublisherTruth {
-    let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    PublisherTruth {
-        endpoint: endpoint_str(i.pub_addr),
-        replay_endpoint: i.replay_addr.map(endpoint_str),
-        next_seq: l(&i.next_seq),
-        sent: l(&i.sent),
-        dropped: l(&i.dropped),
-        lost: l(&i.lost),
-        restarts: l(&i.restarts),
-        replays: l(&i.replays),
-        drop_every: l(&i.drop_every),
-        drop_pending: l(&i.drop_pending),
-        lose_pending: l(&i.lose_pending),
     }
 }
 
@@ -650,19 +343,27 @@ impl SimEngine {
         let epoch = tokio::time::Instant::now();
         let mut ranks = Vec::with_capacity(cfg.dp_size as usize);
         let mut tasks = Vec::new();
+        // With several DP ranks on ephemeral ports, rank r still publishes
+        // on base + r, as every consumer of either engine assumes.
+        let kv_cfg = match &cfg.kv_events {
+            Some(kv) if cfg.dp_size > 1 => Some(events::consecutive_ports(kv, cfg.dp_size)?),
+            other => other.clone(),
+        };
         for rank in 0..cfg.dp_size {
             let core = EngineCore::new(
                 cfg.engine.clone(),
+                cfg.engine_mode,
                 cfg.latency,
                 cfg.output,
                 cfg.max_model_len,
                 cfg.seed,
                 tok.clone(),
             );
-            let publisher = match &cfg.kv_events {
+            let publisher = match &kv_cfg {
                 Some(kv) => Some(
                     Publisher::start(
                         kv,
+                        cfg.engine_mode,
                         rank,
                         rank as u16,
                         cfg.engine.block_size,
@@ -693,6 +394,8 @@ impl SimEngine {
         })?;
         let shared = Arc::new(Shared {
             id_salt: xxhash_rust::xxh3::xxh3_64(format!("{http_addr}/{}", cfg.seed).as_bytes()),
+            faults: LiveFaults::new(&cfg.faults),
+            admission_rejections: metrics::Rejections::default(),
             cfg,
             tok,
             ranks,

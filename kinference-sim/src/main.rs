@@ -6,12 +6,13 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use kinference_sim::{
-    EngineConfig, EventForm, FaultConfig, FaultRequest, HashRepr, KvEventsConfig, LatencyModel,
-    OutputLen, ReplayLayout, SimConfig, SimFleet, SimTokenizer,
+    AdmissionLimits, ApiKeyScope, EngineConfig, EngineMode, FailMode, FaultConfig, FaultRequest,
+    HashRepr, HashSeed, KvEventsConfig, LatencyModel, OutputLen, SimConfig, SimFleet, SimTokenizer,
 };
 
-/// Simulated vLLM engines: OpenAI API, /metrics, KV events with replay, a
-/// prefix cache and a latency model. Engine i serves HTTP on PORT+i and
+/// Simulated vLLM or SGLang engines: OpenAI API, /metrics, KV events (and
+/// replay when asked for), a prefix cache and a latency model, as a given
+/// release of either engine behaves. Engine i serves HTTP on PORT+i and
 /// publishes DP rank r on KV_PORT + i·DP_SIZE + r.
 #[derive(Debug, Parser)]
 #[command(name = "kinference-sim", version)]
@@ -19,6 +20,12 @@ struct Args {
     /// Engines to run.
     #[arg(long, default_value_t = 1)]
     engines: usize,
+    /// The engine imitated: vllm[:VERSION] (0.22–0.33) or sglang[:VERSION]
+    /// (0.5.10–0.5.23). It decides the event encoding, the replay reply
+    /// layout, /kv_event_sources (vLLM ≥ 0.31), /server_info (SGLang), the
+    /// metric names, hashes and error bodies.
+    #[arg(long, default_value = "vllm:0.33.0")]
+    engine: EngineMode,
     /// HTTP listen address.
     #[arg(long, default_value = "0.0.0.0")]
     host: IpAddr,
@@ -28,7 +35,8 @@ struct Args {
     /// KV-event PUB port of engine 0, rank 0 (0: ephemeral).
     #[arg(long, default_value_t = 5557)]
     kv_port: u16,
-    /// Replay ROUTER port of engine 0, rank 0 (off when unset).
+    /// Replay ROUTER port of engine 0, rank 0 (off when unset, as the
+    /// engines' replay_endpoint is; 0: ephemeral).
     #[arg(long)]
     replay_port: Option<u16>,
     /// Address the KV sockets bind (default: --host).
@@ -40,15 +48,9 @@ struct Args {
     /// Topic frame of every KV message.
     #[arg(long, default_value = "")]
     topic: String,
-    /// Event encoding: vLLM ≥ 0.24 maps, or 0.22–0.23 positional arrays.
-    #[arg(long, value_enum, default_value_t = FormArg::Map)]
-    event_form: FormArg,
-    /// Block hashes as u64 (vLLM's default) or 32 raw bytes.
+    /// Block hashes as u64 (vLLM's default) or 32 raw bytes (vLLM only).
     #[arg(long, value_enum, default_value_t = HashArg::Int)]
     hash_repr: HashArg,
-    /// Replay replies: [topic, seq, payload] (vLLM ≥ 0.26) or [seq, payload].
-    #[arg(long, value_enum, default_value_t = LayoutArg::TopicSeqPayload)]
-    replay_layout: LayoutArg,
     /// Batches kept for replay.
     #[arg(long, default_value_t = 10_000)]
     buffer_steps: usize,
@@ -86,9 +88,24 @@ struct Args {
     /// Disable the prefix cache.
     #[arg(long)]
     no_prefix_caching: bool,
-    /// NONE_HASH seed (vLLM's PYTHONHASHSEED).
-    #[arg(long, default_value = kinference_sim::hash::DEFAULT_HASH_SEED)]
-    hash_seed: String,
+    /// vLLM's PYTHONHASHSEED: a seed, or `random` for a NONE_HASH of its own
+    /// per engine core (pods then disagree on block hashes). Unset: the
+    /// release's default (random before vLLM 0.29, "vllm-none-hash" after).
+    #[arg(long)]
+    hash_seed: Option<HashSeed>,
+    /// --api-key: guarded paths need `Authorization: Bearer KEY` (401 otherwise).
+    #[arg(long, env = "KINFERENCE_SIM_API_KEY")]
+    api_key: Option<String>,
+    /// Which paths the key guards: `engine` (the release's rule: vLLM /v1…,
+    /// SGLang all but /health and /metrics) or `all-but-public` (vLLM's newer rule).
+    #[arg(long, default_value = "engine")]
+    api_key_scope: ApiKeyScope,
+    /// vLLM admission control: most requests in flight before 503.
+    #[arg(long)]
+    max_num_queued_reqs: Option<usize>,
+    /// vLLM admission control: most prompt tokens in prefill before 503.
+    #[arg(long)]
+    max_num_queued_tokens: Option<usize>,
     /// Step time: fixed part, ms.
     #[arg(long, default_value_t = LatencyModel::default().base_ms)]
     step_base_ms: f64,
@@ -116,6 +133,16 @@ struct Args {
     /// Fault: drop every n-th KV batch from the PUB socket (0: never).
     #[arg(long, default_value_t = 0)]
     drop_every: u64,
+    /// Fault: inference requests fail: none, cuda-error (500; /health fine),
+    /// engine-dead (bare 500; /health 503), admission-reject (vLLM's 503).
+    #[arg(long, default_value = "none")]
+    fail_requests: FailMode,
+    /// Fault: the fraction of inference requests that fail, in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    fail_fraction: f64,
+    /// Fault: delay every /metrics answer, ms.
+    #[arg(long, default_value_t = 0)]
+    metrics_delay_ms: u64,
     /// Fault: restart every engine's publishers every SECS seconds.
     #[arg(long, value_name = "SECS")]
     restart_publisher_every: Option<f64>,
@@ -137,21 +164,9 @@ struct Args {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
-enum FormArg {
-    Map,
-    Array,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
 enum HashArg {
     Int,
     Bytes,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LayoutArg {
-    TopicSeqPayload,
-    SeqPayload,
 }
 
 fn config(args: &Args) -> anyhow::Result<SimConfig> {
@@ -167,22 +182,15 @@ fn config(args: &Args) -> anyhow::Result<SimConfig> {
         port: args.kv_port,
         replay_port: args.replay_port,
         topic: args.topic.clone(),
-        form: match args.event_form {
-            FormArg::Map => EventForm::Map,
-            FormArg::Array => EventForm::Array,
-        },
         hash_repr: match args.hash_repr {
             HashArg::Int => HashRepr::Int,
             HashArg::Bytes => HashRepr::Bytes,
-        },
-        replay_layout: match args.replay_layout {
-            LayoutArg::TopicSeqPayload => ReplayLayout::TopicSeqPayload,
-            LayoutArg::SeqPayload => ReplayLayout::SeqPayload,
         },
         buffer_steps: args.buffer_steps,
         fixed_ts: None,
     });
     Ok(SimConfig {
+        engine_mode: args.engine,
         model: args.model.clone(),
         aliases: args.aliases.clone(),
         root: args.root.clone(),
@@ -195,7 +203,7 @@ fn config(args: &Args) -> anyhow::Result<SimConfig> {
             max_num_batched_tokens: args.max_num_batched_tokens,
             max_num_seqs: args.max_num_seqs,
             enable_prefix_caching: !args.no_prefix_caching,
-            hash_seed: args.hash_seed.clone(),
+            hash_seed: args.hash_seed.clone().unwrap_or_default(),
         },
         latency: LatencyModel {
             base_ms: args.step_base_ms,
@@ -210,6 +218,15 @@ fn config(args: &Args) -> anyhow::Result<SimConfig> {
         faults: FaultConfig {
             slowdown: args.slowdown,
             drop_every: args.drop_every,
+            fail_requests: args.fail_requests,
+            fail_fraction: args.fail_fraction,
+            metrics_delay_ms: args.metrics_delay_ms,
+        },
+        api_key: args.api_key.clone(),
+        api_key_scope: args.api_key_scope,
+        admission: AdmissionLimits {
+            max_num_queued_reqs: args.max_num_queued_reqs,
+            max_num_queued_tokens: args.max_num_queued_tokens,
         },
     })
 }
@@ -243,8 +260,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
             })
             .collect();
         println!(
-            "engine {} model {} kv [{}]",
+            "engine {} ({}) model {} kv [{}]",
             e.base_url(),
+            e.config().engine_mode,
             e.model(),
             kv.join("; ")
         );

@@ -29,6 +29,22 @@ pub(crate) const ITL_BUCKETS: &[f64] = &[
     40.0, 80.0,
 ];
 
+/// SGLang's buckets for `sglang:time_to_first_token_seconds`.
+pub(crate) const SGLANG_TTFT_BUCKETS: &[f64] = &[
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0,
+    400.0,
+];
+/// SGLang's buckets for `sglang:inter_token_latency_seconds`.
+pub(crate) const SGLANG_ITL_BUCKETS: &[f64] = &[
+    0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+    0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0,
+];
+/// SGLang's buckets for `sglang:e2e_request_latency_seconds`.
+pub(crate) const SGLANG_E2E_BUCKETS: &[f64] = &[
+    0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0,
+    400.0, 800.0,
+];
+
 impl Histogram {
     pub(crate) fn new(bounds: &'static [f64]) -> Self {
         Histogram {
@@ -59,6 +75,15 @@ impl Histogram {
         self.sum
     }
 
+    /// Adds another histogram with the same bounds.
+    fn merge(&mut self, other: &Histogram) {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.sum += other.sum;
+        self.count += other.count;
+    }
+
     fn render(&self, out: &mut String, name: &str, labels: &str) {
         let mut cumulative = 0;
         for (b, c) in self.bounds.iter().zip(&self.counts) {
@@ -82,7 +107,40 @@ pub(crate) struct RankMetrics<'a> {
     pub(crate) running: usize,
     pub(crate) waiting: usize,
     pub(crate) usage: f64,
+    /// Tokens the blocks in use can hold (SGLang's `num_used_tokens`).
+    pub(crate) used_tokens: usize,
     pub(crate) stats: &'a crate::engine::CoreStats,
+}
+
+/// `vllm:admission_rejections_total` by reason (no `engine` label: the
+/// API server counts them before any engine core sees the request).
+#[derive(Debug, Default)]
+pub(crate) struct Rejections {
+    /// Refused by `--max-num-queued-reqs`.
+    pub(crate) max_num_queued_reqs: std::sync::atomic::AtomicU64,
+    /// Refused by `--max-num-queued-tokens`.
+    pub(crate) max_num_queued_tokens: std::sync::atomic::AtomicU64,
+}
+
+impl Rejections {
+    pub(crate) fn render(&self, out: &mut String, model: &str) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let model = escape(model);
+        let _ = writeln!(
+            out,
+            "# HELP vllm:admission_rejections_total Requests rejected by admission control.\n# TYPE vllm:admission_rejections_total counter"
+        );
+        for (reason, n) in [
+            ("max_num_queued_reqs", &self.max_num_queued_reqs),
+            ("max_num_queued_tokens", &self.max_num_queued_tokens),
+        ] {
+            let _ = writeln!(
+                out,
+                "vllm:admission_rejections_total{{model_name=\"{model}\",reason=\"{reason}\"}} {}.0",
+                n.load(Relaxed)
+            );
+        }
+    }
 }
 
 /// Renders the whole `/metrics` page.
@@ -257,6 +315,127 @@ pub(crate) fn render(
             "vllm:cache_config_info{{{labels}engine=\"{}\"}} 1.0",
             r.rank
         );
+    }
+    out
+}
+
+/// Renders SGLang's `/metrics`: per scheduler (DP rank) gauges labelled as
+/// SGLang labels them (`model_name`, `engine_type`, `tp_rank`, `pp_rank`,
+/// `moe_ep_rank`, and `dp_rank` when there are DP ranks), then the
+/// tokenizer manager's counters and histograms summed over the ranks
+/// (label `model_name`).
+pub(crate) fn render_sglang(model: &str, with_dp: bool, ranks: &[RankMetrics<'_>]) -> String {
+    let mut out = String::with_capacity(8192);
+    let model = escape(model);
+    let lbl = |r: &RankMetrics<'_>| {
+        let mut l = format!(
+            "model_name=\"{model}\",engine_type=\"unified\",tp_rank=\"0\",pp_rank=\"0\",moe_ep_rank=\"0\""
+        );
+        if with_dp {
+            let _ = write!(l, ",dp_rank=\"{}\"", r.rank);
+        }
+        l
+    };
+    let gauge = |out: &mut String, name: &str, help: &str, f: &dyn Fn(&RankMetrics<'_>) -> f64| {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for r in ranks {
+            let _ = writeln!(out, "{name}{{{}}} {:?}", lbl(r), f(r));
+        }
+    };
+    gauge(
+        &mut out,
+        "sglang:num_running_reqs",
+        "The number of running requests.",
+        &|r| r.running as f64,
+    );
+    gauge(
+        &mut out,
+        "sglang:num_used_tokens",
+        "The number of used tokens.",
+        &|r| r.used_tokens as f64,
+    );
+    gauge(&mut out, "sglang:token_usage", "The token usage.", &|r| {
+        r.usage
+    });
+    gauge(
+        &mut out,
+        "sglang:gen_throughput",
+        "The generation throughput (token/s).",
+        &|r| r.stats.gen_throughput,
+    );
+    gauge(
+        &mut out,
+        "sglang:num_queue_reqs",
+        "The number of requests in the waiting queue.",
+        &|r| r.waiting as f64,
+    );
+    gauge(
+        &mut out,
+        "sglang:cache_hit_rate",
+        "The prefix cache hit rate.",
+        &|r| r.stats.last_hit_rate,
+    );
+
+    let tok = format!("model_name=\"{model}\"");
+    let sum = |f: &dyn Fn(&crate::engine::CoreStats) -> u64| -> u64 {
+        ranks.iter().map(|r| f(r.stats)).sum()
+    };
+    for (name, help, v) in [
+        (
+            "sglang:prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            sum(&|s| s.prompt_tokens),
+        ),
+        (
+            "sglang:generation_tokens_total",
+            "Number of generation tokens processed.",
+            sum(&|s| s.generation_tokens),
+        ),
+        (
+            "sglang:cached_tokens_total",
+            "Number of cached prompt tokens.",
+            sum(&|s| s.prefix_cache_hits),
+        ),
+        (
+            "sglang:num_requests_total",
+            "Number of requests processed.",
+            sum(&|s| s.finished_stop + s.finished_length + s.finished_abort),
+        ),
+    ] {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} counter\n{name}{{{tok}}} {v}.0"
+        );
+    }
+    for (name, help, pick) in [
+        (
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            (|s: &crate::engine::CoreStats| &s.ttft) as fn(&crate::engine::CoreStats) -> &Histogram,
+        ),
+        (
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            |s| &s.itl,
+        ),
+        (
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            |s| &s.e2e,
+        ),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut merged: Option<Histogram> = None;
+        for r in ranks {
+            let h = pick(r.stats);
+            match &mut merged {
+                None => merged = Some(h.clone()),
+                Some(m) => m.merge(h),
+            }
+        }
+        if let Some(m) = merged {
+            m.render(&mut out, name, &tok);
+        }
     }
     out
 }

@@ -30,6 +30,9 @@ use crate::hash::Digest;
 /// Index of a block.
 pub(crate) type BlockId = u32;
 
+/// A digest a block lost to eviction, and its parent's digest.
+pub(crate) type Evicted = (Digest, Option<Digest>);
+
 const NIL: u32 = u32::MAX;
 
 #[derive(Clone, Debug)]
@@ -120,9 +123,9 @@ impl BlockPool {
     }
 
     /// Takes the least recently freed block. Returns it and the digest it
-    /// lost if it was cached (the caller reports a `BlockRemoved`), or
-    /// `None` when no block is free.
-    pub(crate) fn allocate(&mut self) -> Option<(BlockId, Option<Digest>)> {
+    /// lost if it was cached, with that block's parent digest (the caller
+    /// reports a `BlockRemoved`), or `None` when no block is free.
+    pub(crate) fn allocate(&mut self) -> Option<(BlockId, Option<Evicted>)> {
         let id = self.head;
         if id == NIL {
             return None;
@@ -130,7 +133,7 @@ impl BlockPool {
         self.unlink(id);
         let b = &mut self.blocks[id as usize];
         b.ref_cnt = 1;
-        b.parent = None;
+        let parent = b.parent.take();
         let evicted = b.digest.take();
         if let Some(d) = evicted
             && let Some(list) = self.cached.get_mut(&d)
@@ -140,7 +143,7 @@ impl BlockPool {
                 self.cached.remove(&d);
             }
         }
-        Some((id, evicted))
+        Some((id, evicted.map(|d| (d, parent))))
     }
 
     /// Marks a referenced, full block as cached under `digest`.
@@ -309,7 +312,11 @@ mod tests {
         let (c, ev) = p.allocate().expect("free");
         assert_eq!((c, ev), (3, None));
         let (x, ev) = p.allocate().expect("free");
-        assert_eq!((x, ev), (b, Some(d(2))));
+        assert_eq!(
+            (x, ev),
+            (b, Some((d(2), Some(d(1))))),
+            "evicted with its parent"
+        );
         assert_eq!(p.lookup(&d(2)), None);
         assert_eq!(p.lookup(&d(1)), Some(a));
         // A hit on a free cached block takes it out of the queue.
@@ -328,7 +335,7 @@ mod tests {
         assert_eq!(p.snapshot(false)[0].copies, 2);
         p.free([a, b]);
         let (_, ev) = p.allocate().expect("free");
-        assert_eq!(ev, Some(d(9)));
+        assert_eq!(ev, Some((d(9), None)));
         assert!(p.lookup(&d(9)).is_some(), "the other copy stays cached");
         assert!(!p.reset(), "a block is in use");
     }

@@ -86,3 +86,57 @@ async fn engines_on_consecutive_ports_with_periodic_restarts() {
     assert!(restarts >= 2, "periodic restarts happened: {restarts}");
     child.kill().await.expect("stops");
 }
+
+#[tokio::test]
+async fn engine_mode_api_key_and_faults_from_flags() {
+    let (http, kv) = (free_ports(1), free_ports(2));
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kinference-sim"))
+        .args([
+            "--engine",
+            "sglang:0.5.23",
+            "--host",
+            "127.0.0.1",
+            "--dp-size",
+            "2",
+        ])
+        .args(["--port", &http.to_string(), "--kv-port", &kv.to_string()])
+        .args(["--api-key", "k", "--fail-requests", "cuda-error"])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the binary starts");
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let line = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .expect("an engine line")
+        .expect("reads")
+        .expect("a line");
+    assert!(line.contains("(sglang:0.5.23)"), "{line}");
+    let c = client();
+    let base = format!("http://127.0.0.1:{http}");
+    let (status, _, _) = call_with(&c, "GET", &format!("{base}/server_info"), None, &[]).await;
+    assert_eq!(status, 401);
+    let (status, _, body) = call_with(
+        &c,
+        "GET",
+        &format!("{base}/server_info"),
+        None,
+        &[("authorization", "Bearer k")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let info: serde_json::Value = serde_json::from_slice(&body).expect("json");
+    assert_eq!(info["kv_events"]["endpoint_port_base"], kv);
+    assert_eq!(info["kv_events"]["dp_size"], 2);
+    assert!(info["kv_events"].get("replay_endpoint_port_base").is_none());
+    let (status, _, _) = call_with(
+        &c,
+        "POST",
+        &format!("{base}/v1/completions"),
+        Some(&serde_json::json!({"prompt": "w1", "max_tokens": 1})),
+        &[("authorization", "Bearer k")],
+    )
+    .await;
+    assert_eq!(status, 500, "--fail-requests cuda-error");
+    child.kill().await.expect("stops");
+}

@@ -13,7 +13,7 @@ use std::time::Duration;
 use common::*;
 use kinference_kvindex::sub::{self, SubscriberConfig};
 use kinference_kvindex::{ExtraKeys, IndexConfig, KvIndex, WorkerRef, block_keys};
-use kinference_sim::{EngineConfig, FaultRequest, SimConfig, SimEngine, SimHandle};
+use kinference_sim::{EngineConfig, FaultRequest, KvEventsConfig, SimConfig, SimEngine, SimHandle};
 use serde_json::json;
 
 /// Leading blocks of `tokens` the index says `worker` holds, per rank.
@@ -56,6 +56,7 @@ async fn the_kvindex_pipeline_sees_what_the_engines_hold() {
             num_gpu_blocks: 64,
             ..EngineConfig::default()
         },
+        kv_events: Some(KvEventsConfig::default().with_replay(0)),
         ..SimConfig::default()
     })
     .await

@@ -14,8 +14,7 @@ use common::*;
 use kinference_kvindex::codec::frames;
 use kinference_kvindex::{BlockHash, EventBatch, KvEvent, decode_batch};
 use kinference_sim::{
-    EngineConfig, EventForm, FaultRequest, HashRepr, KvEventsConfig, ReplayLayout, SimConfig,
-    SimEngine, SimHandle,
+    EngineConfig, FaultRequest, HashRepr, HashSeed, KvEventsConfig, SimConfig, SimEngine, SimHandle,
 };
 use serde_json::json;
 
@@ -100,7 +99,7 @@ fn removed_ids(batch: &EventBatch) -> Vec<u64> {
 
 #[tokio::test]
 async fn live_stream_matches_vllm_0_33_byte_for_byte() {
-    let engine = SimEngine::spawn(fixture_config(&KvEventsConfig::default()))
+    let engine = SimEngine::spawn(fixture_config(&KvEventsConfig::default().with_replay(0)))
         .await
         .expect("engine starts");
     let mut sub = subscribe(engine.kv_addr().expect("kv events on")).await;
@@ -219,15 +218,19 @@ fn assert_same_but_hashes(a: &EventBatch, b: &EventBatch) {
 }
 
 #[tokio::test]
-async fn bytes_hashes_and_the_old_replay_layout_by_flag() {
+async fn bytes_hashes_and_vllm_0_24s_replay_layout() {
     let kv = KvEventsConfig {
         hash_repr: HashRepr::Bytes,
-        replay_layout: ReplayLayout::SeqPayload,
-        ..KvEventsConfig::default()
+        ..KvEventsConfig::default().with_replay(0)
     };
-    let engine = SimEngine::spawn(fixture_config(&kv))
-        .await
-        .expect("engine starts");
+    // vLLM 0.24 draws NONE_HASH at random unless PYTHONHASHSEED is set;
+    // setting it to the seed 0.29+ uses by default gives the 0.33 vectors.
+    let mut cfg = SimConfig {
+        engine_mode: "vllm:0.24".parse().expect("mode"),
+        ..fixture_config(&kv)
+    };
+    cfg.engine.hash_seed = HashSeed::Fixed(kinference_sim::hash::DEFAULT_HASH_SEED.to_owned());
+    let engine = SimEngine::spawn(cfg).await.expect("engine starts");
     let mut sub = subscribe(engine.kv_addr().expect("kv events on")).await;
     let c = client();
     fixture_scenario(&engine, &c).await;
@@ -266,13 +269,12 @@ async fn bytes_hashes_and_the_old_replay_layout_by_flag() {
 
 #[tokio::test]
 async fn positional_form_matches_vllm_0_23() {
-    let kv = KvEventsConfig {
-        form: EventForm::Array,
-        ..KvEventsConfig::default()
-    };
-    let engine = SimEngine::spawn(fixture_config(&kv))
-        .await
-        .expect("engine starts");
+    let engine = SimEngine::spawn(SimConfig {
+        engine_mode: "vllm:0.23".parse().expect("mode"),
+        ..fixture_config(&KvEventsConfig::default())
+    })
+    .await
+    .expect("engine starts");
     let mut sub = subscribe(engine.kv_addr().expect("kv events on")).await;
     let c = client();
     fixture_scenario(&engine, &c).await;
@@ -453,9 +455,12 @@ async fn events_reproduce_the_true_cache() {
 
 #[tokio::test]
 async fn faults_gap_replay_loss_and_restart() {
-    let engine = SimEngine::spawn(SimConfig::default())
-        .await
-        .expect("engine starts");
+    let engine = SimEngine::spawn(SimConfig {
+        kv_events: Some(KvEventsConfig::default().with_replay(0)),
+        ..SimConfig::default()
+    })
+    .await
+    .expect("engine starts");
     let c = client();
     let url = format!("{}/v1/completions", engine.base_url());
     let kv = engine.kv_addr().expect("kv on");

@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::*;
-use kinference_sim::{EngineConfig, SimConfig, SimEngine};
+use kinference_sim::{EngineConfig, KvEventsConfig, SimConfig, SimEngine};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
@@ -162,6 +162,7 @@ async fn a_pyzmq_subscriber_reads_vllm_shaped_events() {
             num_gpu_blocks: 24,
             ..EngineConfig::default()
         },
+        kv_events: Some(KvEventsConfig::default().with_replay(0)),
         ..SimConfig::default()
     })
     .await

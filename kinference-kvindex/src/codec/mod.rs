@@ -11,7 +11,9 @@
 //! Encoding writes what vLLM writes, byte for byte (checked against the
 //! fixtures): [`EncodeForm::VllmMap`] is vLLM ≥ 0.24 (map events, fields
 //! that default to nil omitted when nil), [`EncodeForm::VllmArray`] is the
-//! last positional form (vLLM 0.22–0.23: 12-element `BlockStored`).
+//! last positional form (vLLM 0.22–0.23: 12-element `BlockStored`),
+//! [`EncodeForm::SglangArray`] SGLang 0.5.10–0.5.19 and
+//! [`EncodeForm::SglangMap`] SGLang ≥ 0.5.20 (spec §3.4).
 
 pub mod frames;
 pub(crate) mod msgpack;
@@ -47,6 +49,19 @@ pub enum EncodeForm {
     /// vLLM 0.22–0.23, the last positional form: `BlockStored` is a
     /// 12-element array (tag + 11 fields), `BlockRemoved` 4 elements.
     VllmArray,
+    /// SGLang 0.5.10–0.5.19, positional: `BlockStored` is
+    /// `[tag, hashes, parent, tokens, block_size, lora_id, medium]`, plus
+    /// 0.5.18's trailing `{"cache_salt": …}` map when the event has a salt;
+    /// `BlockRemoved` is `[tag, hashes, medium]`. Hashes are written as
+    /// signed 64-bit integers (SGLang's only form: a [`BlockHash::Uint`] is
+    /// reinterpreted two's complement, bytes become [`BlockHash::id`]).
+    /// SGLang 0.4.x (no `medium`) is not written.
+    SglangArray,
+    /// SGLang ≥ 0.5.20: map events (`type` first, `lora_id` always written,
+    /// `medium`, `cache_salt`, `session_id`, `lora_name` omitted when nil),
+    /// hashes as in [`EncodeForm::SglangArray`]. vLLM-only fields (groups,
+    /// extra keys, locality, …) are not written.
+    SglangMap,
 }
 
 /// Decodes one payload (frame 2 of a message).
@@ -518,11 +533,13 @@ fn write_extra_keys(w: &mut Writer, ek: Option<&Vec<Option<Vec<Value>>>>) {
     }
 }
 
-/// Encodes a batch the way vLLM's publisher does (`msgspec` encoder).
+/// Encodes a batch the way the engine's publisher does (`msgspec`
+/// encoder), byte for byte.
 ///
 /// The batch is always the 3-element `[ts, events, rank]` array. Fields a
 /// form does not have are not written (e.g. `locality` in the array form,
-/// SGLang's `cache_salt` in either).
+/// SGLang's `cache_salt` in the vLLM forms, vLLM's groups in the SGLang
+/// forms).
 pub fn encode_batch(batch: &EventBatch, form: EncodeForm) -> Vec<u8> {
     let mut w = Writer::with_capacity(64 + batch.events.len() * 256);
     w.array(3);
@@ -532,6 +549,8 @@ pub fn encode_batch(batch: &EventBatch, form: EncodeForm) -> Vec<u8> {
         match form {
             EncodeForm::VllmMap => encode_map_event(&mut w, ev),
             EncodeForm::VllmArray => encode_array_event(&mut w, ev),
+            EncodeForm::SglangArray => encode_sglang_array_event(&mut w, ev),
+            EncodeForm::SglangMap => encode_sglang_map_event(&mut w, ev),
         }
     }
     write_opt_int(&mut w, batch.dp_rank);
@@ -567,6 +586,108 @@ fn encode_array_event(w: &mut Writer, ev: &KvEvent) {
         }
         KvEvent::AllBlocksCleared => {
             w.array(1);
+            w.str("AllBlocksCleared");
+        }
+    }
+}
+
+/// SGLang publishes every hash as a signed 64-bit integer.
+fn write_signed_hash(w: &mut Writer, h: &BlockHash) {
+    w.int(h.id() as i64);
+}
+
+fn write_signed_hashes(w: &mut Writer, hs: &[BlockHash]) {
+    w.array(hs.len());
+    for h in hs {
+        write_signed_hash(w, h);
+    }
+}
+
+fn encode_sglang_array_event(w: &mut Writer, ev: &KvEvent) {
+    match ev {
+        KvEvent::BlockStored(s) => {
+            w.array(if s.cache_salt.is_some() { 8 } else { 7 });
+            w.str("BlockStored");
+            write_signed_hashes(w, &s.block_hashes);
+            match &s.parent_block_hash {
+                Some(h) => write_signed_hash(w, h),
+                None => w.nil(),
+            }
+            write_tokens(w, &s.token_ids);
+            w.uint(u64::from(s.block_size));
+            write_opt_int(w, s.lora_id);
+            write_opt_str(w, s.medium.as_deref());
+            if let Some(salt) = &s.cache_salt {
+                w.map(1);
+                w.str("cache_salt");
+                w.str(salt);
+            }
+        }
+        KvEvent::BlockRemoved(rm) => {
+            w.array(3);
+            w.str("BlockRemoved");
+            write_signed_hashes(w, &rm.block_hashes);
+            write_opt_str(w, rm.medium.as_deref());
+        }
+        KvEvent::AllBlocksCleared => {
+            w.array(1);
+            w.str("AllBlocksCleared");
+        }
+    }
+}
+
+fn encode_sglang_map_event(w: &mut Writer, ev: &KvEvent) {
+    match ev {
+        KvEvent::BlockStored(s) => {
+            // `type` and the five fields without a default are always
+            // written; the four with a default are omitted when nil. Ten
+            // possible entries: a fixmap header.
+            let optional = [
+                s.medium.as_deref(),
+                s.cache_salt.as_deref(),
+                s.session_id.as_deref(),
+                s.lora_name.as_deref(),
+            ];
+            w.map(6 + optional.iter().filter(|x| x.is_some()).count());
+            w.str("type");
+            w.str("BlockStored");
+            w.str("block_hashes");
+            write_signed_hashes(w, &s.block_hashes);
+            w.str("parent_block_hash");
+            match &s.parent_block_hash {
+                Some(h) => write_signed_hash(w, h),
+                None => w.nil(),
+            }
+            w.str("token_ids");
+            write_tokens(w, &s.token_ids);
+            w.str("block_size");
+            w.uint(u64::from(s.block_size));
+            w.str("lora_id");
+            write_opt_int(w, s.lora_id);
+            for (name, v) in ["medium", "cache_salt", "session_id", "lora_name"]
+                .into_iter()
+                .zip(optional)
+            {
+                if let Some(v) = v {
+                    w.str(name);
+                    w.str(v);
+                }
+            }
+        }
+        KvEvent::BlockRemoved(rm) => {
+            w.map(2 + usize::from(rm.medium.is_some()));
+            w.str("type");
+            w.str("BlockRemoved");
+            w.str("block_hashes");
+            write_signed_hashes(w, &rm.block_hashes);
+            if let Some(m) = &rm.medium {
+                w.str("medium");
+                w.str(m);
+            }
+        }
+        KvEvent::AllBlocksCleared => {
+            w.map(1);
+            w.str("type");
             w.str("AllBlocksCleared");
         }
     }

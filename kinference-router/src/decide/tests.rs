@@ -270,8 +270,10 @@ fn only_the_winning_worker_set_records_the_prefix() {
         ("cold", &["10.0.1.1"], PolicyName::Kinference),
         ("warm", &["10.0.2.1"], PolicyName::Kinference),
     ]);
+    // The warm set holds most of the prompt, not all: the record bridges
+    // the rest until the engine's events arrive.
     let ids = prompt(4, 64);
-    f.store("10.0.2.1", 0, &ids);
+    f.store("10.0.2.1", 0, &ids[..16 * 48]);
     let p = f.prepared(&ids);
     let d = f.decide(&p, &[], T).unwrap();
     assert_eq!(
@@ -296,6 +298,24 @@ fn only_the_winning_worker_set_records_the_prefix() {
         .read()
         .leading_blocks(&p.routes[1].keys, T, &mut out);
     assert_eq!(out.len(), 1);
+}
+
+#[test]
+fn a_prompt_the_index_already_shows_is_not_recorded_again() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    let ids = prompt(7, 16);
+    f.store("10.0.0.1", 0, &ids);
+    let p = f.prepared(&ids);
+    let d = f.decide(&p, &[], T).unwrap();
+    let now = Now {
+        instant: Instant::now(),
+        since_start: T,
+    };
+    let _c = commit::commit(&f.view, &p, &d, now);
+    assert!(
+        f.view.worker_sets[0].runtime.prefixes.read().is_empty(),
+        "the index shows all 16 blocks: nothing to bridge"
+    );
 }
 
 #[test]

@@ -4,6 +4,7 @@ use crate::config::{EngineConfig, LatencyModel, OutputLen};
 fn core_with(cfg: EngineConfig, output: OutputLen) -> EngineCore {
     EngineCore::new(
         cfg,
+        EngineMode::default(),
         LatencyModel::default(),
         output,
         32_768,
@@ -141,7 +142,7 @@ fn eviction_takes_the_tail_of_the_last_freed_request_first() {
         .take_events()
         .iter()
         .filter_map(|e| match e {
-            SimEvent::Removed(d) => Some(d.id()),
+            SimEvent::Removed { digest, .. } => Some(digest.id()),
             _ => None,
         })
         .collect();
@@ -230,6 +231,7 @@ fn runs_are_deterministic_for_a_seed() {
     let go = |seed: u64| {
         let mut c = EngineCore::new(
             EngineConfig::default(),
+            EngineMode::default(),
             LatencyModel::default(),
             OutputLen::Uniform { min: 1, max: 50 },
             32_768,
@@ -348,6 +350,7 @@ fn aborts_free_blocks_between_steps() {
 fn context_length_is_enforced_at_admission() {
     let mut c = EngineCore::new(
         EngineConfig::default(),
+        EngineMode::default(),
         LatencyModel::default(),
         OutputLen::default(),
         100,
@@ -366,5 +369,75 @@ fn context_length_is_enforced_at_admission() {
     assert_eq!(
         c.add_request(NewRequest::default(), 0.0),
         Err(AdmitError::EmptyPrompt)
+    );
+}
+
+/// Stored and removed digests over a run of requests, as (stored, removed).
+fn stored_removed(batches: &[Vec<SimEvent>]) -> (Vec<Digest>, Vec<Digest>) {
+    let (mut stored, mut removed) = (Vec::new(), Vec::new());
+    for e in batches.iter().flatten() {
+        match e {
+            SimEvent::Stored { digests, .. } => stored.extend(digests),
+            SimEvent::Removed { digest, .. } => removed.push(*digest),
+            SimEvent::Cleared => {}
+        }
+    }
+    (stored, removed)
+}
+
+#[test]
+fn sglang_mode_announces_a_prefix_once() {
+    // A 32-token prompt sent twice: the second run may hit one block only
+    // (the last token is computed), so it recomputes the second block. vLLM
+    // caches that block again and announces it; SGLang's radix tree already
+    // holds the prefix and says nothing.
+    let prompt: Vec<u32> = (1..=32).collect();
+    let mut counts = Vec::new();
+    for mode in [EngineMode::default(), "sglang".parse().expect("mode")] {
+        let mut c = EngineCore::new(
+            EngineConfig {
+                num_gpu_blocks: 8,
+                ..EngineConfig::default()
+            },
+            mode,
+            LatencyModel::default(),
+            OutputLen::default(),
+            128,
+            0,
+            SimTokenizer::word_level(),
+        );
+        let mut batches = Vec::new();
+        let mut now = 0.0;
+        for _ in 0..2 {
+            c.add_request(req(prompt.clone(), 1), now).expect("fits");
+            let (_, b, t) = run(&mut c, now);
+            batches.extend(b);
+            now = t;
+        }
+        // Evict everything: 7 usable blocks, a 112-token prompt needs 7.
+        c.add_request(req((1000..1112).collect(), 1), now)
+            .expect("fits");
+        let (_, b, _) = run(&mut c, now);
+        batches.extend(b);
+        let (stored, removed) = stored_removed(&batches);
+        let first_two = stored[..2].to_vec();
+        let announced = |d: &Digest| stored.iter().filter(|x| *x == d).count();
+        let gone = |d: &Digest| removed.iter().filter(|x| *x == d).count();
+        counts.push((announced(&first_two[1]), gone(&first_two[1])));
+        assert_eq!(
+            c.hasher().is_sglang(),
+            mode.is_sglang(),
+            "the mode picks the hasher"
+        );
+    }
+    assert_eq!(
+        counts[0],
+        (2, 2),
+        "vLLM: two copies, each stored and evicted"
+    );
+    assert_eq!(
+        counts[1],
+        (1, 1),
+        "SGLang: one prefix, stored and removed once"
     );
 }

@@ -37,6 +37,37 @@ pub async fn call(c: &HttpClient, method: &str, url: &str, body: Option<&Value>)
     (status, bytes)
 }
 
+/// Status, headers and body of a request with extra headers.
+pub async fn call_with(
+    c: &HttpClient,
+    method: &str,
+    url: &str,
+    body: Option<&Value>,
+    headers: &[(&str, &str)],
+) -> (u16, hyper::HeaderMap, Bytes) {
+    let mut req = hyper::Request::builder()
+        .method(method)
+        .uri(url)
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(
+            body.map(|b| serde_json::to_vec(b).expect("json"))
+                .unwrap_or_default(),
+        )))
+        .expect("request");
+    let resp = c.request(req).await.expect("the simulator answers");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = resp.into_body().collect().await.expect("body").to_bytes();
+    (status, headers, bytes)
+}
+
+/// The fixtures' topic for SGLang captures.
+pub const SGLANG_TOPIC: &str = "kv@sglang-pod-0@meta-llama/Llama-3.1-8B-Instruct";
+
 pub async fn get_json(c: &HttpClient, url: &str) -> Value {
     let (status, body) = call(c, "GET", url, None).await;
     assert_eq!(status, 200, "{url}: {}", String::from_utf8_lossy(&body));
