@@ -128,6 +128,9 @@ pub struct ReadyEndpoint {
     pub http_port: u16,
     /// The KV-event PUB port (`kvEvents.port`, resolved), when set and resolvable.
     pub kv_port: Option<u16>,
+    /// The KV-event replay port (`kvEvents.replayPort`, resolved), when set
+    /// and resolvable.
+    pub replay_port: Option<u16>,
     /// The pod (or other object) behind it, when the slice names one.
     pub target: Option<String>,
 }
@@ -151,12 +154,13 @@ pub struct Endpoints {
 ///
 /// `slices` should already be those of the worker set's Service (see
 /// [`belongs_to`]). Endpoints of a slice whose HTTP port does not resolve are
-/// left out (and the error recorded); a KV port that does not resolve leaves
-/// `kv_port` empty (and the error recorded).
+/// left out (and the error recorded); a KV or replay port that does not
+/// resolve leaves `kv_port` or `replay_port` empty (and the error recorded).
 pub fn read<'a>(
     slices: impl IntoIterator<Item = &'a EndpointSlice>,
     http_port: &IntOrString,
     kv_port: Option<&IntOrString>,
+    replay_port: Option<&IntOrString>,
 ) -> Endpoints {
     let mut out = Endpoints::default();
     let mut seen = BTreeSet::new();
@@ -171,6 +175,11 @@ pub fn read<'a>(
             }
         };
         let kv = kv_port.and_then(|k| {
+            resolve_port(k, ports)
+                .map_err(|e| out.kv_port_errors.push(e))
+                .ok()
+        });
+        let replay = replay_port.and_then(|k| {
             resolve_port(k, ports)
                 .map_err(|e| out.kv_port_errors.push(e))
                 .ok()
@@ -197,6 +206,7 @@ pub fn read<'a>(
                 address: address.clone(),
                 http_port: http,
                 kv_port: kv,
+                replay_port: replay,
                 target,
             });
         }
@@ -292,6 +302,7 @@ mod tests {
             [&a, &b],
             &IntOrString::String("http".into()),
             Some(&IntOrString::String("kv-pub".into())),
+            None,
         );
         let addrs: Vec<&str> = eps.ready.iter().map(|e| e.address.as_str()).collect();
         assert_eq!(addrs, ["10.0.0.1", "10.0.0.2", "10.0.0.4"]);
@@ -306,6 +317,45 @@ mod tests {
     }
 
     #[test]
+    fn replay_ports_resolve_by_name_or_number() {
+        let s = slice(
+            vec![
+                port("http", 8000),
+                port("kv-pub", 5557),
+                port("kv-replay", 5558),
+            ],
+            vec![ep("10.0.0.1", Some(true), None)],
+        );
+        let kv = IntOrString::String("kv-pub".into());
+        let by_name = read(
+            [&s],
+            &IntOrString::String("http".into()),
+            Some(&kv),
+            Some(&IntOrString::String("kv-replay".into())),
+        );
+        assert_eq!(by_name.ready[0].replay_port, Some(5558));
+        let by_number = read(
+            [&s],
+            &IntOrString::Int(8000),
+            Some(&kv),
+            Some(&IntOrString::Int(6000)),
+        );
+        assert_eq!(by_number.ready[0].replay_port, Some(6000));
+        let missing = read(
+            [&s],
+            &IntOrString::Int(8000),
+            Some(&kv),
+            Some(&IntOrString::String("nope".into())),
+        );
+        assert_eq!(missing.ready[0].replay_port, None);
+        assert_eq!(
+            missing.kv_port_errors.len(),
+            1,
+            "an unresolvable replay port is reported"
+        );
+    }
+
+    #[test]
     fn unresolvable_ports_are_reported() {
         let s = slice(
             vec![port("http", 8000)],
@@ -315,12 +365,13 @@ mod tests {
             [&s],
             &IntOrString::String("http".into()),
             Some(&IntOrString::String("kv-pub".into())),
+            None,
         );
         assert_eq!(eps.ready.len(), 1);
         assert_eq!(eps.ready[0].kv_port, None);
         assert_eq!(eps.kv_port_errors.len(), 1);
 
-        let eps = read([&s], &IntOrString::String("openai".into()), None);
+        let eps = read([&s], &IntOrString::String("openai".into()), None, None);
         assert!(eps.ready.is_empty());
         assert_eq!(eps.http_port_errors.len(), 1);
     }

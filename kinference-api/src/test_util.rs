@@ -46,7 +46,10 @@ pub fn mk_spec(
             name: service.into(),
             port: port(http),
         },
-        kv_events: kv.map(|k| KvEventsRef { port: port(k) }),
+        kv_events: kv.map(|k| KvEventsRef {
+            port: port(k),
+            replay_port: None,
+        }),
         models: models
             .iter()
             .map(|(name, aliases)| ModelSpec {

@@ -88,8 +88,9 @@ pub fn resolve<'a>(
         .into_iter()
         .filter(|s| belongs_to(s, service))
         .collect();
+    let replay = spec.kv_events.as_ref().and_then(|k| k.replay_port.as_ref());
     let endpoints =
-        kinference_api::endpoints::read(slices.iter().copied(), &spec.service_ref.port, kv);
+        kinference_api::endpoints::read(slices.iter().copied(), &spec.service_ref.port, kv, replay);
     let http_port = PortLookup::from_errors(endpoints.slices, &endpoints.http_port_errors);
     // Judged on every slice (the reader skips the KV port of a slice whose
     // HTTP port does not resolve).

@@ -257,6 +257,7 @@ mod tests {
                     address: (*a).into(),
                     http_port: 8000,
                     kv_port: Some(5557),
+                    replay_port: None,
                     target: None,
                 })
                 .collect(),

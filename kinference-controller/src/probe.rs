@@ -560,6 +560,7 @@ mod tests {
             address: a.into(),
             http_port: 8000,
             kv_port: kv,
+            replay_port: None,
             target: None,
         };
         let mut t = ProbeTarget {

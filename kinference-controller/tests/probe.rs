@@ -25,6 +25,7 @@ fn endpoint(addr: SocketAddr) -> ReadyEndpoint {
         address: addr.ip().to_string(),
         http_port: addr.port(),
         kv_port: None,
+        replay_port: None,
         target: None,
     }
 }
@@ -67,6 +68,7 @@ fn kv_reasons(obs: &KvObservation, kv_block_size: u32) -> Vec<DiagnosisReason> {
     };
     spec.kv_events = Some(kinference_api::v1alpha1::KvEventsRef {
         port: k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::Int(5557),
+        replay_port: None,
     });
     let probe = ProbeResult {
         models: Vec::new(),

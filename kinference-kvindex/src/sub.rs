@@ -16,6 +16,10 @@
 //! * `seq` > expected (a gap): catch up from the replay endpoint if one is
 //!   configured, buffering live batches meanwhile; if there is none, or the
 //!   replay fails or starts late, drop that worker's blocks;
+//! * a replay endpoint that cannot be reached (connect refused, no reply at
+//!   all) is remembered as absent ([`StreamHealth::replay_absent`]): the
+//!   engine was started without one (vLLM's default), whatever the
+//!   configuration said. Only a real gap or restart drops blocks then;
 //! * `seq` < expected: the engine restarted: drop its blocks;
 //! * a payload that does not decode is a lost batch: drop its blocks.
 //!
@@ -31,12 +35,14 @@
 //! ring is read from 0 (a suffix of a stream applied to an empty state
 //! never claims a block the engine does not hold).
 //!
-//! **No heartbeats in ZeroMQ PUB/SUB**, so two more checks run the same
-//! anchored catch-up: when the socket reconnects after a disconnect (what
-//! was published meanwhile is lost to us; without a replay endpoint the
-//! worker's blocks are dropped instead), and when the stream has been idle
-//! for [`SubscriberConfig::idle_check`] (the last batches before an engine
-//! went idle can be lost on the wire, and nothing later would reveal it).
+//! **No heartbeats in ZeroMQ PUB/SUB**, so with a replay endpoint two more
+//! checks run the same anchored catch-up: when the socket reconnects after
+//! a disconnect (what was published meanwhile is lost to us), and when the
+//! stream has been idle for [`SubscriberConfig::idle_check`] (the last
+//! batches before an engine went idle can be lost on the wire, and nothing
+//! later would reveal it). Without one, the next batch's number tells: a
+//! gap or a restart drops the worker's blocks, continuity keeps them. An
+//! idle check that cannot reach the replay endpoint drops nothing.
 //!
 //! The task stops when its [`SubscriberHandle`] is dropped (or
 //! [`SubscriberHandle::stop`] is called); sockets close with it.
@@ -158,6 +164,10 @@ pub struct StreamHealth {
     pub replays: u64,
     /// Replays that failed, timed out, overflowed or started too late.
     pub replay_failures: u64,
+    /// The replay endpoint configured could not be reached (refused, or no
+    /// answer in time): it is treated as absent from then on, and a gap
+    /// drops the worker's blocks as without one.
+    pub replay_absent: bool,
     /// Publisher restarts: the sequence went down, or a catch-up found a
     /// different stream than the one followed.
     pub restarts: u64,
@@ -264,7 +274,9 @@ pub fn spawn<S: EventSink>(
         last_activity: Instant::now(),
         disconnected: false,
         reconnected: false,
+        replay: None,
     };
+    run.replay.clone_from(&run.config.replay_endpoint);
     let task = tokio::spawn(async move { run.run().await });
     SubscriberHandle {
         worker,
@@ -290,6 +302,8 @@ struct Run<S> {
     disconnected: bool,
     /// It reconnected after a disconnect: check what was missed.
     reconnected: bool,
+    /// The replay endpoint, while it is believed to exist.
+    replay: Option<String>,
 }
 
 enum Live {
@@ -369,21 +383,20 @@ impl<S: EventSink> Run<S> {
                 Some(Live::Event(ev)) => self.on_socket_event(&ev),
                 Some(Live::Idle) => {
                     self.h().checks += 1;
-                    self.catch_up(&mut sub, &mut monitor, None).await;
+                    self.check_idle(&mut sub, &mut monitor).await;
                     self.last_activity = Instant::now();
                 }
                 None => {}
             }
-            if std::mem::take(&mut self.reconnected) && self.next_seq.is_some() {
+            if std::mem::take(&mut self.reconnected)
+                && self.next_seq.is_some()
+                && self.replay.is_some()
+            {
+                // Without a replay endpoint there is nothing to ask: the
+                // next batch's number tells whether anything was lost
+                // meanwhile (a gap or a restart then drops the blocks).
                 self.h().checks += 1;
-                if self.config.replay_endpoint.is_some() {
-                    self.catch_up(&mut sub, &mut monitor, None).await;
-                } else {
-                    // What was published while we were away is lost, and
-                    // nothing can tell what it was.
-                    tracing::info!(endpoint = %self.config.endpoint, "kv publisher reconnected without a replay endpoint: dropping the worker's blocks");
-                    self.forget();
-                }
+                self.catch_up(&mut sub, &mut monitor, None).await;
             }
         }
     }
@@ -391,8 +404,79 @@ impl<S: EventSink> Run<S> {
     /// When the idle check is due, if it applies.
     fn idle_deadline(&self) -> Option<Instant> {
         let every = self.config.idle_check?;
-        (self.config.replay_endpoint.is_some() && self.next_seq.is_some() && !self.disconnected)
+        (self.replay.is_some() && self.next_seq.is_some() && !self.disconnected)
             .then(|| self.last_activity + every)
+    }
+
+    /// The idle check: an anchored catch-up, unless the replay endpoint
+    /// cannot be reached. Nothing showed a loss, so an unreachable replay
+    /// endpoint drops no block: it is remembered as absent.
+    async fn check_idle(
+        &mut self,
+        sub: &mut SubSocket,
+        monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
+    ) {
+        let Some(endpoint) = self.replay.clone() else {
+            return;
+        };
+        let (n, d) = match (self.next_seq, self.last_digest) {
+            (Some(n), Some(d)) if n > 0 => (n, d),
+            _ => return,
+        };
+        let mut buf = Buffered {
+            batches: Vec::new(),
+            overflow: false,
+        };
+        match self.fetch(sub, monitor, endpoint, n - 1, &mut buf).await {
+            Err(e) if is_unreachable(&e) => self.replay_unreachable(&e),
+            Err(e) => {
+                tracing::debug!(endpoint = %self.config.endpoint, error = %e, "kv idle check failed; keeping the blocks");
+            }
+            Ok(batches) => {
+                let continues = batches
+                    .first()
+                    .is_some_and(|(s, p)| *s == n - 1 && digest(p) == d);
+                let tail: Vec<(u64, Bytes)> = batches.into_iter().skip(1).collect();
+                if continues {
+                    // Batches lost on the wire before the spell: apply them.
+                    for (s, p) in tail {
+                        if self.next_seq.is_none_or(|x| s >= x) {
+                            self.apply(s, &p);
+                        }
+                    }
+                } else {
+                    self.h().restarts += 1;
+                    tracing::info!(endpoint = %self.config.endpoint, "kv publisher is not the stream followed (restarted): dropping the worker's blocks");
+                    self.forget();
+                }
+            }
+        }
+        for (s, p) in buf.batches {
+            self.on_live_after_check(s, &p);
+        }
+    }
+
+    /// A live batch that arrived during a check: applied in order, or a gap.
+    fn on_live_after_check(&mut self, s: u64, p: &[u8]) {
+        match self.next_seq {
+            Some(n) if s < n => {}
+            Some(n) if s > n => {
+                self.h().gaps += 1;
+                self.reset();
+                self.apply(s, p);
+            }
+            _ => self.apply(s, p),
+        }
+    }
+
+    /// The replay endpoint cannot be reached: from now on there is none.
+    fn replay_unreachable(&mut self, why: &str) {
+        if let Some(e) = self.replay.take() {
+            tracing::warn!(endpoint = %self.config.endpoint, replay = %e, error = %why, "kv replay endpoint unreachable: treating it as absent (gaps will drop this worker's blocks)");
+            let mut h = self.h();
+            h.replay_absent = true;
+            h.replay_failures += 1;
+        }
     }
 
     /// Drops the worker's blocks and forgets the stream's position: the next
@@ -444,12 +528,12 @@ impl<S: EventSink> Run<S> {
         self.last_activity = Instant::now();
         match self.next_seq {
             Some(n) if seq == n => self.apply(seq, &payload),
-            None if seq == 0 || self.config.replay_endpoint.is_none() => self.apply(seq, &payload),
+            None if seq == 0 || self.replay.is_none() => self.apply(seq, &payload),
             Some(n) if seq < n => {
                 self.h().restarts += 1;
                 tracing::info!(endpoint = %self.config.endpoint, seq, expected = n, "kv publisher restarted");
                 self.forget();
-                if seq == 0 || self.config.replay_endpoint.is_none() {
+                if seq == 0 || self.replay.is_none() {
                     self.apply(seq, &payload);
                 } else {
                     self.catch_up(sub, monitor, Some((seq, payload))).await;
@@ -458,7 +542,7 @@ impl<S: EventSink> Run<S> {
             Some(n) => {
                 self.h().gaps += 1;
                 tracing::info!(endpoint = %self.config.endpoint, seq, expected = n, "kv sequence gap");
-                if self.config.replay_endpoint.is_some() {
+                if self.replay.is_some() {
                     self.catch_up(sub, monitor, Some((seq, payload))).await;
                 } else {
                     self.reset();
@@ -546,7 +630,7 @@ impl<S: EventSink> Run<S> {
         monitor: &mut futures::channel::mpsc::Receiver<SocketEvent>,
         live: Option<(u64, Bytes)>,
     ) {
-        let Some(endpoint) = self.config.replay_endpoint.clone() else {
+        let Some(endpoint) = self.replay.clone() else {
             return;
         };
         let mut buf = Buffered {
@@ -607,8 +691,12 @@ impl<S: EventSink> Run<S> {
                     ),
                     Err(e) => e,
                 };
+                if is_unreachable(&why) {
+                    self.replay_unreachable(&why);
+                } else {
+                    self.h().replay_failures += 1;
+                }
                 tracing::warn!(endpoint = %self.config.endpoint, from, reason = %why, "kv replay failed: dropping the worker's blocks");
-                self.h().replay_failures += 1;
                 self.forget();
             }
         }
@@ -626,6 +714,14 @@ impl<S: EventSink> Run<S> {
             }
         }
     }
+}
+
+/// Whether a replay error means the endpoint is not there (as opposed to a
+/// reply that was wrong or late once it had started).
+fn is_unreachable(e: &str) -> bool {
+    e.starts_with("replay connect")
+        || e.starts_with("replay send")
+        || e == "replay reply timed out (no reply at all)"
 }
 
 /// One replay request on a fresh DEALER: `["", from]`, then replies until
@@ -652,7 +748,13 @@ async fn fetch_replay(
     loop {
         let m = tokio::time::timeout(timeout, dealer.recv())
             .await
-            .map_err(|_| "replay reply timed out".to_owned())?
+            .map_err(|_| {
+                if out.is_empty() {
+                    "replay reply timed out (no reply at all)".to_owned()
+                } else {
+                    "replay reply timed out".to_owned()
+                }
+            })?
             .map_err(|e| format!("replay recv: {e}"))?;
         let parts: Vec<&[u8]> = m.iter().map(Bytes::as_ref).collect();
         match frames::parse_replay_reply(&parts).map_err(|e| format!("replay reply: {e}"))? {

@@ -109,6 +109,7 @@ impl Bench {
                     address: format!("10.0.0.{i}"),
                     http_port: 8000,
                     kv_port: Some(5557),
+                    replay_port: None,
                     target: None,
                 })
                 .collect(),

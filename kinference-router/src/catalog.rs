@@ -300,6 +300,7 @@ impl Catalog {
                     slices,
                     &spec.service_ref.port,
                     spec.kv_events.as_ref().map(|k| &k.port),
+                    spec.kv_events.as_ref().and_then(|k| k.replay_port.as_ref()),
                 );
                 for e in eps.http_port_errors.iter().chain(&eps.kv_port_errors) {
                     problems.push(format!("InferenceWorkerSet {}: {e}", r.name));

@@ -73,6 +73,16 @@ impl Commit {
         }
     }
 
+    /// The engine answered with an error that goes back to the client: the
+    /// prefix record goes (the engine computed nothing to keep), the load
+    /// stays until the answer has been streamed.
+    pub fn withdraw_record(&mut self, prepared: &Prepared) {
+        if let Some(mark) = self.record.take() {
+            let keys = &prepared.routes[self.route].keys;
+            self.runtime.prefixes.write().withdraw(keys, mark);
+        }
+    }
+
     /// The attempt's load guard, once the engine accepted it.
     pub fn into_inflight(self) -> InFlight {
         self.inflight

@@ -28,8 +28,9 @@ pub mod defaults {
     /// Attempts per request on different endpoints.
     pub const MAX_ATTEMPTS: usize = 3;
     /// The replay port is the KV-event port plus this when neither the
-    /// engine nor the worker set says (0: none).
-    pub const KV_REPLAY_OFFSET: u16 = 1;
+    /// engine nor the worker set says. 0: none, as vLLM and SGLang start
+    /// without a replay socket unless configured.
+    pub const KV_REPLAY_OFFSET: u16 = 0;
     /// Between `/metrics` scrapes of each engine.
     pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(5);
     /// Between `/v1/models` calls to each engine.

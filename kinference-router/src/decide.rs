@@ -5,7 +5,9 @@
 //!
 //! For each route of the request (a worker set serving its model), the
 //! candidates are the set's endpoints that may take it
-//! ([`crate::view::WorkerSetView::serving`]), minus those already tried.
+//! ([`crate::view::WorkerSetView::serving`]), minus those already tried;
+//! when every endpoint of every route is ejected, the ejected ones too
+//! (panic mode: trying beats failing for certain).
 //! Their cached leading blocks come from the KV index (exact mode), topped
 //! up by this router's own record of prefixes it sent in the last seconds
 //! (a burst of a new prefix stays together before the engine's events
@@ -53,6 +55,8 @@ pub struct Decision {
     /// The DP rank to ask for (`X-data-parallel-rank`), when the engine has
     /// several and one holds more of the prompt.
     pub dp_rank: Option<u32>,
+    /// Taken in panic mode: every candidate was ejected.
+    pub panic: bool,
 }
 
 /// Decides where `prepared` goes, skipping `excluded` endpoints.
@@ -71,30 +75,39 @@ pub fn decide(
     let mut best: Option<Decision> = None;
     let mut held = Vec::new();
     let mut scratch = Matches::default();
-    for (i, route) in prepared.routes.iter().enumerate() {
-        let ws = &view.worker_sets[route.target.worker_set];
-        let endpoints = ws.serving(&route.target.model, now.instant, excluded);
-        if endpoints.is_empty() {
-            continue;
+    // Healthy endpoints first; when every endpoint of every route is
+    // ejected, all of them (panic mode, as Envoy does: an ejection is a
+    // guess, and trying beats failing for certain).
+    for health in [Some(now.instant), None] {
+        for (i, route) in prepared.routes.iter().enumerate() {
+            let ws = &view.worker_sets[route.target.worker_set];
+            let endpoints = ws.candidates(&route.target.model, health, excluded);
+            if endpoints.is_empty() {
+                continue;
+            }
+            let d = decide_route(
+                ws,
+                kv,
+                route,
+                &endpoints,
+                now,
+                rng,
+                explain,
+                &mut held,
+                &mut scratch,
+            );
+            if let Some(mut d) = d
+                && best
+                    .as_ref()
+                    .is_none_or(|b| d.choice.prediction.ttft_ms < b.choice.prediction.ttft_ms)
+            {
+                d.route = i;
+                d.panic = health.is_none();
+                best = Some(d);
+            }
         }
-        let d = decide_route(
-            ws,
-            kv,
-            route,
-            &endpoints,
-            now,
-            rng,
-            explain,
-            &mut held,
-            &mut scratch,
-        );
-        if let Some(mut d) = d
-            && best
-                .as_ref()
-                .is_none_or(|b| d.choice.prediction.ttft_ms < b.choice.prediction.ttft_ms)
-        {
-            d.route = i;
-            best = Some(d);
+        if best.is_some() {
+            break;
         }
     }
     best.ok_or_else(|| {
@@ -104,7 +117,7 @@ pub fn decide(
             .map(|r| view.worker_sets[r.target.worker_set].route.name.as_str())
             .collect();
         ApiError::unavailable(format!(
-            "No healthy endpoint serves this model right now (worker sets: {}).",
+            "No endpoint serves this model right now (worker sets: {}).",
             sets.join(", ")
         ))
     })
@@ -210,6 +223,7 @@ fn decide_route(
         candidate,
         explanation,
         dp_rank,
+        panic: false,
     })
 }
 

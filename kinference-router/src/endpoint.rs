@@ -61,6 +61,8 @@ pub struct Scraped {
     pub kv_usage: f64,
     /// `vllm:cache_config_info{block_size}`.
     pub block_size: Option<u32>,
+    /// Whose metric names the engine uses (vLLM, SGLang).
+    pub family: kinference_api::engine::EngineFamily,
     /// This router's requests in flight there when they were read (the
     /// most seen just before and just after the scrape), so that scoring
     /// counts only others' requests from the scraped figures.
@@ -115,23 +117,61 @@ impl Load {
     }
 }
 
-/// Health: consecutive failures and an ejection deadline.
+/// What an attempt or a probe found out about an endpoint's health.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The engine answered (anything but a 5xx).
+    Success,
+    /// No connection could be made, or it broke before an answer.
+    ConnectFailure,
+    /// The engine answered with a 5xx other than 503 (a CUDA fault, an
+    /// engine that died behind a live API server).
+    ServerError,
+    /// No response headers within the upstream timeout, or a stream that
+    /// stalled.
+    Timeout,
+}
+
+/// Health by outlier detection, as Envoy does it: consecutive gateway
+/// failures (connect failures, timeouts) eject at once, consecutive 5xx
+/// after [`CONSECUTIVE_5XX`]; each ejection lasts [`BASE_EJECTION`] times
+/// 2^(ejections so far), at most [`MAX_EJECTION`]. After it, the endpoint
+/// takes traffic again; a success forgets the history, another failure
+/// ejects it for longer. A 503 is an engine saying "not now" (vLLM's
+/// admission control): the request tries another endpoint, the endpoint is
+/// not ejected.
 #[derive(Debug, Default)]
 struct Health {
-    failures: u32,
+    consecutive_5xx: u32,
+    /// Ejections since the last success (the back-off exponent).
+    ejections: u32,
     ejected_until: Option<Instant>,
-    /// Consecutive probes that could not reach the engine.
-    probe_failures: u32,
-    /// The ejection is the probes' doing (a probe success lifts it).
+    /// Consecutive probes that found nothing listening.
+    probe_refused: u32,
+    /// Consecutive probes without an answer in time.
+    probe_timeouts: u32,
+    /// The ejection is the probes' doing (a probe that reaches the engine
+    /// lifts it).
     by_probe: bool,
 }
 
-/// The longest an endpoint is ejected after failures.
-const MAX_EJECTION: Duration = Duration::from_secs(30);
+/// Consecutive 5xx answers (other than 503) that eject an endpoint.
+pub const CONSECUTIVE_5XX: u32 = 3;
 
-/// Consecutive unreachable probes (connect errors, timeouts) that eject an
-/// endpoint. One is not enough: a busy engine can miss one probe deadline.
+/// The first ejection's length.
+pub const BASE_EJECTION: Duration = Duration::from_millis(500);
+
+/// The longest an endpoint is ejected after failures.
+pub const MAX_EJECTION: Duration = Duration::from_secs(30);
+
+/// Consecutive probes finding nothing listening that eject an endpoint and
+/// move the requests waiting for its headers elsewhere (the engine is gone).
 pub const PROBE_FAILURES_TO_EJECT: u32 = 2;
+
+/// Consecutive probes without an answer in time that eject an endpoint for
+/// new requests. Requests already there keep waiting: a busy engine answers
+/// probes late and is still working on them.
+pub const PROBE_TIMEOUTS_TO_EJECT: u32 = 3;
 
 /// One endpoint.
 #[derive(Debug)]
@@ -186,61 +226,107 @@ impl Endpoint {
         self.health.read().ejected_until.is_none_or(|t| now >= t)
     }
 
-    /// Records a failed request (a refusal, no answer in time, a stream
-    /// that stalled): ejects the endpoint for a time that doubles with
-    /// consecutive failures (0.5 s up to 30 s).
-    pub fn record_failure(&self, now: Instant) {
-        let mut h = self.health.write();
-        Self::eject(&mut h, now);
-        h.by_probe = false;
-    }
-
     fn eject(h: &mut Health, now: Instant) {
-        h.failures = h.failures.saturating_add(1);
-        let backoff = Duration::from_millis(500)
-            .saturating_mul(1 << (h.failures - 1).min(6))
+        h.ejections = h.ejections.saturating_add(1);
+        let backoff = BASE_EJECTION
+            .saturating_mul(1 << (h.ejections - 1).min(10))
             .min(MAX_EJECTION);
         h.ejected_until = Some(now + backoff);
     }
 
-    /// Records a success: the endpoint is healthy again.
-    pub fn record_success(&self) {
+    /// Records what an attempt found out. Returns whether it ejected the
+    /// endpoint.
+    pub fn record(&self, outcome: Outcome, now: Instant) -> bool {
         let mut h = self.health.write();
-        if h.failures != 0 || h.ejected_until.is_some() || h.probe_failures != 0 {
-            *h = Health::default();
+        match outcome {
+            Outcome::Success => {
+                if h.consecutive_5xx != 0 || h.ejections != 0 || h.ejected_until.is_some() {
+                    *h = Health {
+                        probe_refused: h.probe_refused,
+                        probe_timeouts: h.probe_timeouts,
+                        ..Health::default()
+                    };
+                }
+                false
+            }
+            Outcome::ServerError => {
+                h.consecutive_5xx = h.consecutive_5xx.saturating_add(1);
+                if h.consecutive_5xx < CONSECUTIVE_5XX {
+                    return false;
+                }
+                h.consecutive_5xx = 0;
+                Self::eject(&mut h, now);
+                h.by_probe = false;
+                true
+            }
+            Outcome::ConnectFailure | Outcome::Timeout => {
+                Self::eject(&mut h, now);
+                h.by_probe = false;
+                true
+            }
         }
     }
 
-    /// Records whether a probe (or a `/tokenize` call that failed to
-    /// connect) reached the engine.
+    /// Records a failed request (a refusal, no answer in time, a stream
+    /// that stalled): ejects the endpoint, with the back-off of
+    /// [`Endpoint::record`].
+    pub fn record_failure(&self, now: Instant) {
+        self.record(Outcome::Timeout, now);
+    }
+
+    /// Records a success: the endpoint's failure history is forgotten.
+    pub fn record_success(&self) {
+        self.record(Outcome::Success, Instant::now());
+    }
+
+    /// Records what a probe (or a `/tokenize` call) found:
+    /// `Some(Outcome::Success)` an answer, `Some(Outcome::ConnectFailure)`
+    /// nothing listening, `Some(Outcome::Timeout)` no answer in time,
+    /// `Some(Outcome::ServerError)` a 5xx from `/health` (the engine says it
+    /// is dead).
     ///
-    /// [`PROBE_FAILURES_TO_EJECT`] unreachable probes in a row eject the
-    /// endpoint (with the same growing backoff as failed requests) and wake
-    /// the requests waiting for its response headers, which then try
-    /// another endpoint: an engine that stopped answering is found without
-    /// waiting for requests to time out on it, and without traffic at all.
-    /// A probe that reaches the engine lifts an ejection the probes caused
-    /// (not one caused by failed requests: their backoff runs out). Returns
-    /// whether this call ejected the endpoint.
-    pub fn record_probe(&self, reachable: bool, now: Instant) -> bool {
+    /// [`PROBE_FAILURES_TO_EJECT`] refusals (or 5xx health answers) in a
+    /// row eject the endpoint and wake the requests waiting for its response
+    /// headers, which then try another endpoint: an engine that is gone is
+    /// found without waiting for requests to time out on it, and without
+    /// traffic at all. [`PROBE_TIMEOUTS_TO_EJECT`] timeouts in a row eject
+    /// it for new requests only. A probe that reaches the engine lifts an
+    /// ejection the probes caused (not one caused by failed requests: their
+    /// back-off runs out). Returns whether this call ejected the endpoint.
+    pub fn record_probe(&self, outcome: Outcome, now: Instant) -> bool {
         let mut h = self.health.write();
-        if reachable {
-            if h.by_probe {
-                *h = Health::default();
-            } else {
-                h.probe_failures = 0;
+        match outcome {
+            Outcome::Success => {
+                if h.by_probe {
+                    *h = Health::default();
+                } else {
+                    h.probe_refused = 0;
+                    h.probe_timeouts = 0;
+                }
+                false
             }
-            return false;
+            Outcome::Timeout => {
+                h.probe_timeouts = h.probe_timeouts.saturating_add(1);
+                let ejected = h.ejected_until.is_some_and(|t| now < t);
+                if h.probe_timeouts < PROBE_TIMEOUTS_TO_EJECT || ejected {
+                    return false;
+                }
+                Self::eject(&mut h, now);
+                h.by_probe = true;
+                true
+            }
+            Outcome::ConnectFailure | Outcome::ServerError => {
+                h.probe_refused = h.probe_refused.saturating_add(1);
+                if h.probe_refused < PROBE_FAILURES_TO_EJECT {
+                    return false;
+                }
+                Self::eject(&mut h, now);
+                h.by_probe = true;
+                drop(h);
+                self.down.notify_waiters();
+                true
+            }
         }
-        h.probe_failures = h.probe_failures.saturating_add(1);
-        if h.probe_failures < PROBE_FAILURES_TO_EJECT {
-            return false;
-        }
-        Self::eject(&mut h, now);
-        h.by_probe = true;
-        drop(h);
-        self.down.notify_waiters();
-        true
     }
 
     /// Resolves when probes next find the engine unreachable. Register
@@ -249,9 +335,9 @@ impl Endpoint {
         self.down.notified()
     }
 
-    /// Consecutive failures so far.
+    /// Ejections since the last success (0 when healthy).
     pub fn failures(&self) -> u32 {
-        self.health.read().failures
+        self.health.read().ejections
     }
 
     /// Models from the last successful `/v1/models`.
@@ -523,49 +609,95 @@ mod tests {
         let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
         let t0 = Instant::now();
         assert!(e.healthy(t0));
-        e.record_failure(t0);
+        assert!(
+            e.record(Outcome::ConnectFailure, t0),
+            "a connect failure ejects at once"
+        );
         assert!(!e.healthy(t0));
-        assert!(e.healthy(t0 + Duration::from_millis(500)));
-        e.record_failure(t0);
-        assert!(!e.healthy(t0 + Duration::from_millis(999)));
+        assert!(e.healthy(t0 + BASE_EJECTION));
+        e.record(Outcome::ConnectFailure, t0);
+        assert!(
+            !e.healthy(t0 + Duration::from_millis(999)),
+            "the second ejection is twice as long"
+        );
         for _ in 0..20 {
-            e.record_failure(t0);
+            e.record(Outcome::Timeout, t0);
         }
         assert!(!e.healthy(t0 + Duration::from_secs(29)));
         assert!(e.healthy(t0 + MAX_EJECTION));
-        e.record_success();
+        e.record(Outcome::Success, t0);
         assert!(e.healthy(t0));
         assert_eq!(e.failures(), 0);
     }
 
-    #[tokio::test]
-    async fn unreachable_probes_eject_and_wake_waiting_requests() {
+    #[test]
+    fn consecutive_server_errors_eject_and_503_never_does() {
         let stop = CancellationToken::new();
         let mut reg = Registry::default();
         let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
         let t0 = Instant::now();
+        for _ in 1..CONSECUTIVE_5XX {
+            assert!(!e.record(Outcome::ServerError, t0));
+            assert!(e.healthy(t0));
+        }
+        assert!(
+            e.record(Outcome::ServerError, t0),
+            "the third 5xx in a row ejects"
+        );
+        assert!(!e.healthy(t0));
+        // Readmitted after the back-off; a success in between resets the count.
+        let later = t0 + BASE_EJECTION;
+        assert!(e.healthy(later));
+        e.record(Outcome::ServerError, later);
+        e.record(Outcome::Success, later);
+        e.record(Outcome::ServerError, later);
+        e.record(Outcome::ServerError, later);
+        assert!(e.healthy(later), "not three in a row");
+    }
+
+    #[tokio::test]
+    async fn refused_probes_eject_and_wake_waiting_requests_timeouts_do_not_wake() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let t0 = Instant::now();
+        // Timeouts: a busy engine. They eject for new requests after three,
+        // and never wake the requests already waiting.
         let waiting = e.went_down();
         tokio::pin!(waiting);
-        // One miss is tolerated; two in a row eject and wake the waiters.
-        assert!(!e.record_probe(false, t0));
+        for _ in 1..PROBE_TIMEOUTS_TO_EJECT {
+            assert!(!e.record_probe(Outcome::Timeout, t0));
+        }
         assert!(e.healthy(t0));
-        assert!(e.record_probe(false, t0));
+        assert!(e.record_probe(Outcome::Timeout, t0));
+        assert!(!e.healthy(t0));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), &mut waiting)
+                .await
+                .is_err(),
+            "timeouts alone abandon no request"
+        );
+        assert!(!e.record_probe(Outcome::Success, t0));
+        assert!(e.healthy(t0), "an answer lifts the probes' ejection");
+        // Refusals: nothing listens. Two in a row eject and wake the waiters.
+        assert!(!e.record_probe(Outcome::ConnectFailure, t0));
+        assert!(e.healthy(t0));
+        assert!(e.record_probe(Outcome::ConnectFailure, t0));
         assert!(!e.healthy(t0));
         tokio::time::timeout(Duration::from_secs(1), &mut waiting)
             .await
             .expect("waiting requests are woken");
-        // A probe that reaches it again lifts the probes' ejection.
-        assert!(!e.record_probe(true, t0));
+        assert!(!e.record_probe(Outcome::Success, t0));
         assert!(e.healthy(t0));
         // An ejection by a failed request is not lifted by a probe.
-        e.record_failure(t0);
-        e.record_probe(true, t0);
+        e.record(Outcome::ConnectFailure, t0);
+        e.record_probe(Outcome::Success, t0);
         assert!(!e.healthy(t0));
         // Probe misses interleaved with successes never eject.
-        e.record_success();
+        e.record(Outcome::Success, t0);
         for _ in 0..10 {
-            e.record_probe(false, t0);
-            e.record_probe(true, t0);
+            e.record_probe(Outcome::ConnectFailure, t0);
+            e.record_probe(Outcome::Success, t0);
         }
         assert!(e.healthy(t0));
     }

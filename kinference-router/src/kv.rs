@@ -30,6 +30,8 @@ pub struct Publisher {
     pub endpoint: String,
     /// `tcp://host:port` of its replay ROUTER socket, if it has one.
     pub replay: Option<String>,
+    /// The topic it publishes under (a prefix to subscribe to).
+    pub topic: String,
 }
 
 /// KV-event stream state of an endpoint's DP rank, for reports.
@@ -175,7 +177,7 @@ impl KvPlane {
                     continue;
                 }
             };
-            let mut cfg = SubscriberConfig::new(p.endpoint);
+            let mut cfg = SubscriberConfig::new(p.endpoint).with_topic(p.topic);
             if let Some(r) = p.replay {
                 cfg = cfg.with_replay(r);
             }

@@ -55,6 +55,7 @@ fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
             e.clone(),
             shared.runtime.probes.clone(),
             shared.config.probes,
+            None,
             move || s.runtime.notify_models_changed(),
         );
         // Subscribe to KV events with the first worker set that lists it.
@@ -66,13 +67,19 @@ fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
             let (shared, e) = (shared.clone(), e.clone());
             let block_size = ws.kv_block_size;
             let address = re.address.clone();
+            let replay_port = re.replay_port;
             tokio::spawn(async move {
+                let target = crate::probe::KvTarget {
+                    authority: &e.authority,
+                    address: &address,
+                    kv_port,
+                    replay_port,
+                };
                 let publishers = crate::probe::kv_publishers(
                     &shared.runtime.probes,
-                    &e.authority,
-                    &address,
-                    kv_port,
+                    &target,
                     shared.config.kv_replay_offset,
+                    None,
                     shared.config.probes.timeout,
                 )
                 .await;

@@ -71,6 +71,8 @@ pub struct Metrics {
     pub routed_without_tokens: Counter,
     /// Routes taken from the memo of prompts prepared before.
     pub prepared_from_memo: Counter,
+    /// Decisions taken in panic mode (every candidate ejected).
+    pub panic_decisions: Counter,
     /// Upstream attempts retried on another endpoint.
     pub retries: Family<RetryLabels, Counter>,
 }
@@ -86,6 +88,7 @@ impl Default for Metrics {
             tokenize_duration: Family::new_with_constructor(|| Histogram::new(latency_buckets())),
             routed_without_tokens: Counter::default(),
             prepared_from_memo: Counter::default(),
+            panic_decisions: Counter::default(),
             retries: Family::default(),
         }
     }
@@ -129,6 +132,11 @@ impl Metrics {
             "prepared_from_memo",
             "Requests whose block keys came from the memo of prompts prepared before (no tokenization)",
             self.prepared_from_memo.clone(),
+        );
+        registry.register(
+            "panic_decisions",
+            "Decisions taken with every candidate endpoint ejected (they are tried anyway)",
+            self.panic_decisions.clone(),
         );
         registry.register(
             "retries",

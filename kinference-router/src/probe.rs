@@ -15,7 +15,9 @@ use tokio::time::Instant;
 use kinference_api::engine;
 
 use crate::config::ProbeIntervals;
-use crate::endpoint::{Endpoint, Scraped};
+use http::HeaderValue;
+
+use crate::endpoint::{Endpoint, Outcome, Scraped};
 use crate::kv::Publisher;
 
 /// The largest probe answer read (`/metrics`, `/v1/models`, `/kv_event_sources`).
@@ -32,14 +34,24 @@ pub fn client(connect_timeout: Duration) -> ProbeClient {
     Client::builder(hyper_util::rt::TokioExecutor::new()).build(http)
 }
 
-/// A probe that failed, and whether the engine answered at all.
+/// A probe that failed, and what that says about the engine's health.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProbeError {
-    /// The engine answered (an HTTP error, a body too large): it is up.
-    /// `false`: no connection, no answer in time, or the connection broke.
-    pub reached: bool,
+    /// [`Outcome::Success`]: the engine answered, with an error that says
+    /// nothing about its health (a 4xx, a body too large or of the wrong
+    /// shape); [`Outcome::ServerError`]: a 5xx; [`Outcome::ConnectFailure`]:
+    /// nothing listening, or the connection broke; [`Outcome::Timeout`]: no
+    /// answer in time.
+    pub outcome: Outcome,
     /// What went wrong.
     pub message: String,
+}
+
+impl ProbeError {
+    /// Whether the engine answered at all.
+    pub fn reached(&self) -> bool {
+        matches!(self.outcome, Outcome::Success | Outcome::ServerError)
+    }
 }
 
 impl std::fmt::Display for ProbeError {
@@ -48,42 +60,65 @@ impl std::fmt::Display for ProbeError {
     }
 }
 
-async fn get(
+/// `GET http://{authority}{path}` within `timeout`, with `auth` as the
+/// `Authorization` header when the engines need an API key.
+pub async fn get(
     client: &ProbeClient,
     authority: &str,
     path: &str,
+    auth: Option<&HeaderValue>,
     timeout: Duration,
 ) -> Result<Bytes, ProbeError> {
-    let fail = |reached: bool, message: String| ProbeError { reached, message };
-    let uri: http::Uri = format!("http://{authority}{path}")
-        .parse()
-        .map_err(|e| fail(false, format!("bad address {authority}: {e}")))?;
+    let fail = |outcome: Outcome, message: String| ProbeError { outcome, message };
+    let mut req = http::Request::get(format!("http://{authority}{path}"));
+    if let Some(a) = auth {
+        req = req.header(http::header::AUTHORIZATION, a.clone());
+    }
+    let req = req.body(Empty::new()).map_err(|e| {
+        fail(
+            Outcome::ConnectFailure,
+            format!("bad address {authority}: {e}"),
+        )
+    })?;
     let call = async {
         let resp = client
-            .get(uri)
+            .request(req)
             .await
-            .map_err(|e| fail(false, format!("GET {path}: {e}")))?;
+            .map_err(|e| fail(Outcome::ConnectFailure, format!("GET {path}: {e}")))?;
         let status = resp.status();
         // Engines are trusted, but a probe answer is never worth more memory than this.
         let body = http_body_util::Limited::new(resp.into_body(), MAX_PROBE_BODY)
             .collect()
             .await
             .map_err(|e| {
-                let reached = e.is::<http_body_util::LengthLimitError>();
+                let outcome = if e.is::<http_body_util::LengthLimitError>() {
+                    Outcome::Success
+                } else {
+                    Outcome::ConnectFailure
+                };
                 fail(
-                    reached,
+                    outcome,
                     format!("GET {path}: reading the body (at most {MAX_PROBE_BODY} bytes): {e}"),
                 )
             })?
             .to_bytes();
+        if status.is_server_error() {
+            return Err(fail(
+                Outcome::ServerError,
+                format!("GET {path}: HTTP {status}"),
+            ));
+        }
         if !status.is_success() {
-            return Err(fail(true, format!("GET {path}: HTTP {status}")));
+            return Err(fail(Outcome::Success, format!("GET {path}: HTTP {status}")));
         }
         Ok(body)
     };
-    tokio::time::timeout(timeout, call)
-        .await
-        .map_err(|_| fail(false, format!("GET {path}: no answer within {timeout:?}")))?
+    tokio::time::timeout(timeout, call).await.map_err(|_| {
+        fail(
+            Outcome::Timeout,
+            format!("GET {path}: no answer within {timeout:?}"),
+        )
+    })?
 }
 
 /// Reads the load figures of a `/metrics` answer (vLLM or SGLang names)
@@ -95,73 +130,115 @@ pub fn scraped(text: &str, at: Instant) -> Scraped {
         waiting: l.waiting,
         kv_usage: l.kv_usage,
         block_size: l.block_size,
+        family: l.family,
         own_requests: 0,
         own_prefilling: 0,
         at,
     }
 }
 
-/// Where endpoint `authority` (pod address `address`) publishes its KV
-/// events: every DP rank its `/kv_event_sources` lists (vLLM ≥ 0.31), or
-/// rank 0 on the worker set's KV port, with a replay socket on that port
-/// plus `replay_offset` (0: none).
+/// An endpoint whose KV publishers are looked for.
+#[derive(Clone, Copy, Debug)]
+pub struct KvTarget<'a> {
+    /// Its HTTP `address:port`.
+    pub authority: &'a str,
+    /// Its pod address (what publishers are dialled at).
+    pub address: &'a str,
+    /// The worker set's KV port, resolved for it.
+    pub kv_port: u16,
+    /// The worker set's replay port, resolved for it.
+    pub replay_port: Option<u16>,
+}
+
+/// Where an endpoint publishes its KV events, by [`engine::publishers`]: every DP rank its `/kv_event_sources`
+/// lists (vLLM ≥ 0.31), else what SGLang's `/server_info` says, else rank 0
+/// on the worker set's KV port with the worker set's replay port
+/// (`kvEvents.replayPort`), or the KV port plus `replay_offset` when the
+/// router was told that convention (0: no replay). Hosts the engine names
+/// are never dialled: only its own address.
 pub async fn kv_publishers(
     client: &ProbeClient,
-    authority: &str,
-    address: &str,
-    kv_port: u16,
+    target: &KvTarget<'_>,
     replay_offset: u16,
+    auth: Option<&HeaderValue>,
     timeout: Duration,
 ) -> Vec<Publisher> {
+    let KvTarget {
+        authority,
+        address,
+        kv_port,
+        replay_port,
+    } = *target;
     let host = if address.contains(':') {
         format!("[{address}]")
     } else {
         address.to_owned()
     };
-    let listed = match get(client, authority, "/kv_event_sources", timeout).await {
-        Ok(body) => engine::parse_kv_event_sources(&body).unwrap_or_default(),
-        Err(_) => Vec::new(),
+    let listed = match get(client, authority, "/kv_event_sources", auth, timeout).await {
+        Ok(body) => engine::parse_kv_event_sources(&body).ok(),
+        Err(_) => None,
     };
-    if !listed.is_empty() {
-        return listed
-            .into_iter()
-            .map(|s| Publisher {
-                rank: s.rank,
-                endpoint: format!("tcp://{host}:{}", s.port),
-                replay: s.replay_port.map(|p| format!("tcp://{host}:{p}")),
-            })
-            .collect();
-    }
-    let replay = (replay_offset != 0)
-        .then(|| kv_port.checked_add(replay_offset))
-        .flatten()
-        .map(|p| format!("tcp://{host}:{p}"));
-    vec![Publisher {
-        rank: 0,
-        endpoint: format!("tcp://{host}:{kv_port}"),
-        replay,
-    }]
+    let info = if listed.is_none() {
+        match get(client, authority, "/server_info", auth, timeout).await {
+            Ok(body) => engine::parse_server_info(&body).ok(),
+            Err(_) => None,
+        }
+    } else {
+        None
+    };
+    let replay_port = replay_port.or_else(|| {
+        (replay_offset != 0)
+            .then(|| kv_port.checked_add(replay_offset))
+            .flatten()
+    });
+    engine::publishers(listed, info.as_ref(), kv_port, replay_port)
+        .into_iter()
+        .map(|s| Publisher {
+            rank: s.rank,
+            endpoint: format!("tcp://{host}:{}", s.port),
+            replay: s.replay_port.map(|p| format!("tcp://{host}:{p}")),
+            topic: s.topic,
+        })
+        .collect()
 }
 
-/// Polls one endpoint's `/v1/models` and `/metrics` until it leaves. Each
-/// probe's reachability feeds the endpoint's health
-/// ([`Endpoint::record_probe`]).
+/// Polls one endpoint until it leaves: `/health` and `/metrics` every
+/// `every.metrics`, `/v1/models` every `every.models`. `/health` is the
+/// liveness probe ([`Endpoint::record_probe`]: nothing listening or a 5xx
+/// ejects; timeouts eject for new requests only); the others feed health
+/// only when nothing answers. `auth` is the engines' API key, if any.
 pub fn spawn(
     endpoint: Arc<Endpoint>,
     client: ProbeClient,
     every: ProbeIntervals,
+    auth: Option<HeaderValue>,
     on_models: impl Fn() + Send + 'static,
 ) {
     tokio::spawn(async move {
         let mut models_due = Instant::now();
         let mut metrics_due = Instant::now();
+        let auth = auth.as_ref();
+        let probe = |outcome: Outcome, what: &str, error: Option<&ProbeError>| {
+            if endpoint.record_probe(outcome, Instant::now()) {
+                let error = error.map(ToString::to_string).unwrap_or_default();
+                tracing::warn!(endpoint = %endpoint.authority, probe = what, %error, "engine unhealthy: ejected");
+            }
+        };
         loop {
             let now = Instant::now();
             if now >= models_due {
-                let r = get(&client, &endpoint.authority, "/v1/models", every.timeout).await;
-                let reached = r.as_ref().map_or_else(|e| e.reached, |_| true);
-                if endpoint.record_probe(reached, Instant::now()) {
-                    tracing::warn!(endpoint = %endpoint.authority, "engine unreachable: ejected");
+                let r = get(
+                    &client,
+                    &endpoint.authority,
+                    "/v1/models",
+                    auth,
+                    every.timeout,
+                )
+                .await;
+                if let Err(e) = &r
+                    && !e.reached()
+                {
+                    probe(e.outcome, "/v1/models", Some(e));
                 }
                 let r = r
                     .map_err(|e| e.message)
@@ -183,10 +260,22 @@ pub fn spawn(
                 }
             }
             if now >= metrics_due {
+                match get(&client, &endpoint.authority, "/health", auth, every.timeout).await {
+                    Ok(_) => probe(Outcome::Success, "/health", None),
+                    // An engine without /health (a 404) answered all the same.
+                    Err(e) => probe(e.outcome, "/health", Some(&e)),
+                }
                 let before = endpoint.load.snapshot();
-                match get(&client, &endpoint.authority, "/metrics", every.timeout).await {
+                match get(
+                    &client,
+                    &endpoint.authority,
+                    "/metrics",
+                    auth,
+                    every.timeout,
+                )
+                .await
+                {
                     Ok(b) => {
-                        endpoint.record_probe(true, Instant::now());
                         let after = endpoint.load.snapshot();
                         let mut s = scraped(&String::from_utf8_lossy(&b), Instant::now());
                         s.own_requests = before.requests.max(after.requests);
@@ -195,9 +284,6 @@ pub fn spawn(
                     }
                     Err(e) => {
                         tracing::debug!(endpoint = %endpoint.authority, error = %e, "metrics scrape failed");
-                        if endpoint.record_probe(e.reached, Instant::now()) {
-                            tracing::warn!(endpoint = %endpoint.authority, error = %e, "engine unreachable: ejected");
-                        }
                     }
                 }
                 metrics_due = Instant::now() + every.metrics;

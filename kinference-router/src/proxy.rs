@@ -1,8 +1,10 @@
 //! Forwarding a request to an engine and streaming its answer back.
 //!
 //! The request body is already in memory (the router parsed it to route), so
-//! a request that fails to *connect*, or that an engine refuses with 503
-//! before sending anything, is retried on the next candidate. Once an engine
+//! a request that fails to *connect*, that an engine refuses with 503, or
+//! (once per request) that an engine answers with another 5xx or whose
+//! connection breaks before the response headers, is retried on the next
+//! candidate: no byte has reached the client yet. Once an engine
 //! has answered, its response is streamed back unchanged, chunk by chunk, and
 //! the request's [`InFlight`] guard travels with the body: the load it holds
 //! is released when the body ends, fails, or is dropped because the client
@@ -102,10 +104,16 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub enum RetryReason {
     /// The connection could not be made.
     Connect,
-    /// The engine answered 503 (overloaded, draining, starting).
+    /// The engine answered 503 (its admission control, overloaded,
+    /// draining, starting): try another, the engine is not broken.
     Unavailable,
     /// Probes found the engine unreachable while the request waited.
     Down,
+    /// The engine answered another 5xx (retried once per request).
+    ServerError,
+    /// The connection broke before the response headers (retried once per
+    /// request).
+    Broken,
 }
 
 impl RetryReason {
@@ -115,6 +123,8 @@ impl RetryReason {
             RetryReason::Connect => "connect",
             RetryReason::Unavailable => "unavailable",
             RetryReason::Down => "down",
+            RetryReason::ServerError => "server_error",
+            RetryReason::Broken => "broken",
         }
     }
 }
@@ -126,12 +136,16 @@ pub enum Sent {
     Answered(Response<Incoming>),
     /// Not taken, or the engine is gone: safe to try another endpoint.
     Retry(RetryReason, String),
+    /// The engine answered with a 5xx other than 503 before any byte
+    /// reached the client: another endpoint may be tried once, else this
+    /// answer goes back.
+    ServerError(Response<Incoming>),
     /// No response headers within the upstream timeout: not retried (the
     /// engine may be working on it; a request that hangs engines must not
     /// hang them all).
     TimedOut(String),
-    /// Failed after the request may have reached the engine (the
-    /// connection broke): not retried, for the same reason.
+    /// The connection broke after the request may have reached the engine,
+    /// before its response headers: another endpoint may be tried once.
     Failed(String),
 }
 
@@ -171,6 +185,7 @@ pub async fn send(
         Ok(resp) if resp.status() == StatusCode::SERVICE_UNAVAILABLE => {
             Sent::Retry(RetryReason::Unavailable, "the engine answered 503".into())
         }
+        Ok(resp) if resp.status().is_server_error() => Sent::ServerError(resp),
         Ok(resp) => Sent::Answered(resp),
         Err(e) if e.is_connect() => Sent::Retry(RetryReason::Connect, format!("connect: {e}")),
         Err(e) => Sent::Failed(e.to_string()),

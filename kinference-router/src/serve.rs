@@ -36,7 +36,7 @@ use tokio::net::TcpListener;
 use tokio::time::Instant;
 
 use crate::decide::{self, Now};
-use crate::endpoint::EndpointId;
+use crate::endpoint::{EndpointId, Outcome};
 use crate::metrics::{DecisionLabels, RequestLabels, RetryLabels};
 use crate::openai::{self, ApiError};
 use crate::proxy::{self, Sent, TrackedBody};
@@ -296,7 +296,9 @@ async fn route(
     );
     let mut excluded: Vec<EndpointId> = Vec::new();
     let mut last_error = None;
-    for attempt in 0..shared.config.max_attempts.max(1) {
+    let max_attempts = shared.config.max_attempts.max(1);
+    let mut retried_once = false;
+    for attempt_no in 0..max_attempts {
         let now = Now {
             instant: Instant::now(),
             since_start: shared.now(),
@@ -308,7 +310,7 @@ async fn route(
             Ok(d) => d,
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
-        if attempt == 0 {
+        if attempt_no == 0 {
             shared
                 .metrics
                 .decision_duration
@@ -316,6 +318,9 @@ async fn route(
                     policy: shared.config.policy.as_str(),
                 })
                 .observe(started.elapsed().as_secs_f64());
+        }
+        if d.panic {
+            shared.metrics.panic_decisions.inc();
         }
         let route = &prepared.routes[d.route];
         let ws = &view.worker_sets[route.target.worker_set];
@@ -335,91 +340,57 @@ async fn route(
             Duration::from_secs_f64((d.choice.prediction.ttft_ms / 1000.0).clamp(0.0, 3600.0));
         let sent_at = Instant::now();
         let assume = (!prepared.stream).then(|| sent_at + predicted);
-        match proxy::send(
+        let sent = proxy::send(
             &shared.runtime.upstream,
             upstream,
             &mut attempt.inflight,
             assume,
             shared.config.upstream_timeout,
         )
-        .await
-        {
+        .await;
+        let resp = match sent {
             Sent::Answered(resp) => {
-                d.endpoint.record_success();
-                if let Some(e) = &d.explanation {
-                    shared.explanations.keep(DecisionRecord {
-                        at_ms: now.since_start.as_secs_f64() * 1000.0,
-                        model: prepared.requested.clone(),
-                        worker_set: ws.route.name.clone(),
-                        tokens: route.tokens.as_str(),
-                        prompt_tokens: route.request.prompt_tokens,
-                        blocks: route.keys.len(),
-                        endpoints: ws
-                            .endpoints
-                            .iter()
-                            .map(|e| (e.id.0, e.authority.clone()))
-                            .collect(),
-                        explanation: e.clone(),
-                    });
+                d.endpoint.record(Outcome::Success, Instant::now());
+                resp
+            }
+            Sent::ServerError(resp) => {
+                d.endpoint.record(Outcome::ServerError, Instant::now());
+                let status = resp.status();
+                if !retried_once && attempt_no + 1 < max_attempts {
+                    // No byte reached the client: once per request, another
+                    // endpoint gets it (the engine's answer is dropped).
+                    retried_once = true;
+                    drop(resp);
+                    attempt.withdraw(&prepared);
+                    retry(shared, &d, proxy::RetryReason::ServerError, &mut excluded);
+                    last_error = Some(ApiError::bad_gateway(format!(
+                        "The engine {} answered {status}.",
+                        d.endpoint.authority
+                    )));
+                    continue;
                 }
-                let on_first = prepared
-                    .stream
-                    .then(|| feedback::on_first_token(shared, &ws.runtime, &d.choice));
-                let (mut rparts, rbody) = resp.into_parts();
-                proxy::strip_hop_by_hop(&mut rparts.headers);
-                if let Some(v) = &d.endpoint.authority_header {
-                    rparts.headers.insert(ENDPOINT_HEADER, v.clone());
-                }
-                if let Some(v) = &ws.name_header {
-                    rparts.headers.insert(WORKER_SET_HEADER, v.clone());
-                }
-                if prepared.debug {
-                    if let Ok(v) = HeaderValue::from_str(&format!(
-                        "{}; tokens={}",
-                        d.choice,
-                        route.tokens.as_str()
-                    )) {
-                        rparts.headers.insert(DECISION_HEADER, v);
-                    }
-                    if let Some(e) = &d.explanation
-                        && let Ok(Ok(v)) = serde_json::to_string(e).map(HeaderValue::try_from)
-                    {
-                        rparts.headers.insert(EXPLAIN_HEADER, v);
-                    }
-                }
-                let body = TrackedBody::new(
-                    rbody,
-                    attempt.into_inflight(),
-                    sent_at,
-                    on_first,
-                    shared.config.upstream_timeout,
-                )
-                .boxed_unsync();
-                return Ok(Response::from_parts(rparts, body));
+                // The engine's own error goes back to the client.
+                attempt.withdraw_record(&prepared);
+                resp
             }
             Sent::Retry(reason, why) => {
                 tracing::debug!(endpoint = %d.endpoint.authority, %why, "retrying on another endpoint");
                 attempt.withdraw(&prepared);
-                if reason != proxy::RetryReason::Down {
-                    // (Probes ejected it already.)
-                    d.endpoint.record_failure(Instant::now());
+                // A 503 is "not now", not a broken engine; probes ejected a
+                // gone one already.
+                if reason == proxy::RetryReason::Connect {
+                    d.endpoint.record(Outcome::ConnectFailure, Instant::now());
                 }
-                shared
-                    .metrics
-                    .retries
-                    .get_or_create(&RetryLabels {
-                        reason: reason.label(),
-                    })
-                    .inc();
-                excluded.push(d.endpoint.id);
+                retry(shared, &d, reason, &mut excluded);
                 last_error = Some(ApiError::unavailable(format!(
                     "The engines serving this model did not take the request (last: {}: {why}).",
                     d.endpoint.authority
                 )));
+                continue;
             }
             Sent::TimedOut(why) => {
                 // The engine may be working on it: its record stays.
-                d.endpoint.record_failure(Instant::now());
+                d.endpoint.record(Outcome::Timeout, Instant::now());
                 return Err(ApiError::gateway_timeout(format!(
                     "The engine {} did not answer: {why}.",
                     d.endpoint.authority
@@ -427,13 +398,84 @@ async fn route(
             }
             Sent::Failed(why) => {
                 attempt.withdraw(&prepared);
-                d.endpoint.record_failure(Instant::now());
-                return Err(ApiError::bad_gateway(format!(
+                d.endpoint.record(Outcome::ConnectFailure, Instant::now());
+                let err = ApiError::bad_gateway(format!(
                     "The engine {} failed: {why}.",
                     d.endpoint.authority
-                )));
+                ));
+                if !retried_once && attempt_no + 1 < max_attempts {
+                    retried_once = true;
+                    retry(shared, &d, proxy::RetryReason::Broken, &mut excluded);
+                    last_error = Some(err);
+                    continue;
+                }
+                return Err(err);
+            }
+        };
+        if let Some(e) = &d.explanation {
+            shared.explanations.keep(DecisionRecord {
+                at_ms: now.since_start.as_secs_f64() * 1000.0,
+                model: prepared.requested.clone(),
+                worker_set: ws.route.name.clone(),
+                tokens: route.tokens.as_str(),
+                prompt_tokens: route.request.prompt_tokens,
+                blocks: route.keys.len(),
+                endpoints: ws
+                    .endpoints
+                    .iter()
+                    .map(|e| (e.id.0, e.authority.clone()))
+                    .collect(),
+                explanation: e.clone(),
+            });
+        }
+        let on_first = (prepared.stream && resp.status().is_success())
+            .then(|| feedback::on_first_token(shared, &ws.runtime, &d.choice));
+        let (mut rparts, rbody) = resp.into_parts();
+        proxy::strip_hop_by_hop(&mut rparts.headers);
+        if let Some(v) = &d.endpoint.authority_header {
+            rparts.headers.insert(ENDPOINT_HEADER, v.clone());
+        }
+        if let Some(v) = &ws.name_header {
+            rparts.headers.insert(WORKER_SET_HEADER, v.clone());
+        }
+        if prepared.debug {
+            if let Ok(v) =
+                HeaderValue::from_str(&format!("{}; tokens={}", d.choice, route.tokens.as_str()))
+            {
+                rparts.headers.insert(DECISION_HEADER, v);
+            }
+            if let Some(e) = &d.explanation
+                && let Ok(Ok(v)) = serde_json::to_string(e).map(HeaderValue::try_from)
+            {
+                rparts.headers.insert(EXPLAIN_HEADER, v);
             }
         }
+        let body = TrackedBody::new(
+            rbody,
+            attempt.into_inflight(),
+            sent_at,
+            on_first,
+            shared.config.upstream_timeout,
+        )
+        .boxed_unsync();
+        return Ok(Response::from_parts(rparts, body));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("No endpoint took the request.")))
+}
+
+/// Counts a retry and keeps the endpoint out of the request's next attempts.
+fn retry(
+    shared: &Shared,
+    d: &decide::Decision,
+    reason: proxy::RetryReason,
+    excluded: &mut Vec<EndpointId>,
+) {
+    shared
+        .metrics
+        .retries
+        .get_or_create(&RetryLabels {
+            reason: reason.label(),
+        })
+        .inc();
+    excluded.push(d.endpoint.id);
 }

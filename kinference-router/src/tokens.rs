@@ -132,8 +132,8 @@ pub async fn ids(
                     // The error never carries the engine's answer: it may
                     // quote the prompt.
                     tracing::debug!(endpoint = %e.authority, error = %err.message, "engine /tokenize failed");
-                    if !err.reached {
-                        e.record_probe(false, Instant::now());
+                    if !err.reached() {
+                        e.record_probe(err.outcome, Instant::now());
                     }
                     Err("error")
                 }
@@ -268,7 +268,14 @@ async fn post_tokenize(
     authority: &str,
     bytes: Bytes,
 ) -> Result<Vec<u32>, crate::probe::ProbeError> {
-    let fail = |reached: bool, message: String| crate::probe::ProbeError { reached, message };
+    let fail = |reached: bool, message: String| crate::probe::ProbeError {
+        outcome: if reached {
+            crate::endpoint::Outcome::Success
+        } else {
+            crate::endpoint::Outcome::ConnectFailure
+        },
+        message,
+    };
     let http = http::Request::post(format!("http://{authority}/tokenize"))
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(bytes))

@@ -41,9 +41,21 @@ impl WorkerSetView {
         now: tokio::time::Instant,
         excluded: &[crate::endpoint::EndpointId],
     ) -> Vec<Arc<Endpoint>> {
+        self.candidates(model, Some(now), excluded)
+    }
+
+    /// As [`WorkerSetView::serving`], ejected endpoints included when `now`
+    /// is `None` (panic mode: when every endpoint is ejected, try them
+    /// anyway rather than fail).
+    pub fn candidates(
+        &self,
+        model: &str,
+        now: Option<tokio::time::Instant>,
+        excluded: &[crate::endpoint::EndpointId],
+    ) -> Vec<Arc<Endpoint>> {
         self.endpoints
             .iter()
-            .filter(|e| e.healthy(now) && !excluded.contains(&e.id))
+            .filter(|e| now.is_none_or(|n| e.healthy(n)) && !excluded.contains(&e.id))
             .filter(|e| {
                 let models = e.models();
                 models.is_empty() || models.iter().any(|m| m.id == model)
@@ -203,6 +215,7 @@ mod tests {
                     address: (*a).into(),
                     http_port: 8000,
                     kv_port: Some(5557),
+                    replay_port: None,
                     target: None,
                 })
                 .collect(),

@@ -45,6 +45,8 @@ async fn no_stale_blocks_through_evictions_gaps_and_restarts() {
     let sims = engines(1, |c| {
         c.engine.num_gpu_blocks = 64;
         c.max_model_len = 512;
+        // A replay socket, as `"replay_endpoint": "tcp://*:PORT"` configures.
+        c.kv_events = c.kv_events.take().map(|k| k.with_replay(0));
     })
     .await;
     let sim = &sims[0];

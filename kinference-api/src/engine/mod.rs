@@ -27,7 +27,7 @@ pub use metrics::{
     EngineActivity, EngineCounters, EngineFamily, LoadFigures, parse_counters, parse_load,
 };
 pub use models::{ModelCard, parse_models};
-pub use sources::{KvSource, ServerInfo, parse_kv_event_sources, parse_server_info};
+pub use sources::{KvSource, ServerInfo, parse_kv_event_sources, parse_server_info, publishers};
 
 /// A body an engine sent that is not what its endpoint serves.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -168,6 +168,31 @@ pub fn parse_server_info(body: &[u8]) -> Result<ServerInfo, WireError> {
     })
 }
 
+/// Where an engine's KV events come from, by one rule for the router and
+/// the controller: what the engine says (vLLM's `/kv_event_sources`, else
+/// SGLang's `/server_info`), else rank 0 on the worker set's KV port with
+/// the replay port the worker set names (`kvEvents.replayPort`), if any.
+/// An engine that answers with an empty list publishes nothing.
+pub fn publishers(
+    kv_event_sources: Option<Vec<KvSource>>,
+    server_info: Option<&ServerInfo>,
+    kv_port: u16,
+    replay_port: Option<u16>,
+) -> Vec<KvSource> {
+    if let Some(listed) = kv_event_sources {
+        return listed;
+    }
+    if let Some(info) = server_info {
+        return info.sources.clone();
+    }
+    vec![KvSource {
+        rank: 0,
+        port: kv_port,
+        replay_port,
+        topic: String::new(),
+    }]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,6 +225,32 @@ mod tests {
         assert!(parse_kv_event_sources(b"{}").unwrap().is_empty());
         assert!(parse_kv_event_sources(b"[]").is_err());
         assert!(parse_kv_event_sources(b"<html>").is_err());
+    }
+
+    #[test]
+    fn the_engine_says_first_then_the_worker_set() {
+        let listed = vec![src(0, 7000, None), src(1, 7001, None)];
+        assert_eq!(
+            publishers(Some(listed.clone()), None, 5557, Some(5558)),
+            listed,
+            "the engine knows its replay is off"
+        );
+        let info = ServerInfo {
+            block_size: Some(16),
+            dp_size: 1,
+            sources: vec![src(0, 5557, Some(5600))],
+        };
+        assert_eq!(publishers(None, Some(&info), 1, None), info.sources);
+        assert_eq!(
+            publishers(None, None, 5557, Some(5558)),
+            [src(0, 5557, Some(5558))]
+        );
+        assert_eq!(
+            publishers(None, None, 5557, None),
+            [src(0, 5557, None)],
+            "no replay unless named"
+        );
+        assert!(publishers(Some(vec![]), None, 5557, None).is_empty());
     }
 
     #[test]

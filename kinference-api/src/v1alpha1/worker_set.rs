@@ -115,10 +115,19 @@ pub struct ServiceRef {
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 pub struct KvEventsRef {
-    /// The ZeroMQ PUB port: a port name of the Service or a number. Replay
-    /// requests go to the next port number unless the engines say otherwise.
+    /// The ZeroMQ PUB port: a port name of the Service or a number.
     #[x_kube(validation = Rule::new(PORT_RULE).message(PORT_RULE_MESSAGE))]
     pub port: IntOrString,
+
+    /// The replay (ROUTER) port the engines were started with
+    /// (`replay_endpoint` of vLLM's `--kv-events-config`), a port name of
+    /// the Service or a number. Unset: replay only where the engines say they
+    /// have one (vLLM ≥ 0.31 `/kv_event_sources`, SGLang `/server_info`);
+    /// without replay, a lost batch costs the index that engine's blocks
+    /// until it reports them again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new(PORT_RULE).message(PORT_RULE_MESSAGE))]
+    pub replay_port: Option<IntOrString>,
 }
 
 /// A model the engines serve, and other names clients may ask for it by.

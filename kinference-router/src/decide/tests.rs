@@ -49,6 +49,7 @@ fn ws(name: &str, addrs: &[&str]) -> WorkerSetRoute {
                 address: (*a).into(),
                 http_port: 8000,
                 kv_port: Some(5557),
+                replay_port: None,
                 target: None,
             })
             .collect(),
