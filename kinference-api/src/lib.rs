@@ -38,6 +38,7 @@
 //! [kinference]: https://github.com/buoyant/kinference
 
 pub mod conditions;
+pub mod conflicts;
 pub mod crds;
 mod diagnosis;
 pub mod endpoints;

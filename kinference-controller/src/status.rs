@@ -43,6 +43,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kinference_api::conditions::{self, Desired, reason};
+use kinference_api::conflicts;
 use kinference_api::v1alpha1::{Diagnosis, NameConflict, OfferedModel, ServedModel};
 use kinference_api::{
     InferencePool, InferencePoolStatus, InferenceWorkerSet, InferenceWorkerSetStatus, Rejection,
@@ -223,58 +224,24 @@ impl Facts {
     /// Admits worker sets oldest first; a set that gives a name another
     /// meaning than an admitted set of a shared pool does is rejected.
     fn decide_conflicts(&mut self, ns: &Namespace<'_>) {
-        let mut order: Vec<&InferenceWorkerSet> = ns.worker_sets.to_vec();
-        order.sort_by(|a, b| {
-            let age = |w: &InferenceWorkerSet| w.metadata.creation_timestamp.clone();
-            age(a)
-                .cmp(&age(b))
-                .then_with(|| name_of(&a.metadata).cmp(name_of(&b.metadata)))
-        });
-        // Per pool: the admitted sets and, per name, its meaning and claimant.
-        let mut admitted: BTreeMap<String, BTreeMap<String, (String, String)>> = BTreeMap::new();
-        // Per pool, per contested name: claimants in admission order.
-        let mut contested: BTreeMap<String, BTreeMap<String, Vec<(String, String)>>> =
-            BTreeMap::new();
-        for ws in order {
-            let name = name_of(&ws.metadata).to_owned();
-            let Some(set) = self.sets.get_mut(&name) else {
-                continue;
-            };
-            if !set.accepted() || set.pools.is_empty() {
-                continue;
-            }
-            let claims = claims(&set.offers);
-            let mut clashes: Vec<String> = Vec::new();
-            for pool in &set.pools {
-                let held = admitted.entry(pool.clone()).or_default();
-                for (claimed, meaning) in &claims {
-                    if let Some((other_meaning, holder)) = held.get(claimed)
-                        && other_meaning != meaning
-                    {
-                        clashes.push(format!(
-                            "{claimed:?} means {meaning} here but {other_meaning} in the older worker set {holder} of pool {pool}"
-                        ));
-                        let entry = contested
-                            .entry(pool.clone())
-                            .or_default()
-                            .entry(claimed.clone())
-                            .or_default();
-                        if entry.is_empty() {
-                            entry.push((holder.clone(), other_meaning.clone()));
-                        }
-                        entry.push((name.clone(), meaning.clone()));
-                    }
-                }
-            }
-            if clashes.is_empty() {
-                for pool in &set.pools {
-                    let held = admitted.entry(pool.clone()).or_default();
-                    for (claimed, meaning) in &claims {
-                        held.entry(claimed.clone())
-                            .or_insert_with(|| (meaning.clone(), name.clone()));
-                    }
-                }
-            } else {
+        // The rule is kinference-api's, shared with the router.
+        let claimants = ns
+            .worker_sets
+            .iter()
+            .filter_map(|ws| {
+                let name = name_of(&ws.metadata);
+                let set = self.sets.get(name)?;
+                (set.accepted() && !set.pools.is_empty()).then(|| conflicts::Claimant {
+                    name: name.to_owned(),
+                    created: ws.metadata.creation_timestamp.clone(),
+                    pools: set.pools.clone(),
+                    claims: conflicts::claims(ws),
+                })
+            })
+            .collect();
+        let decision = conflicts::decide(claimants);
+        for (name, clashes) in decision.rejected {
+            if let Some(set) = self.sets.get_mut(&name) {
                 set.rejections.push(Rejected {
                     rejection: Rejection::AliasConflict,
                     message: format!(
@@ -284,44 +251,8 @@ impl Facts {
                 });
             }
         }
-        for (pool, names) in contested {
-            let list = names
-                .into_iter()
-                .map(|(claimed, claimants)| {
-                    let kept = claimants[0].0.clone();
-                    let mut sets: Vec<String> = claimants.iter().map(|(s, _)| s.clone()).collect();
-                    let meanings: Vec<String> = claimants
-                        .iter()
-                        .map(|(s, m)| format!("{m} in {s}"))
-                        .collect();
-                    let verb = if sets.len() > 2 { "are" } else { "is" };
-                    let rejected = format!("{} {verb}", sets[1..].join(", "));
-                    sets.dedup();
-                    NameConflict {
-                        name: claimed.clone(),
-                        worker_sets: sets,
-                        message: format!(
-                            "{claimed:?} means {}; {kept} is older and keeps it, {rejected} rejected with AliasConflict: rename it in one of them",
-                            meanings.join(" and ")
-                        ),
-                    }
-                })
-                .collect();
-            self.conflicts.insert(pool, list);
-        }
+        self.conflicts.extend(decision.conflicts);
     }
-}
-
-/// The names a worker set claims and the model each means.
-fn claims(offers: &[Offer]) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    for o in offers {
-        out.insert(o.name.clone(), o.name.clone());
-        for a in &o.aliases {
-            out.insert(a.clone(), o.name.clone());
-        }
-    }
-    out
 }
 
 fn generation(meta: &kube::core::ObjectMeta) -> Option<i64> {

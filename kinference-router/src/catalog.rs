@@ -18,6 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kinference_api::conflicts;
 use kinference_api::endpoints::{self, ReadyEndpoint};
 use kinference_api::v1alpha1::{ModelSpec, RoutingProfileSpec};
 use kinference_api::{InferencePool, InferenceWorkerSet, RoutingProfile};
@@ -283,6 +284,25 @@ impl Catalog {
         let pool = self.pools.get(&self.pool.name);
         let mut worker_sets = Vec::new();
         if let Some(pool) = pool {
+            // Names claimed twice: the rule the controller applies (the
+            // older set keeps the name, the newer is not routed to).
+            let claimants = pool
+                .spec
+                .worker_sets
+                .iter()
+                .filter_map(|r| self.worker_sets.get(&r.name))
+                .filter(|ws| {
+                    self.profiles.contains_key(&ws.spec.profile)
+                        || kinference_api::is_builtin_profile(&ws.spec.profile)
+                })
+                .map(|ws| conflicts::Claimant {
+                    name: ws.name_any(),
+                    created: ws.metadata.creation_timestamp.clone(),
+                    pools: vec![self.pool.name.clone()],
+                    claims: conflicts::claims(ws),
+                })
+                .collect();
+            let rejected = conflicts::decide(claimants).rejected;
             for r in &pool.spec.worker_sets {
                 let Some(ws) = self.worker_sets.get(&r.name) else {
                     problems.push(format!(
@@ -291,6 +311,14 @@ impl Catalog {
                     ));
                     continue;
                 };
+                if let Some(clashes) = rejected.get(&r.name) {
+                    problems.push(format!(
+                        "InferenceWorkerSet {} is rejected with AliasConflict ({}); not routing to it",
+                        r.name,
+                        clashes.join("; ")
+                    ));
+                    continue;
+                }
                 let spec = &ws.spec;
                 let slices = self
                     .slices
@@ -460,6 +488,38 @@ mod tests {
         let snap = rx.borrow().clone();
         assert!(snap.worker_sets.is_empty());
         assert_eq!(snap.problems.len(), 1);
+    }
+
+    #[test]
+    fn an_alias_claimed_twice_stays_with_the_older_set() {
+        let (mut c, rx) = Catalog::new(pool_ref());
+        c.reset_pools(vec![mk_pool("chat", &["old", "new"])]);
+        let with_alias = |name: &str, created: i64, model: &str| {
+            let mut spec = mk_spec(
+                &format!("{name}-svc"),
+                "http",
+                Some("kv"),
+                &[(model, &["fast"])],
+            );
+            spec.profile = "default".into();
+            kinference_api::test_util::mk_ws(name, created, spec)
+        };
+        c.reset_worker_sets(vec![
+            with_alias("new", 20, "m2"),
+            with_alias("old", 10, "m1"),
+        ]);
+        c.reset_profiles(vec![]);
+        c.reset_slices(vec![]);
+        let snap = rx.borrow().clone();
+        let names: Vec<&str> = snap.worker_sets.iter().map(|w| w.name.as_str()).collect();
+        assert_eq!(names, ["old"], "the newer claim is not routed to");
+        assert!(
+            snap.problems
+                .iter()
+                .any(|p| p.contains("AliasConflict") && p.contains("new")),
+            "{:?}",
+            snap.problems
+        );
     }
 
     #[test]

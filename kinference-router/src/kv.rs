@@ -188,7 +188,12 @@ impl KvPlane {
         let mut all = self.subscriptions.lock();
         if e.is_live() {
             e.set_kv_ranks(ranks);
-            all.insert(e.id, subs);
+            // A resubscription that overtook an earlier one replaces it.
+            let old = all.insert(e.id, subs);
+            drop(all);
+            if let Some(old) = old {
+                self.drop_subscriptions(old);
+            }
         } else {
             drop(all);
             self.drop_subscriptions(subs);

@@ -8,21 +8,39 @@
 //! reuses or creates worker-set runtimes, swaps in a new view, and starts
 //! the self-check of local tokenizers not yet compared with their engines.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use tokio::sync::watch;
 
 use crate::catalog::Snapshot;
-use crate::endpoint::{EndpointKey, Registry};
+use crate::endpoint::{EndpointId, EndpointKey, Registry};
 use crate::state::Shared;
 use crate::view::View;
 
+/// What an endpoint's KV subscription was made from: a change of any of
+/// these (the worker set's `kvBlockSize`, `kvEvents.port` or
+/// `kvEvents.replayPort`, or `kvEvents` set or unset) resubscribes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Subscription {
+    block_size: u32,
+    kv_port: u16,
+    replay_port: Option<u16>,
+}
+
+/// The maintainer's own state.
+#[derive(Debug, Default)]
+struct Maintainer {
+    registry: Registry,
+    subscribed: HashMap<EndpointId, Subscription>,
+}
+
 /// Keeps `shared` in step with the catalog's snapshots until shutdown.
 pub async fn maintain(shared: Arc<Shared>, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
-    let mut registry = Registry::default();
+    let mut m = Maintainer::default();
     loop {
         let snapshot = snapshots.borrow_and_update().clone();
-        apply(&shared, &mut registry, &snapshot);
+        apply(&shared, &mut m, &snapshot);
         tokio::select! {
             () = shared.runtime.stop.cancelled() => break,
             r = snapshots.changed() => if r.is_err() { break },
@@ -30,18 +48,19 @@ pub async fn maintain(shared: Arc<Shared>, mut snapshots: watch::Receiver<Arc<Sn
         }
     }
     // Stop every endpoint's tasks.
-    registry.sync(std::iter::empty(), &shared.runtime.stop);
+    m.registry.sync(std::iter::empty(), &shared.runtime.stop);
     shared.kv.stop_all();
 }
 
-fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
+fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
     let keys = snapshot.endpoints().map(|(_, e)| EndpointKey {
         address: e.address.clone(),
         http_port: e.http_port,
     });
-    let changes = registry.sync(keys, &shared.runtime.stop);
+    let changes = m.registry.sync(keys, &shared.runtime.stop);
     for e in &changes.removed {
         shared.kv.forget(e);
+        m.subscribed.remove(&e.id);
         let id = kinference_scoring::EndpointId(e.id.0);
         for rt in shared.runtime.runtimes.all() {
             rt.forget(id);
@@ -58,34 +77,56 @@ fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
             None,
             move || s.runtime.notify_models_changed(),
         );
-        // Subscribe to KV events with the first worker set that lists it.
-        if let Some((ws, re)) = snapshot
+    }
+    // KV subscriptions: with the first worker set that lists the endpoint
+    // with `kvEvents`; a changed spec resubscribes.
+    for e in m.registry.all() {
+        let wanted = snapshot
             .endpoints()
-            .find(|(_, r)| r.address == e.key.address && r.http_port == e.key.http_port)
-            && let (true, Some(kv_port)) = (ws.kv_events, re.kv_port)
-        {
-            let (shared, e) = (shared.clone(), e.clone());
-            let block_size = ws.kv_block_size;
-            let address = re.address.clone();
-            let replay_port = re.replay_port;
-            tokio::spawn(async move {
-                let target = crate::probe::KvTarget {
-                    authority: &e.authority,
-                    address: &address,
-                    kv_port,
-                    replay_port,
-                };
-                let publishers = crate::probe::kv_publishers(
-                    &shared.runtime.probes,
-                    &target,
-                    shared.config.kv_replay_offset,
-                    None,
-                    shared.config.probes.timeout,
-                )
-                .await;
-                shared.kv.subscribe(&e, publishers, block_size);
+            .find(|(ws, r)| {
+                ws.kv_events && r.address == e.key.address && r.http_port == e.key.http_port
+            })
+            .and_then(|(ws, re)| {
+                Some((
+                    Subscription {
+                        block_size: ws.kv_block_size,
+                        kv_port: re.kv_port?,
+                        replay_port: re.replay_port,
+                    },
+                    re.address.clone(),
+                ))
             });
+        let now = m.subscribed.get(&e.id);
+        if now == wanted.as_ref().map(|(w, _)| w) {
+            continue;
         }
+        if now.is_some() {
+            tracing::info!(endpoint = %e.authority, "KV-event settings changed: resubscribing");
+            shared.kv.forget(e);
+            m.subscribed.remove(&e.id);
+        }
+        let Some((sub, address)) = wanted else {
+            continue;
+        };
+        m.subscribed.insert(e.id, sub.clone());
+        let (shared, e) = (shared.clone(), e.clone());
+        tokio::spawn(async move {
+            let target = crate::probe::KvTarget {
+                authority: &e.authority,
+                address: &address,
+                kv_port: sub.kv_port,
+                replay_port: sub.replay_port,
+            };
+            let publishers = crate::probe::kv_publishers(
+                &shared.runtime.probes,
+                &target,
+                shared.config.kv_replay_offset,
+                None,
+                shared.config.probes.timeout,
+            )
+            .await;
+            shared.kv.subscribe(&e, publishers, sub.block_size);
+        });
     }
     let live: Vec<String> = snapshot
         .worker_sets
@@ -93,7 +134,7 @@ fn apply(shared: &Arc<Shared>, registry: &mut Registry, snapshot: &Snapshot) {
         .map(|w| w.name.clone())
         .collect();
     shared.runtime.runtimes.retain(&live);
-    let view = View::build(snapshot, registry, &|route| {
+    let view = View::build(snapshot, &m.registry, &|route| {
         let s = shared.clone();
         shared.runtime.runtimes.runtime_for(
             route,
