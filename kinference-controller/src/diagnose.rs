@@ -263,6 +263,7 @@ mod tests {
             max_model_len: Some(4096),
             parent: None,
             root: None,
+            owned_by: None,
         }
     }
 

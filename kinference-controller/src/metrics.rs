@@ -333,6 +333,7 @@ mod tests {
                     max_model_len: None,
                     parent: None,
                     root: None,
+                    owned_by: None,
                 }]),
             },
             EndpointModels {

@@ -455,13 +455,15 @@ mod tests {
                     id: "Qwen/Qwen3.6-35B-A3B".into(),
                     max_model_len: Some(262_144),
                     parent: None,
-                    root: Some("Qwen/Qwen3.6-35B-A3B".into())
+                    root: Some("Qwen/Qwen3.6-35B-A3B".into()),
+                    owned_by: Some("vllm".into()),
                 },
                 ModelCard {
                     id: "sql-lora".into(),
                     max_model_len: None,
                     parent: Some("Qwen/Qwen3.6-35B-A3B".into()),
-                    root: Some("/adapters/sql".into())
+                    root: Some("/adapters/sql".into()),
+                    owned_by: Some("vllm".into()),
                 },
             ]
         );

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use kinference_api::engine::EngineFamily;
 use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -197,6 +198,12 @@ pub struct Endpoint {
     live: AtomicBool,
     /// DP ranks whose KV events are subscribed.
     kv_ranks: AtomicU32,
+    /// The engine's release, from `/version`.
+    version: RwLock<Option<kinference_api::engine::Version>>,
+    /// Until when the index may be missing what the engine holds (its
+    /// stream started or lost batches without replay): requests ask vLLM
+    /// to re-report the blocks they reuse.
+    kv_recovering_until: RwLock<Option<Instant>>,
     /// Cancelled when the endpoint leaves: stops its tasks.
     pub stop: CancellationToken,
 }
@@ -217,6 +224,8 @@ impl Endpoint {
             scraped: RwLock::default(),
             live: AtomicBool::new(true),
             kv_ranks: AtomicU32::new(0),
+            version: RwLock::default(),
+            kv_recovering_until: RwLock::default(),
             stop,
         }
     }
@@ -385,6 +394,56 @@ impl Endpoint {
     /// Sets the subscribed DP ranks.
     pub fn set_kv_ranks(&self, n: u32) {
         self.kv_ranks.store(n, Ordering::Relaxed);
+    }
+
+    /// Whose engine this is: the names of its metrics, else who its model
+    /// cards say serves them.
+    pub fn family(&self) -> EngineFamily {
+        match self.scraped().map(|s| s.family) {
+            Some(f @ (EngineFamily::Vllm | EngineFamily::Sglang)) => f,
+            _ => match self
+                .models
+                .read()
+                .first()
+                .and_then(|m| m.owned_by.as_deref())
+            {
+                Some("vllm") => EngineFamily::Vllm,
+                Some("sglang") => EngineFamily::Sglang,
+                _ => EngineFamily::Unknown,
+            },
+        }
+    }
+
+    /// The engine's release, once `/version` answered.
+    pub fn version(&self) -> Option<kinference_api::engine::Version> {
+        *self.version.read()
+    }
+
+    /// Stores the engine's release.
+    pub fn set_version(&self, v: kinference_api::engine::Version) {
+        *self.version.write() = Some(v);
+    }
+
+    /// Whether the engine re-reports the blocks a request reuses when the
+    /// request asks (`vllm_xargs.kv_cache_report_mode: "full"`, vLLM ≥ 0.26).
+    pub fn reports_reused_blocks_on_request(&self) -> bool {
+        self.family() == EngineFamily::Vllm
+            && self
+                .version()
+                .is_some_and(|v| v >= kinference_api::engine::Version::new(0, 26, 0))
+    }
+
+    /// The index may be missing this engine's blocks until `until`.
+    pub fn kv_recovering_until(&self, until: Instant) {
+        let mut r = self.kv_recovering_until.write();
+        if r.is_none_or(|t| t < until) {
+            *r = Some(until);
+        }
+    }
+
+    /// Whether the index may be missing this engine's blocks at `now`.
+    pub fn kv_recovering(&self, now: Instant) -> bool {
+        self.kv_recovering_until.read().is_some_and(|t| now < t)
     }
 
     /// Whether the endpoint is still in the pool.

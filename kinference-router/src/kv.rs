@@ -57,6 +57,10 @@ pub struct KvReport {
     pub observed_widths: Vec<(u32, u32)>,
     /// Seconds since its last event.
     pub last_event_age_s: Option<f64>,
+    /// Times its blocks were dropped (a gap without replay, a restart).
+    pub resets: u64,
+    /// A replay endpoint was configured but could not be reached.
+    pub replay_absent: bool,
 }
 
 impl KvReport {
@@ -74,6 +78,8 @@ impl KvReport {
             last_event_age_s: h
                 .last_event
                 .map(|t| now.saturating_duration_since(t).as_secs_f64()),
+            resets: h.resets,
+            replay_absent: h.replay_absent,
         }
     }
 }
@@ -97,8 +103,21 @@ type Owners = Vec<Option<(EndpointId, u32)>>;
 pub struct KvPlane {
     index: Arc<KvIndex>,
     owners: ArcSwap<Owners>,
-    subscriptions: Mutex<HashMap<EndpointId, Vec<(WorkerId, SubscriberHandle)>>>,
+    subscriptions: Mutex<HashMap<EndpointId, Subscribed>>,
 }
+
+/// An endpoint's subscriptions, and the resets seen on them so far.
+struct Subscribed {
+    endpoint: Arc<Endpoint>,
+    streams: Vec<(WorkerId, SubscriberHandle)>,
+    resets: u64,
+}
+
+/// How long after a stream starts, or loses batches it cannot replay,
+/// requests to a vLLM ≥ 0.26 engine ask it to re-report the blocks they
+/// reuse, so the index converges on what the engine holds for the prefixes
+/// requested again.
+pub const RECOVERY_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl std::fmt::Debug for KvPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -188,11 +207,21 @@ impl KvPlane {
         let mut all = self.subscriptions.lock();
         if e.is_live() {
             e.set_kv_ranks(ranks);
+            // Whatever the engine held before this stream started is not
+            // in the index (a router restart, a new endpoint, a resubscribe).
+            e.kv_recovering_until(Instant::now() + RECOVERY_WINDOW);
             // A resubscription that overtook an earlier one replaces it.
-            let old = all.insert(e.id, subs);
+            let old = all.insert(
+                e.id,
+                Subscribed {
+                    endpoint: e.clone(),
+                    streams: subs,
+                    resets: 0,
+                },
+            );
             drop(all);
             if let Some(old) = old {
-                self.drop_subscriptions(old);
+                self.drop_subscriptions(old.streams);
             }
         } else {
             drop(all);
@@ -246,7 +275,7 @@ impl KvPlane {
         let subs = self.subscriptions.lock().remove(&e.id);
         e.set_kv_ranks(0);
         if let Some(subs) = subs {
-            self.drop_subscriptions(subs);
+            self.drop_subscriptions(subs.streams);
         }
     }
 
@@ -254,14 +283,29 @@ impl KvPlane {
     pub fn stop_all(&self) {
         let all: Vec<_> = self.subscriptions.lock().drain().collect();
         for (_, subs) in all {
-            self.drop_subscriptions(subs);
+            self.drop_subscriptions(subs.streams);
+        }
+    }
+
+    /// Opens a recovery window ([`RECOVERY_WINDOW`]) for every endpoint
+    /// whose streams dropped blocks since the last call (a gap without
+    /// replay, a restart, an undecodable batch). Called periodically by the
+    /// maintainer.
+    pub fn watch_resets(&self, now: Instant) {
+        for s in self.subscriptions.lock().values_mut() {
+            let resets: u64 = s.streams.iter().map(|(_, h)| h.health().resets).sum();
+            if resets > s.resets {
+                s.resets = resets;
+                s.endpoint.kv_recovering_until(now + RECOVERY_WINDOW);
+            }
         }
     }
 
     /// Stream reports of `e`'s DP ranks, when subscribed.
     pub fn reports(&self, e: EndpointId, now: Instant) -> Option<Vec<KvReport>> {
         self.subscriptions.lock().get(&e).map(|s| {
-            s.iter()
+            s.streams
+                .iter()
                 .map(|(_, h)| KvReport::from_health(&h.health(), now))
                 .collect()
         })

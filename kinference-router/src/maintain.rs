@@ -38,14 +38,24 @@ struct Maintainer {
 /// Keeps `shared` in step with the catalog's snapshots until shutdown.
 pub async fn maintain(shared: Arc<Shared>, mut snapshots: watch::Receiver<Arc<Snapshot>>) {
     let mut m = Maintainer::default();
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut rebuild = true;
     loop {
-        let snapshot = snapshots.borrow_and_update().clone();
-        apply(&shared, &mut m, &snapshot);
-        tokio::select! {
-            () = shared.runtime.stop.cancelled() => break,
-            r = snapshots.changed() => if r.is_err() { break },
-            () = shared.runtime.models_changed() => {}
+        if rebuild {
+            let snapshot = snapshots.borrow_and_update().clone();
+            apply(&shared, &mut m, &snapshot);
         }
+        rebuild = tokio::select! {
+            () = shared.runtime.stop.cancelled() => break,
+            r = snapshots.changed() => if r.is_err() { break } else { true },
+            () = shared.runtime.models_changed() => true,
+            _ = tick.tick() => {
+                // Streams that lost blocks open a recovery window.
+                shared.kv.watch_resets(tokio::time::Instant::now());
+                false
+            }
+        };
     }
     // Stop every endpoint's tasks.
     m.registry.sync(std::iter::empty(), &shared.runtime.stop);

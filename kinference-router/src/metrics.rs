@@ -73,6 +73,9 @@ pub struct Metrics {
     pub prepared_from_memo: Counter,
     /// Decisions taken in panic mode (every candidate ejected).
     pub panic_decisions: Counter,
+    /// Requests that asked the engine to re-report the blocks they reuse
+    /// (the index was recovering that engine's blocks).
+    pub kv_recovery_requests: Counter,
     /// Upstream attempts retried on another endpoint.
     pub retries: Family<RetryLabels, Counter>,
 }
@@ -89,6 +92,7 @@ impl Default for Metrics {
             routed_without_tokens: Counter::default(),
             prepared_from_memo: Counter::default(),
             panic_decisions: Counter::default(),
+            kv_recovery_requests: Counter::default(),
             retries: Family::default(),
         }
     }
@@ -137,6 +141,11 @@ impl Metrics {
             "panic_decisions",
             "Decisions taken with every candidate endpoint ejected (they are tried anyway)",
             self.panic_decisions.clone(),
+        );
+        registry.register(
+            "kv_recovery_requests",
+            "Requests that asked vLLM to re-report the cached blocks they reuse, while the index recovered that engine's blocks",
+            self.kv_recovery_requests.clone(),
         );
         registry.register(
             "retries",

@@ -202,6 +202,8 @@ pub struct Fields<'a> {
     pub id_fields: Vec<(&'static str, &'a RawValue)>,
     /// `cache_salt`, which vLLM mixes into the first block's hash.
     pub cache_salt: Option<Cow<'a, str>>,
+    /// Whether the body sets vLLM's `vllm_xargs` itself.
+    pub has_vllm_xargs: bool,
 }
 
 /// The body as serde reads it: every field routing may need, raw.
@@ -235,6 +237,8 @@ struct RawBody<'a> {
     truncate_prompt_tokens: Option<&'a RawValue>,
     #[serde(borrow)]
     cache_salt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    vllm_xargs: Option<&'a RawValue>,
 }
 
 impl<'a> Fields<'a> {
@@ -263,6 +267,22 @@ impl<'a> Fields<'a> {
     pub fn with_model(&self, body: &[u8], model: &str) -> Bytes {
         rewrite_model(body, self.model_span.clone(), model)
     }
+}
+
+/// `body` (a JSON object without `vllm_xargs`) asking vLLM ≥ 0.26 to
+/// re-report, as `BlockStored` events, the cached blocks the request reuses
+/// (`vllm_xargs.kv_cache_report_mode: "full"`); everything else byte for
+/// byte.
+pub fn with_full_report_mode(body: &[u8]) -> Bytes {
+    const FIELD: &[u8] = br#""vllm_xargs":{"kv_cache_report_mode":"full"},"#;
+    let Some(open) = body.iter().position(|b| *b == b'{') else {
+        return Bytes::copy_from_slice(body);
+    };
+    let mut out = Vec::with_capacity(body.len() + FIELD.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(FIELD);
+    out.extend_from_slice(&body[open + 1..]);
+    Bytes::from(out)
 }
 
 /// `body` with the string token at `span` (the `model` value, quotes
@@ -383,6 +403,7 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
         stream,
         id_fields,
         cache_salt,
+        has_vllm_xargs: raw.vllm_xargs.is_some(),
     })
 }
 

@@ -92,6 +92,9 @@ pub struct Prepared {
     pub body: Bytes,
     /// Where `model` sits in the body, for alias rewrites.
     model_span: Option<std::ops::Range<usize>>,
+    /// Whether the body sets `vllm_xargs` itself (then the router never
+    /// adds its own).
+    has_vllm_xargs: bool,
     /// The request target to forward.
     pub path_and_query: String,
     /// The client's headers, forwarded (hop-by-hop ones are dropped when
@@ -113,6 +116,7 @@ impl Prepared {
             debug: false,
             body: Bytes::new(),
             model_span: None,
+            has_vllm_xargs: false,
             path_and_query: api.path().to_owned(),
             headers: HeaderMap::new(),
             routes,
@@ -126,6 +130,18 @@ impl Prepared {
             return self.body.clone();
         }
         openai::rewrite_model(&self.body, self.model_span.clone(), &route.target.model)
+    }
+
+    /// [`Prepared::body_for`], asking the engine to re-report the blocks
+    /// the request reuses when `recover` is set (and the client did not set
+    /// `vllm_xargs` itself).
+    pub fn body_to_send(&self, route: &Route, recover: bool) -> Bytes {
+        let body = self.body_for(route);
+        if recover && !self.has_vllm_xargs {
+            openai::with_full_report_mode(&body)
+        } else {
+            body
+        }
     }
 }
 
@@ -182,6 +198,7 @@ pub async fn prepare(
         stream: fields.stream,
         debug: head.debug,
         model_span: fields.model_span.clone(),
+        has_vllm_xargs: fields.has_vllm_xargs,
         path_and_query: head.path_and_query,
         headers: head.headers,
         routes,

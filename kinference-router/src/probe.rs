@@ -258,6 +258,19 @@ pub fn spawn(
                 if changed {
                     on_models();
                 }
+                if let Ok(v) = get(
+                    &client,
+                    &endpoint.authority,
+                    "/version",
+                    auth,
+                    every.timeout,
+                )
+                .await
+                .map_err(|e| e.message)
+                .and_then(|b| engine::parse_version(&b).map_err(|e| e.to_string()))
+                {
+                    endpoint.set_version(v);
+                }
             }
             if now >= metrics_due {
                 match get(&client, &endpoint.authority, "/health", auth, every.timeout).await {

@@ -192,6 +192,64 @@ pub async fn send(
     }
 }
 
+/// What the first bytes of a streamed answer say.
+#[derive(Debug)]
+pub enum First {
+    /// Data: the stream goes on (these bytes first, then the rest).
+    Data(Bytes, Instant),
+    /// An error event before any token (`data: {"error": …}`, what vLLM
+    /// streams when its engine fails after the headers): nothing has reached
+    /// the client yet, so another endpoint may be tried.
+    Error(String),
+    /// The body ended or failed before any data.
+    Nothing(String),
+    /// No data within the hold: the answer goes on as it is.
+    Later,
+}
+
+/// How long the headers of a streamed answer wait for its first data (an
+/// engine whose core died streams its error event at once; a busy one that
+/// takes longer gets its headers through as they came, as engines send
+/// them, so that gateways with header timeouts in front of the router see
+/// them).
+pub const FIRST_DATA_HOLD: Duration = Duration::from_secs(2);
+
+/// Reads the first data of a streamed answer, waiting at most `hold`.
+/// Streaming engines send their headers at once and the first bytes with
+/// the first token.
+pub async fn first_data(body: &mut Incoming, hold: Duration) -> First {
+    use http_body_util::BodyExt as _;
+    let deadline = Instant::now() + hold;
+    loop {
+        match tokio::time::timeout_at(deadline, body.frame()).await {
+            Err(_) => return First::Later,
+            Ok(None) => return First::Nothing("the answer ended before any data".into()),
+            Ok(Some(Err(e))) => return First::Nothing(format!("reading the answer: {e}")),
+            Ok(Some(Ok(frame))) => {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                if data.is_empty() {
+                    continue;
+                }
+                if is_error_event(&data) {
+                    return First::Error(
+                        String::from_utf8_lossy(&data).chars().take(200).collect(),
+                    );
+                }
+                return First::Data(data, Instant::now());
+            }
+        }
+    }
+}
+
+/// Whether `data` opens with an SSE error event (`data: {"error": …}`).
+fn is_error_event(data: &[u8]) -> bool {
+    let s = data.strip_prefix(b"data:").unwrap_or_default();
+    let s = s.trim_ascii_start();
+    s.starts_with(b"{\"error\"") || s.starts_with(b"{ \"error\"")
+}
+
 /// Called once, with the time from sending to the first body bytes.
 pub type OnFirstByte = Box<dyn FnOnce(Duration) + Send + Sync>;
 
@@ -201,6 +259,8 @@ pub type OnFirstByte = Box<dyn FnOnce(Duration) + Send + Sync>;
 /// counts as a failure of the endpoint.
 pub struct TrackedBody {
     inner: Incoming,
+    /// Bytes read ahead (the first data of a stream), sent first.
+    first: Option<Bytes>,
     inflight: Option<InFlight>,
     sent_at: Instant,
     on_first_byte: Option<OnFirstByte>,
@@ -240,12 +300,26 @@ impl TrackedBody {
     ) -> Self {
         Self {
             inner,
+            first: None,
             inflight: Some(inflight),
             sent_at,
             on_first_byte,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
         }
+    }
+
+    /// The same, with `first` (read ahead at `at`) sent before the rest:
+    /// the first token arrived then.
+    pub fn with_first(mut self, first: Bytes, at: Instant) -> Self {
+        if let Some(f) = self.on_first_byte.take() {
+            f(at.saturating_duration_since(self.sent_at));
+        }
+        if let Some(g) = &mut self.inflight {
+            g.first_token();
+        }
+        self.first = Some(first);
+        self
     }
 }
 
@@ -258,6 +332,11 @@ impl Body for TrackedBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(first) = this.first.take() {
+            let deadline = Instant::now() + this.idle;
+            this.idle_timer.as_mut().reset(deadline);
+            return Poll::Ready(Some(Ok(Frame::data(first))));
+        }
         let polled = Pin::new(&mut this.inner).poll_frame(cx);
         if polled.is_pending() {
             if this.inflight.is_some() && this.idle_timer.as_mut().poll(cx).is_ready() {
@@ -295,11 +374,19 @@ impl Body for TrackedBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.first.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        let mut h = self.inner.size_hint();
+        if let Some(f) = &self.first {
+            let n = f.len() as u64;
+            h.set_lower(h.lower() + n);
+            if let Some(u) = h.upper() {
+                h.set_upper(u + n);
+            }
+        }
+        h
     }
 }
 

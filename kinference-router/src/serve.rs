@@ -328,11 +328,19 @@ async fn route(
         if let Some(rank) = d.dp_rank {
             headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
         }
+        // While the index may be missing what the engine holds, vLLM ≥ 0.26
+        // is asked to re-report the blocks this request reuses.
+        let recover = route.request.cache == kinference_scoring::CacheSource::Index
+            && d.endpoint.kv_recovering(now.instant)
+            && d.endpoint.reports_reused_blocks_on_request();
+        if recover {
+            shared.metrics.kv_recovery_requests.inc();
+        }
         let upstream = proxy::upstream_request(
             &d.endpoint.authority,
             &prepared.path_and_query,
             headers,
-            prepared.body_for(route),
+            prepared.body_to_send(route, recover),
         )
         .map_err(|e| ApiError::invalid(format!("Bad request target: {e}."), None))?;
         let mut attempt = commit::commit(&view, &prepared, &d, now);
@@ -348,7 +356,57 @@ async fn route(
             shared.config.upstream_timeout,
         )
         .await;
+        let mut first = None;
         let resp = match sent {
+            Sent::Answered(resp) if prepared.stream && resp.status().is_success() => {
+                // Hold the headers until the first data: an engine that
+                // fails right after them (vLLM streams an error event when
+                // its core dies) is still retryable, no byte having reached
+                // the client.
+                let (parts, mut body) = resp.into_parts();
+                let hold = proxy::FIRST_DATA_HOLD.min(shared.config.upstream_timeout);
+                match proxy::first_data(&mut body, hold).await {
+                    proxy::First::Later => {
+                        d.endpoint.record(Outcome::Success, Instant::now());
+                    }
+                    proxy::First::Data(b, at) => {
+                        d.endpoint.record(Outcome::Success, Instant::now());
+                        first = Some((b, at));
+                    }
+                    proxy::First::Error(event) => {
+                        d.endpoint.record(Outcome::ServerError, Instant::now());
+                        if !retried_once && attempt_no + 1 < max_attempts {
+                            retried_once = true;
+                            drop(body);
+                            attempt.withdraw(&prepared);
+                            retry(shared, &d, proxy::RetryReason::ServerError, &mut excluded);
+                            last_error = Some(ApiError::bad_gateway(format!(
+                                "The engine {} failed the stream: {event}",
+                                d.endpoint.authority
+                            )));
+                            continue;
+                        }
+                        attempt.withdraw_record(&prepared);
+                        first = Some((Bytes::from(event.into_bytes()), Instant::now()));
+                    }
+                    proxy::First::Nothing(why) => {
+                        d.endpoint.record(Outcome::Timeout, Instant::now());
+                        attempt.withdraw(&prepared);
+                        let err = ApiError::bad_gateway(format!(
+                            "The engine {} sent no data: {why}.",
+                            d.endpoint.authority
+                        ));
+                        if !retried_once && attempt_no + 1 < max_attempts {
+                            retried_once = true;
+                            retry(shared, &d, proxy::RetryReason::Broken, &mut excluded);
+                            last_error = Some(err);
+                            continue;
+                        }
+                        return Err(err);
+                    }
+                }
+                Response::from_parts(parts, body)
+            }
             Sent::Answered(resp) => {
                 d.endpoint.record(Outcome::Success, Instant::now());
                 resp
@@ -450,14 +508,17 @@ async fn route(
                 rparts.headers.insert(EXPLAIN_HEADER, v);
             }
         }
-        let body = TrackedBody::new(
+        let mut body = TrackedBody::new(
             rbody,
             attempt.into_inflight(),
             sent_at,
             on_first,
             shared.config.upstream_timeout,
-        )
-        .boxed_unsync();
+        );
+        if let Some((b, at)) = first {
+            body = body.with_first(b, at);
+        }
+        let body = body.boxed_unsync();
         return Ok(Response::from_parts(rparts, body));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("No endpoint took the request.")))

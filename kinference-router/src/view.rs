@@ -258,6 +258,7 @@ mod tests {
                     max_model_len: Some(8192),
                     parent: None,
                     root: None,
+                    owned_by: None,
                 }]));
             }
         }

@@ -26,7 +26,7 @@ mod sources;
 pub use metrics::{
     EngineActivity, EngineCounters, EngineFamily, LoadFigures, parse_counters, parse_load,
 };
-pub use models::{ModelCard, parse_models};
+pub use models::{ModelCard, Version, parse_models, parse_version};
 pub use sources::{KvSource, ServerInfo, parse_kv_event_sources, parse_server_info, publishers};
 
 /// A body an engine sent that is not what its endpoint serves.

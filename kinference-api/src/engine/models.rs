@@ -18,6 +18,9 @@ pub struct ModelCard {
     /// The `--model` value (a hub id or a path).
     #[serde(default)]
     pub root: Option<String>,
+    /// Who serves it (`vllm`, `sglang`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owned_by: Option<String>,
 }
 
 /// Reads an OpenAI model list (`{"object": "list", "data": [...]}`).
@@ -34,6 +37,61 @@ pub fn parse_models(body: &[u8]) -> Result<Vec<ModelCard>, WireError> {
     serde_json::from_slice::<List>(body)
         .map(|l| l.data)
         .map_err(|e| WireError::json("/v1/models", &e))
+}
+
+/// An engine's release, from its `GET /version` (`{"version": "0.33.0"}`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+pub struct Version {
+    /// Major.
+    pub major: u32,
+    /// Minor.
+    pub minor: u32,
+    /// Patch.
+    pub patch: u32,
+}
+
+impl Version {
+    /// `major.minor.patch`.
+    pub const fn new(major: u32, minor: u32, patch: u32) -> Self {
+        Self {
+            major,
+            minor,
+            patch,
+        }
+    }
+
+    /// Parses `0.33.0`, `0.26.1rc2`, `0.11.0+cu128` (suffixes ignored).
+    pub fn parse(s: &str) -> Option<Self> {
+        let mut parts = s.trim().trim_start_matches('v').split('.');
+        let num = |p: Option<&str>| -> Option<u32> {
+            let p = p?;
+            let digits: String = p.chars().take_while(char::is_ascii_digit).collect();
+            digits.parse().ok()
+        };
+        let major = num(parts.next())?;
+        let minor = num(parts.next())?;
+        let patch = num(parts.next()).unwrap_or(0);
+        Some(Self::new(major, minor, patch))
+    }
+}
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
+    }
+}
+
+/// Reads `GET /version`.
+///
+/// # Errors
+/// [`WireError::Json`] when the body is not `{"version": "X.Y.Z"}`.
+pub fn parse_version(body: &[u8]) -> Result<Version, WireError> {
+    #[derive(Deserialize)]
+    struct V {
+        version: String,
+    }
+    let v: V = serde_json::from_slice(body).map_err(|e| WireError::json("/version", &e))?;
+    Version::parse(&v.version).ok_or_else(|| WireError::shape("/version", "not a release number"))
 }
 
 #[cfg(test)]
@@ -68,5 +126,18 @@ mod tests {
                 })
             ));
         }
+    }
+
+    #[test]
+    fn versions() {
+        assert_eq!(
+            parse_version(br#"{"version":"0.33.0"}"#).unwrap(),
+            Version::new(0, 33, 0)
+        );
+        assert_eq!(Version::parse("0.26.1rc2"), Some(Version::new(0, 26, 1)));
+        assert_eq!(Version::parse("0.11.0+cu128"), Some(Version::new(0, 11, 0)));
+        assert_eq!(Version::parse("0.9"), Some(Version::new(0, 9, 0)));
+        assert!(Version::new(0, 26, 0) > Version::new(0, 25, 9));
+        assert!(parse_version(b"{}").is_err() && parse_version(br#"{"version":"dev"}"#).is_err());
     }
 }

@@ -509,6 +509,7 @@ fn probe_answering(ids: &[(&str, Option<i64>)]) -> ProbeResult {
                         max_model_len: len.map(|l| u64::try_from(l).unwrap()),
                         parent: None,
                         root: None,
+                        owned_by: None,
                     })
                     .collect()),
             })
@@ -590,6 +591,7 @@ fn recomputing_is_a_fixed_point() {
                     max_model_len: Some(4096),
                     parent: None,
                     root: None,
+                    owned_by: None,
                 }]),
             },
             EndpointModels {
@@ -599,6 +601,7 @@ fn recomputing_is_a_fixed_point() {
                     max_model_len: None,
                     parent: None,
                     root: None,
+                    owned_by: None,
                 }]),
             },
         ],
