@@ -311,6 +311,7 @@ impl TrackedBody {
 
     /// The same, with `first` (read ahead at `at`) sent before the rest:
     /// the first token arrived then.
+    #[must_use]
     pub fn with_first(mut self, first: Bytes, at: Instant) -> Self {
         if let Some(f) = self.on_first_byte.take() {
             f(at.saturating_duration_since(self.sent_at));
