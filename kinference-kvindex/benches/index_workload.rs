@@ -328,28 +328,13 @@ fn main() {
     wl.check_vectors();
     println!("test vectors: all match");
     let mut config = IndexConfig::default();
-    if let Some(v) = std::env::var("KVBENCH_SEGMENT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        config.segment = v;
-    }
     if let Some(v) = std::env::var("KVBENCH_SHARDS")
         .ok()
         .and_then(|v| v.parse().ok())
     {
         config.shards = v;
     }
-    if let Some(v) = std::env::var("KVBENCH_FANOUT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        config.fanout = v;
-    }
-    println!(
-        "index config: {} shards, segment {}, fanout {}",
-        config.shards, config.segment, config.fanout
-    );
+    println!("index config: {} shards", config.shards);
     let ix = KvIndex::new(config);
     let ids: Vec<WorkerId> = (0..WORKERS)
         .map(|w| {

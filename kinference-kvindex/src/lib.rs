@@ -130,8 +130,8 @@ pub mod sub;
 pub use codec::{DecodeError, EncodeForm, decode_batch, encode_batch};
 pub use event::{BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Tier};
 pub use index::{
-    Applied, IndexConfig, IndexError, IndexStats, KvIndex, Matches, WorkerId, WorkerMatch,
-    WorkerRef, WorkerStats,
+    Applied, BYTES_PER_ENTRY, GroupKind, GroupSpec, IndexConfig, IndexError, IndexStats, KvIndex,
+    Matches, WorkerId, WorkerMatch, WorkerRef, WorkerStats, max_entries_for_budget,
 };
 pub use key::{BlockKey, BlockKeyer, ExtraKeys, block_keys};
 pub use sources::{KvSource, parse_kv_event_sources};

@@ -376,11 +376,13 @@ fn event_tokens_and_request_tokens_give_the_same_keys() {
             .keys(&ev.token_ids, &ExtraKeys::none().cache_salt("tenant-a"));
         assert_eq!(indexed_depth(ev, &keys), 2, "{file}");
     }
-    // A 32-token group-1 event is not indexed at group 0, but its width is seen.
+    // A 32-token group-1 event is re-chunked into 16-token keys: a worker
+    // whose only known group it is can reuse what it holds from the start.
     let ev = stored_event("vllm-0.33.0/sha256-int/stored_group1_bs32.msgpack");
     assert_eq!(ev.group_idx, Some(1));
+    assert_eq!(ev.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
     let keys = BlockKeyer::new(16, None).keys(&ev.token_ids, &ExtraKeys::none());
-    assert_eq!(indexed_depth(ev, &keys), 0);
+    assert_eq!(indexed_depth(ev, &keys), 4);
 }
 
 #[test]
