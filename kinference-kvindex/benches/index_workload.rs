@@ -21,6 +21,10 @@ use kinference_kvindex::{
     Matches, Tier, WorkerId, WorkerRef, decode_batch, encode_batch,
 };
 
+#[path = "../tests/support/serde_decode.rs"]
+#[allow(dead_code)] // each includer uses part of it
+mod serde_decode;
+
 #[global_allocator]
 static ALLOC: Cap<System> = Cap::new(System, usize::MAX);
 
@@ -687,13 +691,33 @@ fn decode_apply(config: &IndexConfig) -> (f64, u64) {
             }
         }
     }
+    let blocks = (payloads.len() * EVENT) as u64;
+    // Decoding alone, both decoders, interleaved (same run, same data).
+    let mut own_secs = f64::MAX;
+    let mut ref_secs = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        for (_, p) in &payloads {
+            std::hint::black_box(decode_batch(p).expect("decodes"));
+        }
+        own_secs = own_secs.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        for (_, p) in &payloads {
+            std::hint::black_box(serde_decode::decode_batch(p).expect("decodes"));
+        }
+        ref_secs = ref_secs.min(t.elapsed().as_secs_f64());
+    }
+    println!(
+        "decode only (best of 3)            {:.2} M blocks/s; rmp-serde reference {:.2} M blocks/s",
+        blocks as f64 / own_secs / 1e6,
+        blocks as f64 / ref_secs / 1e6
+    );
     let t = Instant::now();
     for (w, p) in &payloads {
         let b = decode_batch(p).expect("decodes");
         ix.apply_batch(*w, &b).expect("applies");
     }
     let secs = t.elapsed().as_secs_f64();
-    let blocks = (payloads.len() * EVENT) as u64;
     assert_eq!(ix.entries(), blocks);
     (blocks as f64 / secs, blocks)
 }

@@ -14,6 +14,10 @@ use kinference_kvindex::{
 };
 use serde_json::{Value as Json, json};
 
+#[path = "support/serde_decode.rs"]
+#[allow(dead_code)] // each includer uses part of it
+mod serde_decode;
+
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events")
 }
@@ -177,6 +181,9 @@ fn every_payload_decodes_to_the_manifest() {
         );
         let b = decode_batch(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
         check_batch(file, &b, &f["normalized"]);
+        // The reference decoder (serde over rmp-serde) agrees, counts too.
+        let r = serde_decode::decode_batch(&bytes).unwrap_or_else(|e| panic!("{file}: {e:?}"));
+        assert_eq!(r, b, "{file}: reference decoder");
     }
 }
 

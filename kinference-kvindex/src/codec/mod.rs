@@ -554,7 +554,7 @@ pub fn encode_batch(batch: &EventBatch, form: EncodeForm) -> Vec<u8> {
         }
     }
     write_opt_int(&mut w, batch.dp_rank);
-    w.buf
+    w.into_vec()
 }
 
 fn encode_array_event(w: &mut Writer, ev: &KvEvent) {
@@ -829,7 +829,7 @@ mod tests {
         w.uint(7);
         w.uint(0);
         w.str("trailing batch element");
-        let b = decode_batch(&w.buf).expect("decodes");
+        let b = decode_batch(w.bytes()).expect("decodes");
         assert_eq!(b.events.len(), 1);
         assert_eq!(b.skipped.unknown_events, 2);
         assert_eq!(b.skipped.unknown_fields, 2);
@@ -850,7 +850,7 @@ mod tests {
         w.str("type");
         w.str("BlockStored");
         assert!(matches!(
-            decode_batch(&w.buf),
+            decode_batch(w.bytes()),
             Err(DecodeError::MissingField {
                 field: "block_hashes",
                 ..

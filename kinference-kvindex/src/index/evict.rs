@@ -52,7 +52,7 @@ impl KvIndex {
         if let Some(ws) = wr.workers[w].as_mut() {
             ws.stats.blocks_held = 0;
             ws.stats.clears += 1;
-            ws.overrides = Default::default();
+            ws.overrides = super::EngineMap::default();
         }
         removed
     }
@@ -113,7 +113,7 @@ impl KvIndex {
             if sh.live == 0 {
                 sh.cold = Vec::new();
                 sh.free = Vec::new();
-                sh.heads = Default::default();
+                sh.heads = super::KeyMap::default();
             } else {
                 sh.free.push(slot as u32);
                 if sh.heads.capacity() > 64 && sh.heads.len() * 4 < sh.heads.capacity() {

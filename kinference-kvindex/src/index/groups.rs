@@ -152,9 +152,8 @@ pub(crate) fn usable_prefix(groups: &[Group], held: &[Intervals], limit: u32) ->
                 continue;
             }
             let lo = match g.rule {
-                Rule::Full if s == 0 => 0,
+                Rule::Full | Rule::Window { .. } if s == 0 => 0,
                 Rule::Full => continue,
-                Rule::Window { .. } if s == 0 => 0,
                 Rule::Window { need } => s + need,
                 Rule::State => s + 1,
             };

@@ -296,6 +296,7 @@ fn index_is_send_and_sync() {
 }
 
 #[test]
+#[allow(clippy::many_single_char_names)] // workers a, b; tokens t, u
 fn a_chain_that_leaves_a_node_midway_is_a_child_and_both_answer() {
     let ix = idx();
     let a = ix

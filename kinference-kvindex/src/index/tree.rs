@@ -445,6 +445,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::many_single_char_names)] // runs, mask, rng, range ends, bit
     fn runs_agree_with_a_mask_per_offset() {
         // A deterministic walk of adds and removes against the reference.
         let mut r = Runs::default();

@@ -8,6 +8,10 @@
 //! appended to the node they continue or start a child node. Every
 //! position it covers is added to the `(worker, group)` holder of its node.
 
+// w, g, h, k, n, s: worker, group, hash, keys per block, count, event, as
+// in the docs above.
+#![allow(clippy::many_single_char_names)]
+
 use std::sync::atomic::Ordering;
 
 use smallvec::SmallVec;
@@ -581,7 +585,7 @@ impl KvIndex {
         // Resolve every hash to offset ranges, then apply them per node,
         // merged, so a run of consecutive blocks is one range.
         let mut ranges: SmallVec<[Range; 32]> = SmallVec::new();
-        let simple = self.simple_group(wr, w, g);
+        let simple = Self::simple_group(wr, w, g);
         let mut b = 0;
         while b < hashes.len() {
             let rs = self.block_ranges(wr, w, g, hashes[b]);
@@ -706,7 +710,7 @@ impl KvIndex {
 
     /// Whether group `g` of worker `w` is a plain one-key-per-block group
     /// (so a neighbouring hash is one position).
-    fn simple_group(&self, wr: &Writer, w: usize, g: u16) -> bool {
+    fn simple_group(wr: &Writer, w: usize, g: u16) -> bool {
         wr.workers[w].as_ref().is_some_and(|ws| {
             ws.overrides.is_empty() && ws.groups.iter().any(|x| x.idx == g && x.width == 1)
         })
