@@ -58,6 +58,22 @@ pub(crate) enum Kind {
     Ext,
 }
 
+/// Per marker byte: (length, mask) of the unsigned integers that fit u32:
+/// the value is the `length` bytes from the marker on, read big-endian,
+/// masked (a fixint is its marker). Length 0: another encoding.
+const U32_CLASS: [(u8, u32); 256] = {
+    let mut t = [(0u8, 0u32); 256];
+    let mut m = 0;
+    while m < 0x80 {
+        t[m] = (1, 0x7f);
+        m += 1;
+    }
+    t[0xcc] = (2, 0xff);
+    t[0xcd] = (3, 0xffff);
+    t[0xce] = (5, 0xffff_ffff);
+    t
+};
+
 /// A cursor over a MessagePack byte slice.
 #[derive(Debug, Clone)]
 pub(crate) struct Reader<'a> {
@@ -208,37 +224,34 @@ impl<'a> Reader<'a> {
     /// `n` unsigned integers that fit u32 (token ids), appended to `out`.
     /// The common encodings (fixint, uint8/16/32) take a fast path.
     pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
-        out.reserve(n);
+        let start = out.len();
+        out.resize(start + n, 0);
         let buf = self.buf;
         let mut pos = self.pos;
-        for _ in 0..n {
-            let Some(&m) = buf.get(pos) else {
-                return Err(MsgError::Truncated(pos));
+        let mut i = start;
+        // Token ids come as fixint, uint8, uint16 or uint32 (1, 2, 3 or 5
+        // bytes): read 8 bytes big-endian and take the value and length by
+        // the marker, without a branch per marker (the mix of uint16 and
+        // uint32 ids is unpredictable).
+        while i < out.len() {
+            let Some(chunk) = buf.get(pos..pos + 8) else {
+                break;
             };
-            if m < 0x80 {
-                out.push(u32::from(m));
-                pos += 1;
-                continue;
+            let w = u64::from_be_bytes(chunk.try_into().expect("8 bytes"));
+            let (len, mask) = U32_CLASS[(w >> 56) as usize];
+            if len == 0 {
+                break;
             }
-            let v = match m {
-                0xcd => buf
-                    .get(pos + 1..pos + 3)
-                    .map(|b| (u32::from(u16::from_be_bytes([b[0], b[1]])), 3)),
-                0xce => buf
-                    .get(pos + 1..pos + 5)
-                    .map(|b| (u32::from_be_bytes([b[0], b[1], b[2], b[3]]), 5)),
-                0xcc => buf.get(pos + 1).map(|b| (u32::from(*b), 2)),
-                _ => None,
-            };
-            if let Some((v, len)) = v {
-                out.push(v);
-                pos += len;
-            } else {
-                // Other encodings (or truncation): the general path.
-                self.pos = pos;
-                out.push(self.read_u32()?);
-                pos = self.pos;
-            }
+            out[i] = (w >> (64 - 8 * u32::from(len))) as u32 & mask;
+            pos += usize::from(len);
+            i += 1;
+        }
+        // Other encodings, and the last bytes of the buffer.
+        while i < out.len() {
+            self.pos = pos;
+            out[i] = self.read_u32()?;
+            pos = self.pos;
+            i += 1;
         }
         self.pos = pos;
         Ok(())
