@@ -1,7 +1,8 @@
-//! The KV-index benchmark workload v1 (`shared/specs/index-workload.md`),
-//! implemented exactly (its test vectors are checked before anything is
-//! timed), printing the anchor's rows; then a decode+apply figure from raw
-//! vLLM map-form msgpack, and a branching variant (not part of v1).
+//! The KV-index benchmark workload v1 (`benches/README.md`, a copy of the
+//! project's `specs/index-workload.md`), implemented exactly (its test
+//! vectors are checked before anything is timed), printing the anchor's
+//! rows; then a decode+apply figure from raw vLLM map-form msgpack, and the
+//! branching variant v1b (`benches/README.md`, its vectors checked too).
 //!
 //! `cargo bench -p kinference-kvindex --bench index_workload` (one fresh
 //! process per run; `-- --json` also prints one JSON line of figures).
@@ -604,7 +605,7 @@ fn main() {
     );
     let br = branching(&config);
     println!(
-        "branching: {} entries, ingest {:.2} M blocks/s, {:.2} B/entry; lookup median/p99 {} / {} ns ({} wrong); during churn {} / {} ns ({} lookups, {} wrong), writer {:.2} M ops/s",
+        "v1b (branching): {} entries, ingest {:.2} M blocks/s, {:.2} B/entry; lookup median/p99 {} / {} ns ({} wrong); during churn {} / {} ns ({} lookups, {} wrong), writer {:.2} M ops/s",
         br.entries,
         br.ingest / 1e6,
         br.bytes_per_entry,
@@ -722,6 +723,52 @@ fn decode_apply(config: &IndexConfig) -> (f64, u64) {
     (blocks as f64 / secs, blocks)
 }
 
+/// v1b's test vectors (`benches/README.md`); any mismatch aborts the run.
+fn check_v1b_vectors(
+    p_local: &[u64],
+    p_seq: &[u64],
+    c_local: &[u64],
+    c_seq: &[u64],
+    holders: &[[(usize, usize); 3]],
+) {
+    assert_eq!(
+        [p_local[0], p_local[127], p_seq[127]],
+        [0x533e_00f7_f3c6_06d4, 0x0643_bad8_2177_0d3f, 0xc9d3_04a9_b783_a684]
+    );
+    assert_eq!(
+        [c_local[0], c_local[c_local.len() - 1]],
+        [0x2ea3_6159_f240_a683, 0xd399_9888_0ddd_302e]
+    );
+    assert_eq!(
+        [c_seq[0], c_seq[c_seq.len() - 1]],
+        [0xafa2_db94_53dd_74b1, 0x86a2_db95_1706_b3e9]
+    );
+    assert_eq!(
+        c_seq.iter().fold(0u64, |a, x| a.wrapping_add(*x)),
+        0x9c1c_f890_3af7_4c68
+    );
+    let ids = |c: usize| holders[c].map(|h| h.0);
+    assert_eq!(
+        [ids(0), ids(1), ids(holders.len() - 1)],
+        [[48, 8, 43], [18, 29, 27], [50, 56, 49]]
+    );
+    let sum: usize = holders.iter().flat_map(|h| h.iter().map(|x| x.0)).sum();
+    assert_eq!(sum, 1_891_068);
+    let mut q = SplitMix(1002);
+    assert_eq!([q.below(20_000), q.below(20_000), q.below(20_000)], [4285, 202, 10464]);
+    let mut ch = SplitMix(1003);
+    let churn: Vec<(u64, u64)> = (0..3)
+        .map(|_| {
+            let c = ch.below(20_000);
+            (c, ch.below(3))
+        })
+        .collect();
+    assert_eq!(churn, vec![(11864, 1), (6476, 2), (9489, 1)]);
+    let mut rd = SplitMix(1004);
+    assert_eq!([rd.below(20_000), rd.below(20_000), rd.below(20_000)], [8454, 18851, 17635]);
+    println!("v1b test vectors: all match");
+}
+
 struct Branching {
     entries: u64,
     ingest: f64,
@@ -733,7 +780,7 @@ struct Branching {
     writer: f64,
 }
 
-/// Branching variant (ours, not in v1): one 128-block system prompt held by
+/// Workload v1b (`benches/README.md`): one 128-block system prompt held by
 /// all 64 workers; 20 000 conversations of 64 more blocks each, each held
 /// by 3 workers, holder k holding the first 16·(k+1)+16 blocks of it
 /// (partial holders). Queries: prompt + one conversation (192 blocks); the
@@ -784,6 +831,7 @@ fn branching(config: &IndexConfig) -> Branching {
             hs
         })
         .collect();
+    check_v1b_vectors(&p_local, &p_seq, &c_local, &c_seq, &holders);
     let h0 = ALLOC.allocated() as u64;
     let t = Instant::now();
     let mut blocks = 0u64;

@@ -662,6 +662,7 @@ impl KvIndex {
             }
             // Merged ranges, then the removal.
             let mut j = first;
+            let mut at_end = false;
             while j < i {
                 let (a, mut b) = (ranges[j].from, ranges[j].to);
                 while j + 1 < i && ranges[j + 1].from <= b {
@@ -670,6 +671,7 @@ impl KvIndex {
                 }
                 j += 1;
                 removed += node.hot.holders[x].runs.remove(a, b, bit);
+                at_end |= b >= node.hot.len();
             }
             if has_own {
                 // A worker's own record goes when it holds the position in
@@ -688,7 +690,10 @@ impl KvIndex {
                 }
             }
             node.hot.prune_holder(x);
-            if node.needed_len() < node.hot.len() {
+            // Only a removal at the node's end can shorten what it needs
+            // (checking costs a pass over its holders: thousands on a
+            // shared prompt).
+            if at_end && node.needed_len() < node.hot.len() {
                 touched.push(nid);
             }
         }
