@@ -7,6 +7,7 @@
 //! and lookup calls alone; the allocator figure comes from a counting
 //! global allocator (`cap`).
 #![allow(clippy::disallowed_methods)] // a benchmark must read the clock
+#![allow(clippy::many_single_char_names)] // t, m, r, s, e: timer, matches, rng, step, elapsed
 
 use std::alloc::System;
 use std::collections::VecDeque;
@@ -262,8 +263,11 @@ fn main() {
     });
     let ids: Vec<WorkerId> = (0..WORKERS)
         .map(|w| {
-            ix.register_worker(WorkerRef::new(format!("pod{}", w / RANKS), (w % RANKS) as u32), 16)
-                .expect("registers")
+            ix.register_worker(
+                WorkerRef::new(format!("pod{}", w / RANKS), (w % RANKS) as u32),
+                16,
+            )
+            .expect("registers")
         })
         .collect();
     let h0 = ALLOC.allocated() as u64;
@@ -275,7 +279,7 @@ fn main() {
     let mut warm = 0u64;
     let mut filled = 0;
     while filled < WORKERS {
-        if warm % 4096 == 0 {
+        if warm.is_multiple_of(4096) {
             filled = fleet.engines.iter().filter(|e| e.full).count();
         }
         let (s, _) = fleet.request();

@@ -733,7 +733,11 @@ fn check_v1b_vectors(
 ) {
     assert_eq!(
         [p_local[0], p_local[127], p_seq[127]],
-        [0x533e_00f7_f3c6_06d4, 0x0643_bad8_2177_0d3f, 0xc9d3_04a9_b783_a684]
+        [
+            0x533e_00f7_f3c6_06d4,
+            0x0643_bad8_2177_0d3f,
+            0xc9d3_04a9_b783_a684
+        ]
     );
     assert_eq!(
         [c_local[0], c_local[c_local.len() - 1]],
@@ -755,7 +759,10 @@ fn check_v1b_vectors(
     let sum: usize = holders.iter().flat_map(|h| h.iter().map(|x| x.0)).sum();
     assert_eq!(sum, 1_891_068);
     let mut q = SplitMix(1002);
-    assert_eq!([q.below(20_000), q.below(20_000), q.below(20_000)], [4285, 202, 10464]);
+    assert_eq!(
+        [q.below(20_000), q.below(20_000), q.below(20_000)],
+        [4285, 202, 10464]
+    );
     let mut ch = SplitMix(1003);
     let churn: Vec<(u64, u64)> = (0..3)
         .map(|_| {
@@ -765,7 +772,10 @@ fn check_v1b_vectors(
         .collect();
     assert_eq!(churn, vec![(11864, 1), (6476, 2), (9489, 1)]);
     let mut rd = SplitMix(1004);
-    assert_eq!([rd.below(20_000), rd.below(20_000), rd.below(20_000)], [8454, 18851, 17635]);
+    assert_eq!(
+        [rd.below(20_000), rd.below(20_000), rd.below(20_000)],
+        [8454, 18851, 17635]
+    );
     println!("v1b test vectors: all match");
 }
 

@@ -76,7 +76,7 @@ impl KvIndex {
                 return;
             };
             let need = node.needed_len() as usize;
-            let len = node.hot.keys.len();
+            let len = node.hot.keys().len();
             let first = node.cold.first;
             if need < len {
                 for p in need..len {
@@ -85,10 +85,9 @@ impl KvIndex {
                         wr.engine.remove(&h);
                     }
                 }
-                node.hot.keys.truncate(need);
+                node.hot.truncate(need);
                 node.cold.ehash.truncate(need);
-                if node.hot.keys.capacity() > 32 && need * 4 < node.hot.keys.capacity() {
-                    node.hot.keys.shrink_to(need * 2);
+                if node.cold.ehash.capacity() > 32 && need * 4 < node.cold.ehash.capacity() {
                     node.cold.ehash.shrink_to(need * 2);
                 }
                 self.positions
@@ -99,7 +98,7 @@ impl KvIndex {
             }
             if need > 0 || !node.cold.children.is_empty() || !node.hot.holders.is_empty() {
                 // Still needed. Its tail may be evictable now.
-                if !node.cold.queued && (node.tail_start() as usize) < node.hot.keys.len() {
+                if !node.cold.queued && (node.tail_start() as usize) < node.hot.keys().len() {
                     node.cold.queued = true;
                     wr.lrs.push(Reverse((node.cold.stamp, cur)));
                 }

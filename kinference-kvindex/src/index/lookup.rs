@@ -15,7 +15,7 @@
 use std::sync::atomic::Ordering;
 
 use super::groups::{self, Intervals};
-use super::tree::{CLASSES, Hot, match_len};
+use super::tree::{CLASSES, Hot};
 use super::{FLAG_GROUPS, KvIndex, WorkerId, read};
 use crate::key::BlockKey;
 
@@ -121,7 +121,7 @@ impl KvIndex {
             if node.start as usize != pos {
                 break;
             }
-            let m = match_len(&node.keys, &keys[pos..]);
+            let m = node.match_len(&keys[pos..]);
             if m == 0 {
                 break;
             }

@@ -548,7 +548,7 @@ impl KvIndex {
                 for h in node.holders.iter().filter(|h| h.worker == id.0) {
                     for r in h.runs.as_slice() {
                         out.extend(
-                            node.keys[r.start as usize..r.end as usize]
+                            node.keys()[r.start as usize..r.end as usize]
                                 .iter()
                                 .map(|k| BlockKey(*k)),
                         );

@@ -241,19 +241,27 @@ pub(crate) struct Holder {
     pub(crate) runs: Runs,
 }
 
+/// Keys per sample of a node's key array.
+pub(crate) const SAMPLE: usize = 16;
+
 /// The part of a node lookups read. It lives in its shard's head map
-/// under the node's first key, so the key, the node's start and the
-/// pointers to its keys and holders share one cache line.
+/// under the node's first key; with the key, the fields up to `holders`
+/// fill one cache line (what a full match reads), the samples' pointer
+/// starts the next.
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub(crate) struct Hot {
     /// The node's slot in its shard (for [`Cold`]).
     pub(crate) slot: u32,
     /// Chain position of `keys[0]`.
     pub(crate) start: u32,
     /// Our block key per position.
-    pub(crate) keys: Vec<u64>,
+    keys: Vec<u64>,
     /// Sorted by `(worker, group)`.
     pub(crate) holders: Vec<Holder>,
+    /// Every [`SAMPLE`]-th key (`keys[SAMPLE·i + SAMPLE - 1]`): a lookup
+    /// finds where a query leaves the node in these few lines first.
+    samples: Vec<u64>,
 }
 
 /// The part only the writer reads, in its shard's slab.
@@ -275,8 +283,99 @@ pub(crate) struct Cold {
 }
 
 impl Hot {
+    pub(crate) fn new(slot: u32, start: u32) -> Self {
+        Hot {
+            slot,
+            start,
+            keys: Vec::new(),
+            holders: Vec::new(),
+            samples: Vec::new(),
+        }
+    }
+
     pub(crate) fn len(&self) -> u32 {
         self.keys.len() as u32
+    }
+
+    pub(crate) fn keys(&self) -> &[u64] {
+        &self.keys
+    }
+
+    /// Appends keys (and their samples).
+    pub(crate) fn extend(&mut self, keys: &[u64]) {
+        let from = self.keys.len();
+        self.keys.extend_from_slice(keys);
+        let mut p = (from / SAMPLE + 1) * SAMPLE - 1;
+        while p < self.keys.len() {
+            self.samples.push(self.keys[p]);
+            p += SAMPLE;
+        }
+    }
+
+    /// Keeps the first `len` keys; returns the capacity freed in keys.
+    pub(crate) fn truncate(&mut self, len: usize) {
+        self.keys.truncate(len);
+        self.samples.truncate(len / SAMPLE);
+        if self.keys.capacity() > 32 && len * 4 < self.keys.capacity() {
+            self.keys.shrink_to(len * 2);
+            self.samples.shrink_to(len * 2 / SAMPLE);
+        }
+    }
+
+    /// Length of the common prefix of this node's keys and `query` (which
+    /// starts at the node's first position). Chained keys differ at every
+    /// position after the first difference, so the matches form a prefix:
+    /// the last position is checked first (a full match costs one load),
+    /// then the samples (a few contiguous lines, scanned in order) give the
+    /// group of [`SAMPLE`] keys the difference is in, which is scanned.
+    #[inline]
+    pub(crate) fn match_len(&self, query: &[BlockKey]) -> usize {
+        let keys = &self.keys;
+        let lim = keys.len().min(query.len());
+        if lim == 0 || keys[0] != query[0].0 {
+            return 0;
+        }
+        if keys[lim - 1] == query[lim - 1].0 {
+            return lim;
+        }
+        // Samples wholly inside the compared range, then the first that
+        // differs (their matches form a prefix too).
+        let ns = self.samples.len().min(lim / SAMPLE);
+        let s = &self.samples[..ns];
+        let mut lo = 0usize;
+        let mut hi = ns;
+        // A long node: narrow the samples 8-way first.
+        while hi - lo > 64 {
+            let step = (hi - lo).div_ceil(8);
+            let mut p = lo + step;
+            let mut hits = 0;
+            let mut n = 0;
+            while p < hi {
+                hits += usize::from(s[p - 1] == query[p * SAMPLE - 1].0);
+                n += 1;
+                p += step;
+            }
+            let new_lo = lo + hits * step;
+            if hits < n {
+                hi = (lo + (hits + 1) * step).min(hi);
+            }
+            lo = new_lo;
+        }
+        let c = lo
+            + s[lo..hi]
+                .iter()
+                .enumerate()
+                .take_while(|(i, k)| **k == query[(lo + i + 1) * SAMPLE - 1].0)
+                .count();
+        // keys[c·SAMPLE - 1] matches (or c = 0); the difference is in the
+        // next group.
+        let from = (c * SAMPLE).max(1);
+        let to = ((c + 1) * SAMPLE).min(lim);
+        from + keys[from..to]
+            .iter()
+            .zip(&query[from..to])
+            .take_while(|(k, q)| **k == q.0)
+            .count()
     }
 
     /// Index of `(worker, group)`'s holder, or where to insert it.
@@ -355,52 +454,11 @@ pub(crate) fn heap_bytes(hot: &Hot, cold: &Cold) -> u64 {
         0
     };
     (hot.keys.capacity() * 8
+        + hot.samples.capacity() * 8
         + cold.ehash.capacity() * 8
         + hot.holders.capacity() * std::mem::size_of::<Holder>()
         + children
         + runs) as u64
-}
-
-/// Length of the common prefix of `node_keys` and `query` (both start at
-/// the node's first position). Chained keys differ at every position after
-/// the first difference, so the matches form a prefix and a k-ary search
-/// finds its end; the probes of one round are independent loads.
-#[inline]
-pub(crate) fn match_len(node_keys: &[u64], query: &[BlockKey]) -> usize {
-    let lim = node_keys.len().min(query.len());
-    if lim == 0 || node_keys[0] != query[0].0 {
-        return 0;
-    }
-    if node_keys[lim - 1] == query[lim - 1].0 {
-        return lim;
-    }
-    // node_keys[lo] matches, node_keys[hi] does not.
-    let (mut lo, mut hi) = (0usize, lim - 1);
-    while hi - lo > 1 {
-        let span = hi - lo;
-        if span <= 16 {
-            let mut p = lo + 1;
-            while p < hi && node_keys[p] == query[p].0 {
-                p += 1;
-            }
-            return p;
-        }
-        let step = span.div_ceil(16);
-        let mut hits = 0usize;
-        let mut n = 0usize;
-        let mut p = lo + step;
-        while p < hi {
-            hits += usize::from(node_keys[p] == query[p].0);
-            n += 1;
-            p += step;
-        }
-        let new_lo = lo + hits * step;
-        if hits < n {
-            hi = lo + (hits + 1) * step;
-        }
-        lo = new_lo;
-    }
-    hi
 }
 
 #[cfg(test)]
@@ -485,22 +543,56 @@ mod tests {
     }
 
     #[test]
-    fn a_head_entry_fills_one_cache_line() {
-        assert_eq!(std::mem::size_of::<(u64, Hot)>(), 64);
+    fn a_head_entry_is_small() {
+        assert_eq!(std::mem::size_of::<(u64, Hot)>(), 88);
     }
 
     #[test]
     fn match_len_finds_the_first_difference() {
-        let node: Vec<u64> = (0..600).collect();
-        let same: Vec<BlockKey> = node.iter().map(|k| BlockKey(*k)).collect();
-        for cut in [0usize, 1, 2, 15, 16, 17, 255, 256, 257, 511, 599, 600] {
+        let keys: Vec<u64> = (0..600).collect();
+        let node = |len: usize| {
+            let mut h = Hot::new(0, 0);
+            // In pieces, as stores append them.
+            for c in keys[..len].chunks(37) {
+                h.extend(c);
+            }
+            h
+        };
+        let same: Vec<BlockKey> = keys.iter().map(|k| BlockKey(*k)).collect();
+        for cut in [
+            0usize, 1, 2, 15, 16, 17, 63, 64, 65, 66, 255, 256, 257, 511, 598, 599, 600,
+        ] {
             let q: Vec<BlockKey> = (0..600u64)
                 .map(|i| BlockKey(if (i as usize) < cut { i } else { i + 10_000 }))
                 .collect();
-            assert_eq!(match_len(&node, &q), cut, "cut {cut}");
-            assert_eq!(match_len(&node, &q[..cut.min(300)]), cut.min(300));
+            assert_eq!(node(600).match_len(&q), cut, "cut {cut}");
+            assert_eq!(node(600).match_len(&q[..cut.min(300)]), cut.min(300));
+            for len in [1, 2, 15, 16, 17, 65, 100, 599] {
+                assert_eq!(
+                    node(len).match_len(&q),
+                    cut.min(len),
+                    "cut {cut}, len {len}"
+                );
+                let mut t = node(600);
+                t.truncate(len);
+                assert_eq!(
+                    t.match_len(&q),
+                    cut.min(len),
+                    "cut {cut}, truncated to {len}"
+                );
+            }
         }
-        assert_eq!(match_len(&node[..10], &same), 10);
-        assert_eq!(match_len(&[], &same), 0);
+        assert_eq!(node(10).match_len(&same), 10);
+        assert_eq!(node(0).match_len(&same), 0);
+        // A long node takes the 8-way narrowing over its samples.
+        let long: Vec<u64> = (0..20_000).collect();
+        let mut h = Hot::new(0, 0);
+        h.extend(&long);
+        for cut in [1usize, 1023, 1024, 1025, 9_999, 19_999, 20_000] {
+            let q: Vec<BlockKey> = (0..20_000u64)
+                .map(|i| BlockKey(if (i as usize) < cut { i } else { i + (1 << 40) }))
+                .collect();
+            assert_eq!(h.match_len(&q), cut, "long, cut {cut}");
+        }
     }
 }

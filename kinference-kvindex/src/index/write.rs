@@ -283,12 +283,15 @@ impl KvIndex {
         let p = unhandle(*wr.engine.get(&h)?);
         let sh = read(&self.shards[self.node_shard(p.0)].0);
         let (hot, cold) = sh.node(self.node_slot(p.0))?;
-        (cold.ehash.get(p.1 as usize) == Some(&h)).then(|| (p, hot.keys[p.1 as usize]))
+        (cold.ehash.get(p.1 as usize) == Some(&h)).then(|| (p, hot.keys()[p.1 as usize]))
     }
 
     fn key_at(&self, p: Pos) -> Option<u64> {
         let sh = read(&self.shards[self.node_shard(p.0)].0);
-        sh.hot(self.node_slot(p.0))?.keys.get(p.1 as usize).copied()
+        sh.hot(self.node_slot(p.0))?
+            .keys()
+            .get(p.1 as usize)
+            .copied()
     }
 
     /// `k` locals per engine hash (re-chunking when k > 1).
@@ -373,10 +376,10 @@ impl KvIndex {
                 let sh = read(&self.shards[self.node_shard(nid)].0);
                 let hot = sh.hot(self.node_slot(nid)).expect("live node");
                 let next = off as usize + 1;
-                if hot.keys.get(next) == Some(&k) {
+                if hot.keys().get(next) == Some(&k) {
                     return Some((nid, off + 1));
                 }
-                (hot.start + off + 1, nid, next == hot.keys.len())
+                (hot.start + off + 1, nid, next == hot.keys().len())
             }
         };
         let s = self.shard_of(k);
@@ -424,10 +427,10 @@ impl KvIndex {
         let from = off as usize;
         let mut o = from;
         let mut j = 0;
-        if from == hot.keys.len() {
+        if from == hot.keys().len() {
             // Appending: nothing exists past a node's end but children,
             // and none starts with keys[0] (checked by the caller).
-            hot.keys.extend_from_slice(keys);
+            hot.extend(keys);
             cold.ehash.extend_from_slice(khash);
             j = keys.len();
             o = from + j;
@@ -438,7 +441,7 @@ impl KvIndex {
                 }
             }
         } else {
-            while j < keys.len() && o < hot.keys.len() && hot.keys[o] == keys[j] {
+            while j < keys.len() && o < hot.keys().len() && hot.keys()[o] == keys[j] {
                 let h = khash[j];
                 if h != 0 && cold.ehash[o] != h {
                     if cold.ehash[o] == 0 {
@@ -770,14 +773,6 @@ pub(super) fn alloc(sh: &mut super::Shard, first: u64, start: u32, parent: u32, 
         sh.cold.push(Some(cold));
         sh.cold.len() as u32 - 1
     };
-    sh.heads.insert(
-        first,
-        Hot {
-            slot,
-            start,
-            keys: Vec::new(),
-            holders: Vec::new(),
-        },
-    );
+    sh.heads.insert(first, Hot::new(slot, start));
     slot
 }
