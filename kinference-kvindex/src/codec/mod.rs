@@ -403,41 +403,42 @@ fn decode_map(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEven
             skipped.unknown_fields += 1;
             continue;
         }
-        let key = r.read_str()?;
+        // Keys are compared as bytes: a key that is not UTF-8 is unknown.
+        let key = r.read_str_bytes()?;
         match (kind, key) {
-            (_, "type") | (0, _) => r.skip()?,
-            (1, "block_hashes") => {
+            (_, b"type") | (0, _) => r.skip()?,
+            (1, b"block_hashes") => {
                 stored.block_hashes = read_hashes(r)?;
                 has_hashes = true;
             }
-            (1, "parent_block_hash") => stored.parent_block_hash = read_opt_hash(r)?,
-            (1, "token_ids") => stored.token_ids = read_tokens(r)?,
-            (1, "block_size") => {
+            (1, b"parent_block_hash") => stored.parent_block_hash = read_opt_hash(r)?,
+            (1, b"token_ids") => stored.token_ids = read_tokens(r)?,
+            (1, b"block_size") => {
                 stored.block_size = read_u32_or_zero(r)?;
                 has_size = true;
             }
-            (1, "lora_id") => stored.lora_id = opt_int(r, skipped)?,
-            (1, "medium") => stored.medium = opt_str(r, skipped)?,
-            (1, "lora_name") => stored.lora_name = opt_str(r, skipped)?,
-            (1, "extra_keys") => stored.extra_keys = read_extra_keys(r, skipped)?,
-            (1, "group_idx") => stored.group_idx = opt_u32(r, skipped)?,
-            (1, "kv_cache_spec_kind") => stored.kv_cache_spec_kind = opt_str(r, skipped)?,
-            (1, "kv_cache_spec_sliding_window") => {
+            (1, b"lora_id") => stored.lora_id = opt_int(r, skipped)?,
+            (1, b"medium") => stored.medium = opt_str(r, skipped)?,
+            (1, b"lora_name") => stored.lora_name = opt_str(r, skipped)?,
+            (1, b"extra_keys") => stored.extra_keys = read_extra_keys(r, skipped)?,
+            (1, b"group_idx") => stored.group_idx = opt_u32(r, skipped)?,
+            (1, b"kv_cache_spec_kind") => stored.kv_cache_spec_kind = opt_str(r, skipped)?,
+            (1, b"kv_cache_spec_sliding_window") => {
                 stored.kv_cache_spec_sliding_window = opt_u32(r, skipped)?;
             }
-            (1, "locality") => stored.locality = opt_str(r, skipped)?,
-            (1, "ownership") => stored.ownership = opt_str(r, skipped)?,
-            (1, "session_id") => stored.session_id = opt_str(r, skipped)?,
-            (1, "lookahead_token_ids") => stored.lookahead_token_ids = read_lookahead(r, skipped)?,
-            (1, "cache_salt") => stored.cache_salt = opt_str(r, skipped)?,
-            (2, "block_hashes") => {
+            (1, b"locality") => stored.locality = opt_str(r, skipped)?,
+            (1, b"ownership") => stored.ownership = opt_str(r, skipped)?,
+            (1, b"session_id") => stored.session_id = opt_str(r, skipped)?,
+            (1, b"lookahead_token_ids") => stored.lookahead_token_ids = read_lookahead(r, skipped)?,
+            (1, b"cache_salt") => stored.cache_salt = opt_str(r, skipped)?,
+            (2, b"block_hashes") => {
                 removed.block_hashes = read_hashes(r)?;
                 has_hashes = true;
             }
-            (2, "medium") => removed.medium = opt_str(r, skipped)?,
-            (2, "group_idx") => removed.group_idx = opt_u32(r, skipped)?,
-            (2, "locality") => removed.locality = opt_str(r, skipped)?,
-            (2, "ownership") => removed.ownership = opt_str(r, skipped)?,
+            (2, b"medium") => removed.medium = opt_str(r, skipped)?,
+            (2, b"group_idx") => removed.group_idx = opt_u32(r, skipped)?,
+            (2, b"locality") => removed.locality = opt_str(r, skipped)?,
+            (2, b"ownership") => removed.ownership = opt_str(r, skipped)?,
             _ => {
                 r.skip()?;
                 skipped.unknown_fields += 1;

@@ -312,6 +312,24 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(bytes).map_err(|_| MsgError::Utf8(at))
     }
 
+    /// A string's bytes, not checked for UTF-8 (map keys are compared as
+    /// bytes).
+    pub(crate) fn read_str_bytes(&mut self) -> Result<&'a [u8], MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let len = match m {
+            0xa0..=0xbf => usize::from(m & 0x1f),
+            0xd9 => usize::from(self.byte()?),
+            0xda => usize::from(u16::from_be_bytes(self.be()?)),
+            0xdb => u32::from_be_bytes(self.be()?) as usize,
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("string"));
+            }
+        };
+        self.take(len)
+    }
+
     pub(crate) fn read_bin(&mut self) -> Result<&'a [u8], MsgError> {
         let at = self.pos;
         let m = self.byte()?;
