@@ -7,7 +7,7 @@
 
 use std::hint::black_box;
 
-#[path = "../tests/support/serde_decode.rs"]
+#[path = "../tests/support/serde_decode/mod.rs"]
 #[allow(dead_code)] // each includer uses part of it
 mod serde_decode;
 

@@ -14,7 +14,7 @@ use kinference_kvindex::{
 };
 use serde_json::{Value as Json, json};
 
-#[path = "support/serde_decode.rs"]
+#[path = "support/serde_decode/mod.rs"]
 #[allow(dead_code)] // each includer uses part of it
 mod serde_decode;
 

@@ -14,7 +14,7 @@
 //! The property: no panic, no abort, no unbounded allocation. A panic is
 //! caught, the input printed in hex and the test fails at the end. Every
 //! input also goes through the reference decoder (serde over `rmp-serde`,
-//! `tests/support/serde_decode.rs`): whatever the crate's decoder accepts,
+//! `tests/support/serde_decode/`): whatever the crate's decoder accepts,
 //! the reference accepts too, with the same events, rank and timestamp
 //! (the reference is more lenient: it skips and counts invalid UTF-8 and
 //! misplaced types the crate's decoder rejects).
@@ -35,7 +35,7 @@ use kinference_kvindex::{
 };
 use kinference_scoring::{RandomSource as _, SplitMix64 as Rng, below};
 
-#[path = "support/serde_decode.rs"]
+#[path = "support/serde_decode/mod.rs"]
 #[allow(dead_code)] // each includer uses part of it
 mod serde_decode;
 

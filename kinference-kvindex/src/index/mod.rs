@@ -2,9 +2,9 @@
 //! group and tier.
 //!
 //! See the crate docs for the data model, invariants and complexity. The
-//! pieces: [`tree`] (nodes and coverage), [`groups`] (hybrid models'
-//! prefix rule), `write` (events), `lookup` ([`KvIndex::find_matches`]),
-//! `budget` (memory limits).
+//! pieces: `tree` (nodes and coverage), `groups` (hybrid models' prefix
+//! rule), `write` (events), `evict` (clears, trimming, the budget),
+//! `lookup` ([`KvIndex::find_matches`]), `budget` (memory limits).
 
 mod budget;
 mod evict;
