@@ -131,6 +131,25 @@ impl Fleet {
         }
     }
 
+    /// Bytes the simulated engines themselves hold (their cached chains),
+    /// to tell the index's memory from the bench's.
+    fn bytes(&self) -> u64 {
+        let prompts: usize = self
+            .prompts
+            .iter()
+            .map(|p| (p.content.capacity() + p.hashes.capacity()) * 8)
+            .sum();
+        let engines: usize = self
+            .engines
+            .iter()
+            .map(|e| {
+                e.cached.capacity() * std::mem::size_of::<(Option<usize>, Vec<u64>)>()
+                    + e.cached.iter().map(|c| c.1.capacity() * 8).sum::<usize>()
+            })
+            .sum();
+        (prompts + engines) as u64
+    }
+
     /// One request on a random rank: evictions (one `BlockRemoved` per
     /// block, tail first, as vLLM's GPU pool sends them) and one
     /// `BlockStored` of its new blocks, in one batch. Returns the step and
@@ -288,12 +307,14 @@ fn main() {
         warm += 1;
     }
     let entries = ix.entries();
-    let heap = ALLOC.allocated() as u64 - h0;
+    let sim = fleet.bytes();
+    let heap = (ALLOC.allocated() as u64 - h0).saturating_sub(sim);
     let rss1 = rss_bytes();
     println!(
-        "warm-up: {warm} requests in {:.1} s; {entries} entries, {:.1} allocator bytes/entry, RSS +{:.0} MiB",
+        "warm-up: {warm} requests in {:.1} s; {entries} entries, {:.1} allocator bytes/entry for the index (the simulated engines' own {:.0} MiB left out), RSS +{:.0} MiB",
         t.elapsed().as_secs_f64(),
         heap as f64 / entries as f64,
+        sim as f64 / 1_048_576.0,
         rss1.saturating_sub(rss0) as f64 / 1_048_576.0
     );
 
