@@ -7,6 +7,10 @@
 
 use std::hint::black_box;
 
+#[path = "../tests/support/serde_decode/mod.rs"]
+#[allow(dead_code)] // each includer uses part of it
+mod serde_decode;
+
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kinference_kvindex::key::{BlockKeyer, ExtraKeys, chain, seed_for_lora};
 use kinference_kvindex::{
@@ -66,6 +70,9 @@ fn codec(c: &mut Criterion) {
     g.throughput(Throughput::Elements(32));
     g.bench_function("decode_vllm_map_32_blocks", |b| {
         b.iter(|| decode_batch(black_box(&bytes)).expect("decodes"));
+    });
+    g.bench_function("decode_vllm_map_32_blocks_rmp_serde", |b| {
+        b.iter(|| serde_decode::decode_batch(black_box(&bytes)).expect("decodes"));
     });
     g.bench_function("encode_vllm_map_32_blocks", |b| {
         b.iter(|| encode_batch(black_box(&batch), EncodeForm::VllmMap));

@@ -65,22 +65,25 @@ impl From<u64> for BlockHash {
     }
 }
 
-/// Storage tier of a block (`medium` on the wire).
+/// Storage tier of a block (`medium` on the wire), fastest first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Tier {
     /// GPU memory: `"GPU"`, or no medium at all.
     Gpu,
     /// Host memory: `"CPU"`, `"cpu"`, SGLang's `"CPU_PINNED"`.
     Cpu,
-    /// Local storage: `"STORAGE"`, `"DISK"`.
+    /// The engine's local disk: SGLang's `"DISK"` (SSD/NVMe).
     Disk,
-    /// Anything else (`"EXTERNAL"`, connector-specific names).
+    /// File or object storage and shared pools: vLLM's `"STORAGE"` (its
+    /// `fs`/`obj` offloading tiers), SGLang's `"EXTERNAL"` (e.g. Mooncake).
+    Storage,
+    /// Anything else (connector-specific names).
     Other,
 }
 
 impl Tier {
     /// All tiers, fastest first.
-    pub const ALL: [Tier; 4] = [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Other];
+    pub const ALL: [Tier; 5] = [Tier::Gpu, Tier::Cpu, Tier::Disk, Tier::Storage, Tier::Other];
 
     /// The tier a `medium` string names; `None` (nil/absent) is the GPU.
     pub fn from_medium(medium: Option<&str>) -> Tier {
@@ -89,8 +92,10 @@ impl Tier {
             Tier::Gpu
         } else if m.eq_ignore_ascii_case("cpu") || m.eq_ignore_ascii_case("cpu_pinned") {
             Tier::Cpu
-        } else if m.eq_ignore_ascii_case("disk") || m.eq_ignore_ascii_case("storage") {
+        } else if m.eq_ignore_ascii_case("disk") {
             Tier::Disk
+        } else if m.eq_ignore_ascii_case("storage") || m.eq_ignore_ascii_case("external") {
+            Tier::Storage
         } else {
             Tier::Other
         }
@@ -102,7 +107,8 @@ impl Tier {
             Tier::Gpu => 1,
             Tier::Cpu => 2,
             Tier::Disk => 4,
-            Tier::Other => 8,
+            Tier::Storage => 8,
+            Tier::Other => 16,
         }
     }
 }

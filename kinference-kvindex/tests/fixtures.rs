@@ -14,6 +14,10 @@ use kinference_kvindex::{
 };
 use serde_json::{Value as Json, json};
 
+#[path = "support/serde_decode/mod.rs"]
+#[allow(dead_code)] // each includer uses part of it
+mod serde_decode;
+
 fn dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/kv-events")
 }
@@ -177,6 +181,9 @@ fn every_payload_decodes_to_the_manifest() {
         );
         let b = decode_batch(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
         check_batch(file, &b, &f["normalized"]);
+        // The reference decoder (serde over rmp-serde) agrees, counts too.
+        let r = serde_decode::decode_batch(&bytes).unwrap_or_else(|e| panic!("{file}: {e:?}"));
+        assert_eq!(r, b, "{file}: reference decoder");
     }
 }
 
@@ -376,11 +383,13 @@ fn event_tokens_and_request_tokens_give_the_same_keys() {
             .keys(&ev.token_ids, &ExtraKeys::none().cache_salt("tenant-a"));
         assert_eq!(indexed_depth(ev, &keys), 2, "{file}");
     }
-    // A 32-token group-1 event is not indexed at group 0, but its width is seen.
+    // A 32-token group-1 event is re-chunked into 16-token keys: a worker
+    // whose only known group it is can reuse what it holds from the start.
     let ev = stored_event("vllm-0.33.0/sha256-int/stored_group1_bs32.msgpack");
     assert_eq!(ev.group_idx, Some(1));
+    assert_eq!(ev.kv_cache_spec_kind.as_deref(), Some("sliding_window"));
     let keys = BlockKeyer::new(16, None).keys(&ev.token_ids, &ExtraKeys::none());
-    assert_eq!(indexed_depth(ev, &keys), 0);
+    assert_eq!(indexed_depth(ev, &keys), 4);
 }
 
 #[test]
@@ -447,4 +456,207 @@ fn the_live_captures_drive_the_index_through_store_remove_clear() {
         // stored_chain: 3 + 2 blocks; removed: the 2 chained ones; cleared.
         assert_eq!(held, vec![5, 3, 0], "{set}");
     }
+}
+
+// ----- engine-driven scenarios: hybrid models and new fields -------------
+
+/// `vllm-0.33.0/<name>/scenario.json`: batches vLLM 0.33.0's own KV-cache
+/// manager published, and vLLM's own answer for probe prompts (see the
+/// testdata README).
+fn scenario(name: &str) -> Json {
+    let path = format!("vllm-0.33.0/{name}/scenario.json");
+    let text = std::fs::read_to_string(dir().join(&path)).unwrap_or_else(|e| panic!("{path}: {e}"));
+    serde_json::from_str(&text).expect("scenario parses")
+}
+
+/// Decodes every batch of a scenario, checks it against the raw form in
+/// the scenario (map events: field by field), and returns the batches.
+fn scenario_batches(name: &str) -> Vec<EventBatch> {
+    let sc = scenario(name);
+    let mut out = Vec::new();
+    for b in sc["batches"].as_array().expect("batches") {
+        let file = format!("vllm-0.33.0/{name}/{}", b["file"].as_str().expect("file"));
+        let bytes = read(&file);
+        assert_eq!(
+            bytes.len() as u64,
+            b["len"].as_u64().expect("len"),
+            "{file}"
+        );
+        let batch = decode_batch(&bytes).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let want = b["decoded"][1].as_array().expect("events");
+        assert_eq!(batch.events.len(), want.len(), "{file}");
+        for (ev, w) in batch.events.iter().zip(want) {
+            assert_eq!(
+                &event_json(ev, w.as_object().expect("map event")),
+                w,
+                "{file}"
+            );
+        }
+        assert_eq!(
+            batch.skipped,
+            kinference_kvindex::event::Skipped::default(),
+            "{file}"
+        );
+        // The rmp writer gives back the engine's bytes.
+        assert_eq!(encode_batch(&batch, EncodeForm::VllmMap), bytes, "{file}");
+        out.push(batch);
+    }
+    out
+}
+
+/// Applies a scenario's batches to a fresh index (one worker, 16-token
+/// keys, the router's `kvBlockSize` for these engines) and checks every
+/// probe where the engine took it: the index's usable prefix is vLLM's own
+/// cache hit.
+fn check_probes(name: &str) -> (KvIndex, kinference_kvindex::WorkerId) {
+    let ix = KvIndex::default();
+    let w = ix
+        .register_worker(WorkerRef::new(name, 0), 16)
+        .expect("registers");
+    let batches = scenario_batches(name);
+    let mut applied = 0;
+    let sc = scenario(name);
+    for p in sc["probes"].as_array().expect("probes") {
+        let after = p["after_batches"].as_u64().expect("after_batches") as usize;
+        for b in &batches[applied..after] {
+            ix.apply_batch(w, b).expect("applies");
+        }
+        applied = after;
+        let toks: Vec<u32> = p["token_ids"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_u64().expect("token") as u32)
+            .collect();
+        let keys = BlockKeyer::new(16, None).keys(&toks, &ExtraKeys::none());
+        let m = ix.find_matches(&keys);
+        let got = m.get(w).map_or(0, |x| x.blocks * 16);
+        let gpu = m.get(w).map_or(0, |x| x.gpu_blocks * 16);
+        let want = p["vllm_hit_tokens"].as_u64().expect("hit");
+        assert_eq!(
+            (u64::from(got), u64::from(gpu)),
+            (want, want),
+            "{name}: probe {:?}: vLLM reuses {want} tokens (per group {})",
+            p["name"],
+            p["vllm_per_group_hit_tokens"]
+        );
+    }
+    for b in &batches[applied..] {
+        ix.apply_batch(w, b).expect("applies");
+    }
+    (ix, w)
+}
+
+#[test]
+fn a_sliding_window_group_limits_the_prefix_as_vllm_does() {
+    // Full attention keeps A's front, the sliding-window group lost blocks
+    // inside it: vLLM reuses only 96 of the 192 tokens full attention holds.
+    let (ix, w) = check_probes("hybrid-sliding-window");
+    let sc = scenario("hybrid-sliding-window");
+    let probes = sc["probes"].as_array().expect("probes");
+    let limited = probes
+        .iter()
+        .filter(|p| {
+            let g = &p["vllm_per_group_hit_tokens"];
+            g[0].as_u64() != p["vllm_hit_tokens"].as_u64()
+                || g[1].as_u64() != p["vllm_hit_tokens"].as_u64()
+        })
+        .count();
+    assert!(limited >= 2, "the scenario shows groups disagreeing");
+    let st = ix.worker_stats(w).expect("stats");
+    assert_eq!(st.groups, vec![0, 1]);
+    assert_eq!(st.observed_widths, vec![(0, 16), (1, 32)]);
+    assert_eq!(
+        (
+            st.unknown_removals,
+            st.width_mismatch_blocks,
+            st.orphan_blocks
+        ),
+        (0, 0, 0)
+    );
+}
+
+#[test]
+fn a_mamba_group_needs_a_cached_state_at_the_end_as_vllm_does() {
+    // Prefill events carry tokens but no state; states exist at 256 and
+    // 320 only, so A's 200-token prompt reuses nothing although full
+    // attention holds 192 tokens of it.
+    let (ix, w) = check_probes("hybrid-mamba");
+    let st = ix.worker_stats(w).expect("stats");
+    assert_eq!(st.groups, vec![0, 1]);
+    assert_eq!(
+        (
+            st.unknown_removals,
+            st.width_mismatch_blocks,
+            st.orphan_blocks
+        ),
+        (0, 0, 0)
+    );
+}
+
+#[test]
+fn new_fields_storage_tier_remote_blocks_sessions_and_full_reports() {
+    let batches = scenario_batches("new-fields");
+    let stored: Vec<&kinference_kvindex::BlockStored> = batches
+        .iter()
+        .flat_map(|b| &b.events)
+        .filter_map(|e| match e {
+            KvEvent::BlockStored(s) => Some(s),
+            _ => None,
+        })
+        .collect();
+    // session_id rides on the engine's own stores.
+    let sessions: Vec<_> = stored
+        .iter()
+        .filter_map(|s| s.session_id.as_deref())
+        .collect();
+    assert!(sessions.contains(&"sess-1") && sessions.contains(&"sess-2"));
+    // kv_cache_report_mode "full": S2's reused prefix re-stored, nil parent.
+    let KvEvent::BlockStored(re) = &batches[1].events[0] else {
+        panic!("a re-report first")
+    };
+    assert!(re.parent_block_hash.is_none());
+    assert_eq!(re.block_hashes.len(), 6);
+    // Re-reports are idempotent upserts: applying S2's batch again, or its
+    // re-report alone, changes nothing.
+    let ix = KvIndex::default();
+    let w = ix
+        .register_worker(WorkerRef::new("w", 0), 16)
+        .expect("registers");
+    ix.apply_batch(w, &batches[0]).expect("applies");
+    ix.apply_batch(w, &batches[1]).expect("applies");
+    let before = (ix.stats(), ix.worker_keys(w));
+    ix.apply_batch(w, &batches[1]).expect("applies");
+    ix.apply_event(w, &batches[1].events[0]).expect("applies");
+    assert_eq!((ix.stats(), ix.worker_keys(w)), before);
+    let (ix, w) = check_probes("new-fields");
+    let st = ix.worker_stats(w).expect("stats");
+    // REMOTE copies are not on this engine: counted, not indexed; the
+    // legacy placeholder named a block already held in file storage.
+    assert_eq!(st.remote_blocks, 6);
+    assert_eq!((st.unknown_placeholders, st.unknown_removals), (0, 0));
+    // Once the GPU and CPU copies of S2's first blocks go, the file tier is
+    // what is left: 2 blocks in STORAGE, counted by `blocks` only.
+    let s2 = &scenario("new-fields")["probes"][1]["token_ids"];
+    let toks: Vec<u32> = s2
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().expect("token") as u32)
+        .collect();
+    let keys = BlockKeyer::new(16, None).keys(&toks, &ExtraKeys::none());
+    let first: Vec<BlockHash> = re.block_hashes.clone();
+    for medium in ["GPU", "CPU"] {
+        let ev = KvEvent::BlockRemoved(kinference_kvindex::BlockRemoved {
+            block_hashes: first.clone(),
+            medium: Some(medium.into()),
+            ..Default::default()
+        });
+        ix.apply_event(w, &ev).expect("applies");
+    }
+    let m = *ix.find_matches(&keys).get(w).expect("still matches");
+    assert_eq!(
+        (m.gpu_blocks, m.cpu_blocks, m.disk_blocks, m.blocks),
+        (0, 0, 0, 2)
+    );
 }

@@ -12,7 +12,12 @@
 //! to a batch that decodes to the same events.
 //!
 //! The property: no panic, no abort, no unbounded allocation. A panic is
-//! caught, the input printed in hex and the test fails at the end.
+//! caught, the input printed in hex and the test fails at the end. Every
+//! input also goes through the reference decoder (serde over `rmp-serde`,
+//! `tests/support/serde_decode/`): whatever the crate's decoder accepts,
+//! the reference accepts too, with the same events, rank and timestamp
+//! (the reference is more lenient: it skips and counts invalid UTF-8 and
+//! misplaced types the crate's decoder rejects).
 //!
 //! CI runs 200,000 inputs (debug build, a few seconds);
 //! `KINFERENCE_FUZZ_INPUTS=10000000 cargo test --release -p
@@ -29,6 +34,10 @@ use kinference_kvindex::{
     decode_batch, encode_batch,
 };
 use kinference_scoring::{RandomSource as _, SplitMix64 as Rng, below};
+
+#[path = "support/serde_decode/mod.rs"]
+#[allow(dead_code)] // each includer uses part of it
+mod serde_decode;
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
     for e in std::fs::read_dir(dir).expect("testdata/kv-events is readable") {
@@ -176,8 +185,17 @@ fn exercise(input: &[u8], index: &KvIndex, worker: kinference_kvindex::WorkerId)
     let _ = frames::parse_replay_reply(&parts);
     let _ = frames::parse_replay_reply(&parts[1..]);
     let _ = frames::parse_replay_request(&parts);
+    let reference = serde_decode::decode_batch(input);
     match decode_batch(input) {
         Ok(batch) => {
+            let Ok(r) = reference else {
+                panic!("the reference decoder rejects what the crate's accepts: {reference:?}");
+            };
+            assert_eq!(
+                (&r.events, r.dp_rank, r.ts.to_bits()),
+                (&batch.events, batch.dp_rank, batch.ts.to_bits()),
+                "the decoders disagree"
+            );
             let _ = index.apply_batch(worker, &batch);
             // Whatever decodes re-encodes to the same events.
             for form in [

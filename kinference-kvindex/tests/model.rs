@@ -96,8 +96,17 @@ struct Model {
 }
 
 impl Model {
-    fn any_holder(&self, k: BlockKey) -> bool {
-        self.held.iter().any(|m| m.contains_key(&k))
+    /// Whether the index still knows block `i` of doc `d`: some worker
+    /// holds it or a block after it on a chain through it (the tree keeps
+    /// a position while anything at or below it is held).
+    fn known(&self, keys: &[Vec<BlockKey>], d: usize, i: usize) -> bool {
+        let k = keys[d][i];
+        keys.iter().any(|ks| {
+            ks[i] == k
+                && ks[i..]
+                    .iter()
+                    .any(|x| self.held.iter().any(|m| m.contains_key(x)))
+        })
     }
     fn depth(&self, w: usize, keys: &[BlockKey], gpu_only: bool) -> u32 {
         keys.iter()
@@ -107,20 +116,6 @@ impl Model {
                     .is_some_and(|t| !gpu_only || t.contains(&false))
             })
             .count() as u32
-    }
-    fn holes(&self, w: usize, keys: &[Vec<BlockKey>]) -> u64 {
-        // A held block whose chain parent is not held. Parents are found
-        // through the docs (each key has one parent).
-        let mut parent = BTreeMap::new();
-        for ks in keys {
-            for i in 1..ks.len() {
-                parent.insert(ks[i], ks[i - 1]);
-            }
-        }
-        self.held[w]
-            .keys()
-            .filter(|k| parent.get(k).is_some_and(|p| !self.held[w].contains_key(p)))
-            .count() as u64
     }
 }
 
@@ -133,7 +128,7 @@ proptest! {
 
     #[test]
     fn index_matches_the_reference_model(ops in prop::collection::vec(op(), 1..80)) {
-        let ix = KvIndex::new(IndexConfig { shards: 4, segment: 2, ..IndexConfig::default() });
+        let ix = KvIndex::new(IndexConfig { shards: 4, ..IndexConfig::default() });
         let mut ids: Vec<WorkerId> = (0..WORKERS)
             .map(|w| ix.register_worker(WorkerRef::new(format!("w{w}"), 0), WIDTH as u32).expect("registers"))
             .collect();
@@ -153,8 +148,8 @@ proptest! {
                         ..BlockStored::default()
                     });
                     ix.apply_event(ids[w], &ev).expect("applies");
-                    // The parent must be known to someone, else the event is an orphan.
-                    if from == 0 || m.any_holder(keys[d][from - 1]) {
+                    // The parent must be known, else the event is an orphan.
+                    if from == 0 || m.known(&keys, d, from - 1) {
                         for k in &keys[d][from..from + len] {
                             m.held[w].entry(*k).or_default().insert(cpu);
                         }
@@ -201,11 +196,12 @@ proptest! {
                     for (w, id) in ids.iter().enumerate() {
                         let depth = m.depth(w, q, false);
                         if depth > 0 {
-                            want.push((*id, depth, m.depth(w, q, true)));
+                            // Tiers here are GPU and CPU only.
+                            want.push((*id, depth, m.depth(w, q, true), depth, depth));
                         }
                     }
                     want.sort();
-                    let got: Vec<_> = got.as_slice().iter().map(|x| (x.worker, x.blocks, x.gpu_blocks)).collect();
+                    let got: Vec<_> = got.as_slice().iter().map(|x| (x.worker, x.blocks, x.gpu_blocks, x.cpu_blocks, x.disk_blocks)).collect();
                     prop_assert_eq!(got, want);
                 }
             }
@@ -214,7 +210,6 @@ proptest! {
             for (w, id) in ids.iter().enumerate() {
                 let st = ix.worker_stats(*id).expect("stats");
                 prop_assert_eq!(st.blocks_held, m.held[w].len() as u64);
-                prop_assert_eq!(st.holes, m.holes(w, &keys));
             }
         }
     }
@@ -243,5 +238,146 @@ proptest! {
         let _ = decode_batch(&bytes);
         let n = cut.index(bytes.len());
         let _ = decode_batch(&bytes[..n]);
+    }
+}
+
+// ----- KV-cache groups --------------------------------------------------
+
+/// Group 0: full attention; 1: a sliding window of 3 blocks (12 tokens);
+/// 2: a Mamba state group. One key per block in every group.
+const GROUP_KINDS: [(&str, Option<u32>); 3] = [
+    ("full_attention", None),
+    ("sliding_window", Some(3 * WIDTH as u32)),
+    ("mamba", None),
+];
+
+#[derive(Debug, Clone)]
+enum GroupOp {
+    Store {
+        w: usize,
+        g: usize,
+        d: usize,
+        from: usize,
+        len: usize,
+    },
+    Remove {
+        w: usize,
+        g: usize,
+        d: usize,
+        i: usize,
+    },
+    Lookup {
+        d: usize,
+        len: usize,
+    },
+}
+
+fn group_op() -> impl Strategy<Value = GroupOp> {
+    prop_oneof![
+        6 => (0..WORKERS, 0..3usize, 0..DOCS, 0..LEN, 1..9usize)
+            .prop_map(|(w, g, d, from, len)| GroupOp::Store { w, g, d, from, len: len.min(LEN - from) }),
+        4 => (0..WORKERS, 0..3usize, 0..DOCS, 0..LEN).prop_map(|(w, g, d, i)| GroupOp::Remove { w, g, d, i }),
+        4 => (0..DOCS, 1..=LEN).prop_map(|(d, len)| GroupOp::Lookup { d, len }),
+    ]
+}
+
+/// Per worker and group, the block keys held.
+#[derive(Default, Debug, Clone)]
+struct GroupModel {
+    held: Vec<[BTreeSet<BlockKey>; 3]>,
+    /// Groups each worker has stored to (a lookup needs all of them).
+    seen: Vec<BTreeSet<usize>>,
+}
+
+impl GroupModel {
+    fn known(&self, keys: &[Vec<BlockKey>], d: usize, i: usize) -> bool {
+        let k = keys[d][i];
+        keys.iter().any(|ks| {
+            ks[i] == k
+                && ks[i..]
+                    .iter()
+                    .any(|x| self.held.iter().any(|gs| gs.iter().any(|s| s.contains(x))))
+        })
+    }
+
+    /// vLLM's rule by brute force: the longest L every group can serve.
+    fn usable(&self, w: usize, q: &[BlockKey]) -> u32 {
+        if self.seen[w].is_empty() {
+            return 0;
+        }
+        let held = |g: usize, p: usize| self.held[w][g].contains(&q[p]);
+        (0..=q.len())
+            .rev()
+            .find(|&l| {
+                self.seen[w].iter().all(|&g| match g {
+                    0 => (0..l).all(|p| held(0, p)),
+                    1 => (l.saturating_sub(3)..l).all(|p| held(1, p)),
+                    _ => l == 0 || held(2, l - 1),
+                })
+            })
+            .unwrap_or(0) as u32
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+    #[test]
+    fn hybrid_groups_match_the_reference_rule(ops in prop::collection::vec(group_op(), 1..80)) {
+        let ix = KvIndex::new(IndexConfig { shards: 4, ..IndexConfig::default() });
+        let ids: Vec<WorkerId> = (0..WORKERS)
+            .map(|w| ix.register_worker(WorkerRef::new(format!("w{w}"), 0), WIDTH as u32).expect("registers"))
+            .collect();
+        let toks: Vec<Vec<u32>> = (0..DOCS).map(doc_tokens).collect();
+        let keys: Vec<Vec<BlockKey>> = toks.iter().map(|t| BlockKeyer::new(WIDTH as u32, None).keys(t, &ExtraKeys::none())).collect();
+        let mut m = GroupModel { held: vec![Default::default(); WORKERS], seen: vec![BTreeSet::new(); WORKERS] };
+        for op in ops {
+            match op {
+                GroupOp::Store { w, g, d, from, len } => {
+                    let (kind, window) = GROUP_KINDS[g];
+                    let ev = KvEvent::BlockStored(BlockStored {
+                        block_hashes: (from..from + len).map(|i| BlockHash::Uint(engine_hash(d, i))).collect(),
+                        parent_block_hash: (from > 0).then(|| BlockHash::Uint(engine_hash(d, from - 1))),
+                        token_ids: toks[d][from * WIDTH..(from + len) * WIDTH].to_vec(),
+                        block_size: WIDTH as u32,
+                        group_idx: Some(g as u32),
+                        kv_cache_spec_kind: Some(kind.into()),
+                        kv_cache_spec_sliding_window: window,
+                        ..BlockStored::default()
+                    });
+                    ix.apply_event(ids[w], &ev).expect("applies");
+                    m.seen[w].insert(g);
+                    if from == 0 || m.known(&keys, d, from - 1) {
+                        for k in &keys[d][from..from + len] {
+                            m.held[w][g].insert(*k);
+                        }
+                    }
+                }
+                GroupOp::Remove { w, g, d, i } => {
+                    let ev = KvEvent::BlockRemoved(BlockRemoved {
+                        block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
+                        group_idx: Some(g as u32),
+                        ..BlockRemoved::default()
+                    });
+                    ix.apply_event(ids[w], &ev).expect("applies");
+                    m.held[w][g].remove(&keys[d][i]);
+                }
+                GroupOp::Lookup { d, len } => {
+                    let q = &keys[d][..len];
+                    let got = ix.find_matches(q);
+                    let mut want = vec![];
+                    for (w, id) in ids.iter().enumerate() {
+                        let u = m.usable(w, q);
+                        if u > 0 {
+                            want.push((*id, u, u));
+                        }
+                    }
+                    let got: Vec<_> = got.as_slice().iter().map(|x| (x.worker, x.blocks, x.gpu_blocks)).collect();
+                    prop_assert_eq!(got, want);
+                }
+            }
+            let total: usize = m.held.iter().flat_map(|gs| gs.iter().map(BTreeSet::len)).sum();
+            prop_assert_eq!(ix.entries(), total as u64);
+        }
     }
 }

@@ -209,6 +209,21 @@ fn single_gauge(
     ConstGauge::new(v).encode(e)
 }
 
+fn single_counter(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    v: u64,
+) -> Result<(), std::fmt::Error> {
+    let e = encoder.encode_descriptor(
+        name,
+        help,
+        None,
+        prometheus_client::metrics::MetricType::Counter,
+    )?;
+    ConstCounter::new(v).encode(e)
+}
+
 fn counter<L: EncodeLabelSet>(
     encoder: &mut DescriptorEncoder<'_>,
     name: &str,
@@ -242,6 +257,18 @@ impl Collector for StateCollector {
             "kv_index_bytes",
             "Estimated bytes held by the KV index",
             stats.bytes as f64,
+        )?;
+        single_gauge(
+            &mut encoder,
+            "kv_index_max_entries",
+            "The KV index's budget of entries (from the container's memory limit unless set)",
+            shared.config.kv_max_entries as f64,
+        )?;
+        single_counter(
+            &mut encoder,
+            "kv_index_evicted_entries",
+            "Entries the KV index evicted to stay within its budget",
+            stats.evicted_entries,
         )?;
         single_gauge(
             &mut encoder,

@@ -111,14 +111,11 @@ pub struct ServeArgs {
     /// Seed of the tie-breaking random source.
     #[arg(long, env = "KINFERENCE_SEED", default_value_t = defaults::SEED)]
     pub seed: u64,
-    /// Most (block, worker) entries the KV index holds (about 17 bytes each);
-    /// past it the worker holding the most is dropped first.
-    #[arg(
-        long,
-        env = "KINFERENCE_KV_INDEX_MAX_ENTRIES",
-        default_value_t = defaults::KV_INDEX_MAX_ENTRIES
-    )]
-    pub kv_index_max_entries: u64,
+    /// Most (block, worker) entries the KV index holds (24 bytes each);
+    /// past it the least recently stored chain tails go first. Default:
+    /// half the container's memory limit, or 50 000 000 without one.
+    #[arg(long, env = "KINFERENCE_KV_INDEX_MAX_ENTRIES")]
+    pub kv_index_max_entries: Option<u64>,
     /// Longest wait for a request's headers, seconds.
     #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT_S", default_value_t = defaults::HEADER_READ_TIMEOUT.as_secs())]
     pub header_read_timeout_s: u64,
@@ -267,7 +264,9 @@ impl ServeArgs {
             },
             kv_replay_offset: self.kv_replay_offset,
             seed: self.seed,
-            kv_max_entries: self.kv_index_max_entries,
+            kv_max_entries: self.kv_index_max_entries.unwrap_or_else(|| {
+                crate::config::default_kv_max_entries(crate::config::memory_limit())
+            }),
             header_read_timeout: Duration::from_secs(self.header_read_timeout_s.max(1)),
             body_read_timeout: Duration::from_secs(self.body_read_timeout_s.max(1)),
             max_connections: self.max_connections.max(1),

@@ -48,8 +48,12 @@ pub mod defaults {
     /// Life of a record of where a prefix was sent
     /// ([`kinference_scoring::approx::DEFAULT_TTL`]).
     pub const PREFIX_TTL: Duration = kinference_scoring::approx::DEFAULT_TTL;
-    /// Most (block, worker) entries the KV index holds.
+    /// Most (block, worker) entries the KV index holds when the container
+    /// has no memory limit (about 1.2 GB at 24 bytes per entry).
     pub const KV_INDEX_MAX_ENTRIES: u64 = 50_000_000;
+    /// The share of the container's memory limit the KV index gets by
+    /// default (the rest: connections, buffers, tokenizer caches).
+    pub const KV_INDEX_MEMORY_SHARE: f64 = 0.5;
     /// Longest wait for a request's headers on the serving port.
     pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
     /// Longest wait for a request's body.
@@ -158,5 +162,41 @@ impl Default for Config {
             drain: defaults::DRAIN,
             debug_headers: defaults::DEBUG_HEADERS,
         }
+    }
+}
+
+/// The container's memory limit (cgroup v2 `memory.max`, else cgroup v1
+/// `memory.limit_in_bytes`), when there is one.
+pub fn memory_limit() -> Option<u64> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    let v2 = read("/sys/fs/cgroup/memory.max");
+    let v1 = || read("/sys/fs/cgroup/memory/memory.limit_in_bytes");
+    let text = v2.or_else(v1)?;
+    let n: u64 = text.trim().parse().ok()?;
+    // cgroup v1 writes a huge number for "no limit".
+    (n < (1 << 60)).then_some(n)
+}
+
+/// The default KV-index budget: [`defaults::KV_INDEX_MEMORY_SHARE`] of the
+/// container's memory limit at the index's measured bytes per entry, or
+/// [`defaults::KV_INDEX_MAX_ENTRIES`] without a limit.
+pub fn default_kv_max_entries(limit: Option<u64>) -> u64 {
+    match limit {
+        Some(bytes) => kinference_kvindex::max_entries_for_budget(
+            (bytes as f64 * defaults::KV_INDEX_MEMORY_SHARE) as u64,
+        ),
+        None => defaults::KV_INDEX_MAX_ENTRIES,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_index_budget_follows_the_memory_limit() {
+        // The chart's 2 GiB limit: 1 GiB for the index at 24 B per entry.
+        assert_eq!(default_kv_max_entries(Some(2 << 30)), (1 << 30) / 24);
+        assert_eq!(default_kv_max_entries(None), defaults::KV_INDEX_MAX_ENTRIES);
     }
 }

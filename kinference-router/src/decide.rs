@@ -144,8 +144,12 @@ fn cached_blocks(
         kv.lookup(&route.block_keys, scratch, held);
         for h in held.iter() {
             if let Some(i) = endpoints.iter().position(|e| e.id == h.endpoint) {
+                // Cumulative runs: GPU ≤ GPU or CPU ≤ … ≤ any tier; each
+                // block counts at the best credit of the runs covering it.
                 cached[i].gpu = h.gpu_blocks;
-                cached[i].cpu = h.blocks;
+                cached[i].cpu = h.cpu_blocks;
+                cached[i].disk = h.disk_blocks;
+                cached[i].storage = h.blocks;
                 best_rank[i] = Some(h.rank);
             }
         }

@@ -91,10 +91,14 @@ pub struct Held {
     pub endpoint: EndpointId,
     /// Its DP rank holding the most.
     pub rank: u32,
-    /// Leading blocks in any tier.
+    /// Leading blocks in any tier (storage included).
     pub blocks: u32,
     /// Leading blocks on the GPU.
     pub gpu_blocks: u32,
+    /// Leading blocks on the GPU or in CPU memory.
+    pub cpu_blocks: u32,
+    /// Leading blocks on the GPU, in CPU memory or on local disk.
+    pub disk_blocks: u32,
 }
 
 type Owners = Vec<Option<(EndpointId, u32)>>;
@@ -170,12 +174,16 @@ impl KvPlane {
                 }
                 h.blocks = h.blocks.max(wm.blocks);
                 h.gpu_blocks = h.gpu_blocks.max(wm.gpu_blocks);
+                h.cpu_blocks = h.cpu_blocks.max(wm.cpu_blocks);
+                h.disk_blocks = h.disk_blocks.max(wm.disk_blocks);
             } else {
                 out.push(Held {
                     endpoint,
                     rank,
                     blocks: wm.blocks,
                     gpu_blocks: wm.gpu_blocks,
+                    cpu_blocks: wm.cpu_blocks,
+                    disk_blocks: wm.disk_blocks,
                 });
             }
         }

@@ -136,6 +136,7 @@ pub fn params_for(route: &WorkerSetRoute) -> Result<LatencyParams, String> {
         gpu_credit: credits.gpu,
         cpu_credit: credits.cpu,
         disk_credit: credits.disk,
+        storage_credit: credits.storage,
         tolerance_millis: l.tolerance_millis,
         calibrate: l.calibrate,
     };

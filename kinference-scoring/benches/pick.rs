@@ -41,7 +41,12 @@ fn fleet(seed: u64) -> Vec<Candidate> {
             let decoding = requests.saturating_sub(r(8) as u32);
             Candidate {
                 endpoint: EndpointId(i),
-                cached: CachedBlocks { gpu, cpu, disk: 0 },
+                cached: CachedBlocks {
+                    gpu,
+                    cpu,
+                    disk: 0,
+                    storage: 0,
+                },
                 in_flight: InFlight {
                     requests,
                     decoding,

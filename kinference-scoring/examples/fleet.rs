@@ -210,6 +210,7 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                             gpu: engine.cache.leading(&req.blocks),
                             cpu: 0,
                             disk: 0,
+                            storage: 0,
                         },
                         in_flight: in_flight[idx],
                         engine: None,

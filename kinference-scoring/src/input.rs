@@ -68,8 +68,12 @@ pub struct CachedBlocks {
     pub gpu: u32,
     /// Leading blocks in CPU memory.
     pub cpu: u32,
-    /// Leading blocks on disk or external storage.
+    /// Leading blocks on local disk.
     pub disk: u32,
+    /// Leading blocks in shared or remote storage (vLLM's `STORAGE` and
+    /// `EXTERNAL` media: file systems, object stores).
+    #[serde(default)]
+    pub storage: u32,
 }
 
 /// The router's own accounting of its requests on one endpoint.

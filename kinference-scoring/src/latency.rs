@@ -89,35 +89,37 @@ pub struct Prediction {
 /// the tiers whose leading run covers it.
 #[inline]
 pub fn credited_blocks(cached: &CachedBlocks, credits: &TierCredits) -> f64 {
-    let CachedBlocks { gpu, cpu, disk } = *cached;
-    if cpu == 0 && disk == 0 {
+    let CachedBlocks {
+        gpu,
+        cpu,
+        disk,
+        storage,
+    } = *cached;
+    if cpu == 0 && disk == 0 && storage == 0 {
         return f64::from(gpu) * credits.gpu;
     }
     credited_blocks_tiered(cached, credits)
 }
 
 fn credited_blocks_tiered(cached: &CachedBlocks, credits: &TierCredits) -> f64 {
-    // Sort the three (run, credit) pairs by run; the shortest run's blocks
-    // count at the best of all credits, the next segment at the best of the
-    // two longer runs', the last at the longest run's.
+    // Sort the (run, credit) pairs by run; the shortest run's blocks count
+    // at the best of all credits, each next segment at the best credit of
+    // the runs that still cover it.
     let mut t = [
         (cached.gpu, credits.gpu),
         (cached.cpu, credits.cpu),
         (cached.disk, credits.disk),
+        (cached.storage, credits.storage),
     ];
-    if t[0].0 > t[1].0 {
-        t.swap(0, 1);
+    t.sort_unstable_by_key(|(run, _)| *run);
+    let mut total = 0.0;
+    let mut covered = 0u32;
+    for i in 0..t.len() {
+        let best = t[i..].iter().map(|(_, c)| *c).fold(0.0, f64::max);
+        total += f64::from(t[i].0 - covered) * best;
+        covered = t[i].0;
     }
-    if t[1].0 > t[2].0 {
-        t.swap(1, 2);
-    }
-    if t[0].0 > t[1].0 {
-        t.swap(0, 1);
-    }
-    let [(e1, c1), (e2, c2), (e3, c3)] = t;
-    let c23 = c2.max(c3);
-    let c123 = c1.max(c23);
-    f64::from(e1) * c123 + f64::from(e2 - e1) * c23 + f64::from(e3 - e2) * c3
+    total
 }
 
 /// Cached blocks after tier credits and the cache source's discount
@@ -197,6 +199,7 @@ impl Model {
                 gpu: c.gpu * source,
                 cpu: c.cpu * source,
                 disk: c.disk * source,
+                storage: c.storage * source,
             },
             most_cached: f64::from(request.prompt_tokens.saturating_sub(1)),
             ms_per_token: 1e3 / params.prefill_tokens_per_second,
@@ -465,11 +468,13 @@ mod tests {
             gpu: 1.0,
             cpu: 0.8,
             disk: 0.4,
+            storage: 0.0,
         };
         let cached = CachedBlocks {
             gpu: 2,
             cpu: 5,
             disk: 10,
+            storage: 0,
         };
         // 2 blocks at 1.0, 3 at 0.8, 5 at 0.4.
         let want = 2.0 + 3.0 * 0.8 + 5.0 * 0.4;
@@ -479,18 +484,34 @@ mod tests {
             gpu: 6,
             cpu: 3,
             disk: 0,
+            storage: 0,
         };
         assert!((credited_blocks(&cached, &credits) - 6.0).abs() < 1e-9);
+        // A storage run past the disk run counts at the storage credit.
+        let with_storage = TierCredits {
+            storage: 0.2,
+            ..credits
+        };
+        let cached = CachedBlocks {
+            gpu: 2,
+            cpu: 5,
+            disk: 10,
+            storage: 20,
+        };
+        let want = 2.0 + 3.0 * 0.8 + 5.0 * 0.4 + 10.0 * 0.2;
+        assert!((credited_blocks(&cached, &with_storage) - want).abs() < 1e-9);
         // Credits need not be ordered: a better CPU credit wins where it covers.
         let odd = TierCredits {
             gpu: 0.5,
             cpu: 1.0,
             disk: 0.0,
+            storage: 0.0,
         };
         let cached = CachedBlocks {
             gpu: 4,
             cpu: 2,
             disk: 0,
+            storage: 0,
         };
         assert!((credited_blocks(&cached, &odd) - (2.0 + 2.0 * 0.5)).abs() < 1e-9);
     }

@@ -47,7 +47,7 @@
 //! let candidates = [
 //!     Candidate {
 //!         endpoint: EndpointId(0),
-//!         cached: CachedBlocks { gpu: 180, cpu: 0, disk: 0 },
+//!         cached: CachedBlocks { gpu: 180, ..CachedBlocks::default() },
 //!         in_flight: InFlight { requests: 3, decoding: 2, prefill_tokens: 400, context_tokens: 9000 },
 //!         engine: None,
 //!     },

@@ -21,8 +21,11 @@ pub struct TierCredits {
     pub gpu: f64,
     /// Blocks offloaded to CPU memory.
     pub cpu: f64,
-    /// Blocks offloaded to disk or external storage.
+    /// Blocks offloaded to local disk.
     pub disk: f64,
+    /// Blocks in shared or remote storage.
+    #[serde(default)]
+    pub storage: f64,
 }
 
 /// How the online calibrator behaves (see [`crate::calibrate`]).
@@ -154,6 +157,9 @@ const DEFAULT: LatencyParams = LatencyParams {
         // NVMe Gen4 at ~7 GB/s: ~19 µs per token, about half the recompute
         // cost; 0.4 leaves room for filesystem and connector overhead.
         disk: 0.4,
+        // Shared file systems and object stores over the network (a few
+        // hundred MB/s to a few GB/s per engine): a fraction of recompute.
+        storage: 0.2,
     },
     // About the GPU time of recomputing a 1–2k-token shared prefix at 25k
     // tokens/s (40–80 ms): going cold pays that again and spends KV memory on
@@ -227,6 +233,8 @@ pub struct Overrides {
     pub cpu_credit: Option<f64>,
     /// `tierCredits.disk`.
     pub disk_credit: Option<f64>,
+    /// `tierCredits.storage`.
+    pub storage_credit: Option<f64>,
     /// `toleranceMillis`.
     pub tolerance_millis: Option<f64>,
     /// `calibrate`.
@@ -279,6 +287,9 @@ impl LatencyParams {
         }
         if let Some(v) = o.disk_credit {
             self.tier_credits.disk = v;
+        }
+        if let Some(v) = o.storage_credit {
+            self.tier_credits.storage = v;
         }
         if let Some(v) = o.tolerance_millis {
             self.tolerance_millis = v;
@@ -335,6 +346,7 @@ impl LatencyParams {
         unit("tierCredits.gpu", self.tier_credits.gpu)?;
         unit("tierCredits.cpu", self.tier_credits.cpu)?;
         unit("tierCredits.disk", self.tier_credits.disk)?;
+        unit("tierCredits.storage", self.tier_credits.storage)?;
         non_negative("toleranceMillis", self.tolerance_millis)?;
         non_negative("stepOverheadMillis", self.step_overhead_millis)?;
         positive("stepTokenBudget", f64::from(self.step_token_budget))?;

@@ -75,7 +75,12 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
             )| {
                 Candidate {
                     endpoint: EndpointId(endpoint),
-                    cached: CachedBlocks { gpu, cpu, disk },
+                    cached: CachedBlocks {
+                        gpu,
+                        cpu,
+                        disk,
+                        storage: 0,
+                    },
                     in_flight: InFlight {
                         requests: requests.max(decoding),
                         decoding,
@@ -107,6 +112,7 @@ fn arb_params() -> impl Strategy<Value = LatencyParams> {
                     gpu_credit: Some(gpu),
                     cpu_credit: Some(cpu),
                     disk_credit: Some(disk),
+                    storage_credit: Some(disk / 2.0),
                     tolerance_millis: Some(tolerance),
                     calibrate: Some(calibrate),
                 };
@@ -118,7 +124,8 @@ fn arb_params() -> impl Strategy<Value = LatencyParams> {
 }
 
 /// A calibration state shaped by a few arbitrary observations.
-fn arb_calibration(params: LatencyParams) -> impl Strategy<Value = Calibration> {
+fn arb_calibration(params: &LatencyParams) -> impl Strategy<Value = Calibration> + use<> {
+    let params = *params;
     proptest::collection::vec((0.0f64..20_000.0, 1u64..60_000), 0..30).prop_map(move |obs| {
         let mut cal = Calibration::prior(&params);
         for (i, (load, observed_ms)) in obs.into_iter().enumerate() {
@@ -135,7 +142,7 @@ fn setting() -> impl Strategy<Value = (LatencyParams, Request, Candidate, Calibr
             Just(params),
             arb_request(),
             arb_candidate(0),
-            arb_calibration(params),
+            arb_calibration(&params),
             0u64..10_000,
         )
     })

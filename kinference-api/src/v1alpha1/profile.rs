@@ -172,8 +172,13 @@ pub struct TierCredits {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 0.0 && self <= 1.0").message("tierCredits.cpu must be between 0 and 1"))]
     pub cpu: Option<f64>,
-    /// Blocks offloaded to disk or external storage.
+    /// Blocks offloaded to local disk.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 0.0 && self <= 1.0").message("tierCredits.disk must be between 0 and 1"))]
     pub disk: Option<f64>,
+    /// Blocks in shared or remote storage (vLLM's `STORAGE` medium: file
+    /// systems, object stores).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 0.0 && self <= 1.0").message("tierCredits.storage must be between 0 and 1"))]
+    pub storage: Option<f64>,
 }

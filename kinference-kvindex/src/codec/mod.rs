@@ -15,12 +15,16 @@
 //! [`EncodeForm::SglangArray`] SGLang 0.5.10–0.5.19 and
 //! [`EncodeForm::SglangMap`] SGLang ≥ 0.5.20 (spec §3.4).
 
+mod encode;
 pub mod frames;
 pub(crate) mod msgpack;
 
 use crate::event::{BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Skipped, Value};
+pub use encode::encode_batch;
 pub use msgpack::MsgError;
-use msgpack::{Int, Kind, Reader, Writer};
+#[cfg(test)]
+use msgpack::Writer;
+use msgpack::{Int, Kind, Reader};
 
 /// Why a payload could not be decoded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -403,41 +407,42 @@ fn decode_map(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEven
             skipped.unknown_fields += 1;
             continue;
         }
-        let key = r.read_str()?;
+        // Keys are compared as bytes: a key that is not UTF-8 is unknown.
+        let key = r.read_str_bytes()?;
         match (kind, key) {
-            (_, "type") | (0, _) => r.skip()?,
-            (1, "block_hashes") => {
+            (_, b"type") | (0, _) => r.skip()?,
+            (1, b"block_hashes") => {
                 stored.block_hashes = read_hashes(r)?;
                 has_hashes = true;
             }
-            (1, "parent_block_hash") => stored.parent_block_hash = read_opt_hash(r)?,
-            (1, "token_ids") => stored.token_ids = read_tokens(r)?,
-            (1, "block_size") => {
+            (1, b"parent_block_hash") => stored.parent_block_hash = read_opt_hash(r)?,
+            (1, b"token_ids") => stored.token_ids = read_tokens(r)?,
+            (1, b"block_size") => {
                 stored.block_size = read_u32_or_zero(r)?;
                 has_size = true;
             }
-            (1, "lora_id") => stored.lora_id = opt_int(r, skipped)?,
-            (1, "medium") => stored.medium = opt_str(r, skipped)?,
-            (1, "lora_name") => stored.lora_name = opt_str(r, skipped)?,
-            (1, "extra_keys") => stored.extra_keys = read_extra_keys(r, skipped)?,
-            (1, "group_idx") => stored.group_idx = opt_u32(r, skipped)?,
-            (1, "kv_cache_spec_kind") => stored.kv_cache_spec_kind = opt_str(r, skipped)?,
-            (1, "kv_cache_spec_sliding_window") => {
+            (1, b"lora_id") => stored.lora_id = opt_int(r, skipped)?,
+            (1, b"medium") => stored.medium = opt_str(r, skipped)?,
+            (1, b"lora_name") => stored.lora_name = opt_str(r, skipped)?,
+            (1, b"extra_keys") => stored.extra_keys = read_extra_keys(r, skipped)?,
+            (1, b"group_idx") => stored.group_idx = opt_u32(r, skipped)?,
+            (1, b"kv_cache_spec_kind") => stored.kv_cache_spec_kind = opt_str(r, skipped)?,
+            (1, b"kv_cache_spec_sliding_window") => {
                 stored.kv_cache_spec_sliding_window = opt_u32(r, skipped)?;
             }
-            (1, "locality") => stored.locality = opt_str(r, skipped)?,
-            (1, "ownership") => stored.ownership = opt_str(r, skipped)?,
-            (1, "session_id") => stored.session_id = opt_str(r, skipped)?,
-            (1, "lookahead_token_ids") => stored.lookahead_token_ids = read_lookahead(r, skipped)?,
-            (1, "cache_salt") => stored.cache_salt = opt_str(r, skipped)?,
-            (2, "block_hashes") => {
+            (1, b"locality") => stored.locality = opt_str(r, skipped)?,
+            (1, b"ownership") => stored.ownership = opt_str(r, skipped)?,
+            (1, b"session_id") => stored.session_id = opt_str(r, skipped)?,
+            (1, b"lookahead_token_ids") => stored.lookahead_token_ids = read_lookahead(r, skipped)?,
+            (1, b"cache_salt") => stored.cache_salt = opt_str(r, skipped)?,
+            (2, b"block_hashes") => {
                 removed.block_hashes = read_hashes(r)?;
                 has_hashes = true;
             }
-            (2, "medium") => removed.medium = opt_str(r, skipped)?,
-            (2, "group_idx") => removed.group_idx = opt_u32(r, skipped)?,
-            (2, "locality") => removed.locality = opt_str(r, skipped)?,
-            (2, "ownership") => removed.ownership = opt_str(r, skipped)?,
+            (2, b"medium") => removed.medium = opt_str(r, skipped)?,
+            (2, b"group_idx") => removed.group_idx = opt_u32(r, skipped)?,
+            (2, b"locality") => removed.locality = opt_str(r, skipped)?,
+            (2, b"ownership") => removed.ownership = opt_str(r, skipped)?,
             _ => {
                 r.skip()?;
                 skipped.unknown_fields += 1;
@@ -477,329 +482,6 @@ fn decode_map(r: &mut Reader<'_>, skipped: &mut Skipped) -> Result<Option<KvEven
     }
 }
 
-fn write_hash(w: &mut Writer, h: &BlockHash) {
-    match h {
-        BlockHash::Uint(v) => w.uint(*v),
-        BlockHash::Int(v) => w.int(*v),
-        BlockHash::Bytes(b) => w.bin(b),
-    }
-}
-
-fn write_opt_str(w: &mut Writer, s: Option<&str>) {
-    match s {
-        Some(s) => w.str(s),
-        None => w.nil(),
-    }
-}
-
-fn write_opt_int(w: &mut Writer, v: Option<i64>) {
-    match v {
-        Some(v) => w.int(v),
-        None => w.nil(),
-    }
-}
-
-fn write_hashes(w: &mut Writer, hs: &[BlockHash]) {
-    w.array(hs.len());
-    for h in hs {
-        write_hash(w, h);
-    }
-}
-
-fn write_tokens(w: &mut Writer, ts: &[u32]) {
-    w.array(ts.len());
-    for t in ts {
-        w.uint(u64::from(*t));
-    }
-}
-
-fn write_extra_keys(w: &mut Writer, ek: Option<&Vec<Option<Vec<Value>>>>) {
-    match ek {
-        None => w.nil(),
-        Some(list) => {
-            w.array(list.len());
-            for e in list {
-                match e {
-                    None => w.nil(),
-                    Some(items) => {
-                        w.array(items.len());
-                        for it in items {
-                            w.value(it);
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Encodes a batch the way the engine's publisher does (`msgspec`
-/// encoder), byte for byte.
-///
-/// The batch is always the 3-element `[ts, events, rank]` array. Fields a
-/// form does not have are not written (e.g. `locality` in the array form,
-/// SGLang's `cache_salt` in the vLLM forms, vLLM's groups in the SGLang
-/// forms).
-pub fn encode_batch(batch: &EventBatch, form: EncodeForm) -> Vec<u8> {
-    let mut w = Writer::with_capacity(64 + batch.events.len() * 256);
-    w.array(3);
-    w.f64(batch.ts);
-    w.array(batch.events.len());
-    for ev in &batch.events {
-        match form {
-            EncodeForm::VllmMap => encode_map_event(&mut w, ev),
-            EncodeForm::VllmArray => encode_array_event(&mut w, ev),
-            EncodeForm::SglangArray => encode_sglang_array_event(&mut w, ev),
-            EncodeForm::SglangMap => encode_sglang_map_event(&mut w, ev),
-        }
-    }
-    write_opt_int(&mut w, batch.dp_rank);
-    w.buf
-}
-
-fn encode_array_event(w: &mut Writer, ev: &KvEvent) {
-    match ev {
-        KvEvent::BlockStored(s) => {
-            w.array(12);
-            w.str("BlockStored");
-            write_hashes(w, &s.block_hashes);
-            match &s.parent_block_hash {
-                Some(h) => write_hash(w, h),
-                None => w.nil(),
-            }
-            write_tokens(w, &s.token_ids);
-            w.uint(u64::from(s.block_size));
-            write_opt_int(w, s.lora_id);
-            write_opt_str(w, s.medium.as_deref());
-            write_opt_str(w, s.lora_name.as_deref());
-            write_extra_keys(w, s.extra_keys.as_ref());
-            write_opt_int(w, s.group_idx.map(i64::from));
-            write_opt_str(w, s.kv_cache_spec_kind.as_deref());
-            write_opt_int(w, s.kv_cache_spec_sliding_window.map(i64::from));
-        }
-        KvEvent::BlockRemoved(rm) => {
-            w.array(4);
-            w.str("BlockRemoved");
-            write_hashes(w, &rm.block_hashes);
-            write_opt_str(w, rm.medium.as_deref());
-            write_opt_int(w, rm.group_idx.map(i64::from));
-        }
-        KvEvent::AllBlocksCleared => {
-            w.array(1);
-            w.str("AllBlocksCleared");
-        }
-    }
-}
-
-/// SGLang publishes every hash as a signed 64-bit integer.
-fn write_signed_hash(w: &mut Writer, h: &BlockHash) {
-    w.int(h.id() as i64);
-}
-
-fn write_signed_hashes(w: &mut Writer, hs: &[BlockHash]) {
-    w.array(hs.len());
-    for h in hs {
-        write_signed_hash(w, h);
-    }
-}
-
-fn encode_sglang_array_event(w: &mut Writer, ev: &KvEvent) {
-    match ev {
-        KvEvent::BlockStored(s) => {
-            w.array(if s.cache_salt.is_some() { 8 } else { 7 });
-            w.str("BlockStored");
-            write_signed_hashes(w, &s.block_hashes);
-            match &s.parent_block_hash {
-                Some(h) => write_signed_hash(w, h),
-                None => w.nil(),
-            }
-            write_tokens(w, &s.token_ids);
-            w.uint(u64::from(s.block_size));
-            write_opt_int(w, s.lora_id);
-            write_opt_str(w, s.medium.as_deref());
-            if let Some(salt) = &s.cache_salt {
-                w.map(1);
-                w.str("cache_salt");
-                w.str(salt);
-            }
-        }
-        KvEvent::BlockRemoved(rm) => {
-            w.array(3);
-            w.str("BlockRemoved");
-            write_signed_hashes(w, &rm.block_hashes);
-            write_opt_str(w, rm.medium.as_deref());
-        }
-        KvEvent::AllBlocksCleared => {
-            w.array(1);
-            w.str("AllBlocksCleared");
-        }
-    }
-}
-
-fn encode_sglang_map_event(w: &mut Writer, ev: &KvEvent) {
-    match ev {
-        KvEvent::BlockStored(s) => {
-            // `type` and the five fields without a default are always
-            // written; the four with a default are omitted when nil. Ten
-            // possible entries: a fixmap header.
-            let optional = [
-                s.medium.as_deref(),
-                s.cache_salt.as_deref(),
-                s.session_id.as_deref(),
-                s.lora_name.as_deref(),
-            ];
-            w.map(6 + optional.iter().filter(|x| x.is_some()).count());
-            w.str("type");
-            w.str("BlockStored");
-            w.str("block_hashes");
-            write_signed_hashes(w, &s.block_hashes);
-            w.str("parent_block_hash");
-            match &s.parent_block_hash {
-                Some(h) => write_signed_hash(w, h),
-                None => w.nil(),
-            }
-            w.str("token_ids");
-            write_tokens(w, &s.token_ids);
-            w.str("block_size");
-            w.uint(u64::from(s.block_size));
-            w.str("lora_id");
-            write_opt_int(w, s.lora_id);
-            for (name, v) in ["medium", "cache_salt", "session_id", "lora_name"]
-                .into_iter()
-                .zip(optional)
-            {
-                if let Some(v) = v {
-                    w.str(name);
-                    w.str(v);
-                }
-            }
-        }
-        KvEvent::BlockRemoved(rm) => {
-            w.map(2 + usize::from(rm.medium.is_some()));
-            w.str("type");
-            w.str("BlockRemoved");
-            w.str("block_hashes");
-            write_signed_hashes(w, &rm.block_hashes);
-            if let Some(m) = &rm.medium {
-                w.str("medium");
-                w.str(m);
-            }
-        }
-        KvEvent::AllBlocksCleared => {
-            w.map(1);
-            w.str("type");
-            w.str("AllBlocksCleared");
-        }
-    }
-}
-
-fn encode_map_event(w: &mut Writer, ev: &KvEvent) {
-    match ev {
-        KvEvent::BlockStored(s) => {
-            // Fields 1–7 have no default (always written); 8+ are omitted
-            // when nil (msgspec `omit_defaults`).
-            let optional = [
-                s.extra_keys.is_some(),
-                s.group_idx.is_some(),
-                s.kv_cache_spec_kind.is_some(),
-                s.kv_cache_spec_sliding_window.is_some(),
-                s.locality.is_some(),
-                s.ownership.is_some(),
-                s.session_id.is_some(),
-                s.lookahead_token_ids.is_some(),
-            ];
-            // vLLM 0.33's BlockStored has 16 possible entries, so msgspec
-            // always writes the 3-byte map header.
-            w.map16(8 + optional.iter().filter(|x| **x).count());
-            w.str("type");
-            w.str("BlockStored");
-            w.str("block_hashes");
-            write_hashes(w, &s.block_hashes);
-            w.str("parent_block_hash");
-            match &s.parent_block_hash {
-                Some(h) => write_hash(w, h),
-                None => w.nil(),
-            }
-            w.str("token_ids");
-            write_tokens(w, &s.token_ids);
-            w.str("block_size");
-            w.uint(u64::from(s.block_size));
-            w.str("lora_id");
-            write_opt_int(w, s.lora_id);
-            w.str("medium");
-            write_opt_str(w, s.medium.as_deref());
-            w.str("lora_name");
-            write_opt_str(w, s.lora_name.as_deref());
-            if s.extra_keys.is_some() {
-                w.str("extra_keys");
-                write_extra_keys(w, s.extra_keys.as_ref());
-            }
-            if let Some(g) = s.group_idx {
-                w.str("group_idx");
-                w.uint(u64::from(g));
-            }
-            if let Some(k) = &s.kv_cache_spec_kind {
-                w.str("kv_cache_spec_kind");
-                w.str(k);
-            }
-            if let Some(sw) = s.kv_cache_spec_sliding_window {
-                w.str("kv_cache_spec_sliding_window");
-                w.uint(u64::from(sw));
-            }
-            if let Some(l) = &s.locality {
-                w.str("locality");
-                w.str(l);
-            }
-            if let Some(o) = &s.ownership {
-                w.str("ownership");
-                w.str(o);
-            }
-            if let Some(sid) = &s.session_id {
-                w.str("session_id");
-                w.str(sid);
-            }
-            if let Some(la) = &s.lookahead_token_ids {
-                w.str("lookahead_token_ids");
-                w.array(la.len());
-                for t in la {
-                    write_tokens(w, t);
-                }
-            }
-        }
-        KvEvent::BlockRemoved(rm) => {
-            let optional = [
-                rm.group_idx.is_some(),
-                rm.locality.is_some(),
-                rm.ownership.is_some(),
-            ];
-            w.map(3 + optional.iter().filter(|x| **x).count());
-            w.str("type");
-            w.str("BlockRemoved");
-            w.str("block_hashes");
-            write_hashes(w, &rm.block_hashes);
-            w.str("medium");
-            write_opt_str(w, rm.medium.as_deref());
-            if let Some(g) = rm.group_idx {
-                w.str("group_idx");
-                w.uint(u64::from(g));
-            }
-            if let Some(l) = &rm.locality {
-                w.str("locality");
-                w.str(l);
-            }
-            if let Some(o) = &rm.ownership {
-                w.str("ownership");
-                w.str(o);
-            }
-        }
-        KvEvent::AllBlocksCleared => {
-            w.map(1);
-            w.str("type");
-            w.str("AllBlocksCleared");
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -829,7 +511,7 @@ mod tests {
         w.uint(7);
         w.uint(0);
         w.str("trailing batch element");
-        let b = decode_batch(&w.buf).expect("decodes");
+        let b = decode_batch(w.bytes()).expect("decodes");
         assert_eq!(b.events.len(), 1);
         assert_eq!(b.skipped.unknown_events, 2);
         assert_eq!(b.skipped.unknown_fields, 2);
@@ -850,7 +532,7 @@ mod tests {
         w.str("type");
         w.str("BlockStored");
         assert!(matches!(
-            decode_batch(&w.buf),
+            decode_batch(w.bytes()),
             Err(DecodeError::MissingField {
                 field: "block_hashes",
                 ..

@@ -1,10 +1,15 @@
-//! A small, allocation-free MessagePack reader and a writer that produces
-//! the same bytes as Python `msgspec` (minimal-width integers and headers,
-//! float64 for floats).
+//! MessagePack: a small, allocation-free reader, and a writer on `rmp`'s
+//! encoders that produces the same bytes as Python `msgspec`.
 //!
-//! The reader never panics: every read is bounds-checked and returns
-//! [`MsgError`] on truncated or malformed input. Nesting is limited to
-//! [`MAX_DEPTH`] so hostile input cannot exhaust the stack.
+//! The reader is hand-written because decoding is the router's hot path:
+//! serde over `rmp-serde` decodes vLLM's 32-block payloads at about a third
+//! of its speed (`benches/README.md`, "Decoding"), below the index's
+//! decode+apply goal. It never panics: every read is bounds-checked and
+//! returns [`MsgError`] on truncated or malformed input. Nesting is
+//! limited to [`MAX_DEPTH`] so hostile input cannot exhaust the stack.
+
+use rmp::Marker;
+use rmp::encode::{self, ByteBuf, RmpWrite as _};
 
 use crate::event::Value;
 
@@ -52,6 +57,22 @@ pub(crate) enum Kind {
     Map,
     Ext,
 }
+
+/// Per marker byte: (length, mask) of the unsigned integers that fit u32:
+/// the value is the `length` bytes from the marker on, read big-endian,
+/// masked (a fixint is its marker). Length 0: another encoding.
+const U32_CLASS: [(u8, u32); 256] = {
+    let mut t = [(0u8, 0u32); 256];
+    let mut m = 0;
+    while m < 0x80 {
+        t[m] = (1, 0x7f);
+        m += 1;
+    }
+    t[0xcc] = (2, 0xff);
+    t[0xcd] = (3, 0xffff);
+    t[0xce] = (5, 0xffff_ffff);
+    t
+};
 
 /// A cursor over a MessagePack byte slice.
 #[derive(Debug, Clone)]
@@ -203,37 +224,34 @@ impl<'a> Reader<'a> {
     /// `n` unsigned integers that fit u32 (token ids), appended to `out`.
     /// The common encodings (fixint, uint8/16/32) take a fast path.
     pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
-        out.reserve(n);
+        let start = out.len();
+        out.resize(start + n, 0);
         let buf = self.buf;
         let mut pos = self.pos;
-        for _ in 0..n {
-            let Some(&m) = buf.get(pos) else {
-                return Err(MsgError::Truncated(pos));
+        let mut i = start;
+        // Token ids come as fixint, uint8, uint16 or uint32 (1, 2, 3 or 5
+        // bytes): read 8 bytes big-endian and take the value and length by
+        // the marker, without a branch per marker (the mix of uint16 and
+        // uint32 ids is unpredictable).
+        while i < out.len() {
+            let Some(chunk) = buf.get(pos..pos + 8) else {
+                break;
             };
-            if m < 0x80 {
-                out.push(u32::from(m));
-                pos += 1;
-                continue;
+            let w = u64::from_be_bytes(chunk.try_into().expect("8 bytes"));
+            let (len, mask) = U32_CLASS[(w >> 56) as usize];
+            if len == 0 {
+                break;
             }
-            let v = match m {
-                0xcd => buf
-                    .get(pos + 1..pos + 3)
-                    .map(|b| (u32::from(u16::from_be_bytes([b[0], b[1]])), 3)),
-                0xce => buf
-                    .get(pos + 1..pos + 5)
-                    .map(|b| (u32::from_be_bytes([b[0], b[1], b[2], b[3]]), 5)),
-                0xcc => buf.get(pos + 1).map(|b| (u32::from(*b), 2)),
-                _ => None,
-            };
-            if let Some((v, len)) = v {
-                out.push(v);
-                pos += len;
-            } else {
-                // Other encodings (or truncation): the general path.
-                self.pos = pos;
-                out.push(self.read_u32()?);
-                pos = self.pos;
-            }
+            out[i] = (w >> (64 - 8 * u32::from(len))) as u32 & mask;
+            pos += usize::from(len);
+            i += 1;
+        }
+        // Other encodings, and the last bytes of the buffer.
+        while i < out.len() {
+            self.pos = pos;
+            out[i] = self.read_u32()?;
+            pos = self.pos;
+            i += 1;
         }
         self.pos = pos;
         Ok(())
@@ -292,6 +310,24 @@ impl<'a> Reader<'a> {
         };
         let bytes = self.take(len)?;
         std::str::from_utf8(bytes).map_err(|_| MsgError::Utf8(at))
+    }
+
+    /// A string's bytes, not checked for UTF-8 (map keys are compared as
+    /// bytes).
+    pub(crate) fn read_str_bytes(&mut self) -> Result<&'a [u8], MsgError> {
+        let at = self.pos;
+        let m = self.byte()?;
+        let len = match m {
+            0xa0..=0xbf => usize::from(m & 0x1f),
+            0xd9 => usize::from(self.byte()?),
+            0xda => usize::from(u16::from_be_bytes(self.be()?)),
+            0xdb => u32::from_be_bytes(self.be()?) as usize,
+            _ => {
+                self.pos = at;
+                return Err(self.type_err("string"));
+            }
+        };
+        self.take(len)
     }
 
     pub(crate) fn read_bin(&mut self) -> Result<&'a [u8], MsgError> {
@@ -461,128 +497,71 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Appends MessagePack to a `Vec<u8>` the way msgspec encodes.
+/// Writes MessagePack the way msgspec encodes (minimal-width integers and
+/// headers, float64 for floats), on `rmp`'s encoders.
 #[derive(Debug, Default)]
 pub(crate) struct Writer {
-    pub(crate) buf: Vec<u8>,
+    buf: ByteBuf,
 }
 
 impl Writer {
     pub(crate) fn with_capacity(n: usize) -> Self {
         Writer {
-            buf: Vec::with_capacity(n),
+            buf: ByteBuf::with_capacity(n),
         }
+    }
+
+    pub(crate) fn into_vec(self) -> Vec<u8> {
+        self.buf.into_vec()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.buf.as_slice()
     }
 
     pub(crate) fn nil(&mut self) {
-        self.buf.push(0xc0);
+        let Ok(()) = encode::write_nil(&mut self.buf);
     }
 
     pub(crate) fn bool(&mut self, v: bool) {
-        self.buf.push(if v { 0xc3 } else { 0xc2 });
+        let Ok(()) = encode::write_bool(&mut self.buf, v);
     }
 
     pub(crate) fn uint(&mut self, v: u64) {
-        if v < 0x80 {
-            self.buf.push(v as u8);
-        } else if u8::try_from(v).is_ok() {
-            self.buf.extend_from_slice(&[0xcc, v as u8]);
-        } else if u16::try_from(v).is_ok() {
-            self.buf.push(0xcd);
-            self.buf.extend_from_slice(&(v as u16).to_be_bytes());
-        } else if u32::try_from(v).is_ok() {
-            self.buf.push(0xce);
-            self.buf.extend_from_slice(&(v as u32).to_be_bytes());
-        } else {
-            self.buf.push(0xcf);
-            self.buf.extend_from_slice(&v.to_be_bytes());
-        }
+        let Ok(_) = encode::write_uint(&mut self.buf, v);
     }
 
     pub(crate) fn int(&mut self, v: i64) {
-        if v >= 0 {
-            self.uint(v as u64);
-        } else if v >= -32 {
-            self.buf.push(v as i8 as u8);
-        } else if v >= i64::from(i8::MIN) {
-            self.buf.extend_from_slice(&[0xd0, v as i8 as u8]);
-        } else if v >= i64::from(i16::MIN) {
-            self.buf.push(0xd1);
-            self.buf.extend_from_slice(&(v as i16).to_be_bytes());
-        } else if v >= i64::from(i32::MIN) {
-            self.buf.push(0xd2);
-            self.buf.extend_from_slice(&(v as i32).to_be_bytes());
-        } else {
-            self.buf.push(0xd3);
-            self.buf.extend_from_slice(&v.to_be_bytes());
-        }
+        let Ok(_) = encode::write_sint(&mut self.buf, v);
     }
 
     pub(crate) fn f64(&mut self, v: f64) {
-        self.buf.push(0xcb);
-        self.buf.extend_from_slice(&v.to_be_bytes());
+        let Ok(()) = encode::write_f64(&mut self.buf, v);
     }
 
     pub(crate) fn str(&mut self, s: &str) {
-        let n = s.len();
-        if n < 32 {
-            self.buf.push(0xa0 | n as u8);
-        } else if u8::try_from(n).is_ok() {
-            self.buf.extend_from_slice(&[0xd9, n as u8]);
-        } else if u16::try_from(n).is_ok() {
-            self.buf.push(0xda);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xdb);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
-        self.buf.extend_from_slice(s.as_bytes());
+        let Ok(()) = encode::write_str(&mut self.buf, s);
     }
 
     pub(crate) fn bin(&mut self, b: &[u8]) {
-        let n = b.len();
-        if u8::try_from(n).is_ok() {
-            self.buf.extend_from_slice(&[0xc4, n as u8]);
-        } else if u16::try_from(n).is_ok() {
-            self.buf.push(0xc5);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xc6);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
-        self.buf.extend_from_slice(b);
+        let Ok(()) = encode::write_bin(&mut self.buf, b);
     }
 
     pub(crate) fn array(&mut self, n: usize) {
-        if n < 16 {
-            self.buf.push(0x90 | n as u8);
-        } else if u16::try_from(n).is_ok() {
-            self.buf.push(0xdc);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xdd);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        let Ok(_) = encode::write_array_len(&mut self.buf, n as u32);
     }
 
     pub(crate) fn map(&mut self, n: usize) {
-        if n < 16 {
-            self.buf.push(0x80 | n as u8);
-        } else if u16::try_from(n).is_ok() {
-            self.buf.push(0xde);
-            self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-        } else {
-            self.buf.push(0xdf);
-            self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-        }
+        let Ok(_) = encode::write_map_len(&mut self.buf, n as u32);
     }
 
     /// A map header always in the 3-byte form, as msgspec writes structs
     /// with more than 15 fields even when fewer are present.
     pub(crate) fn map16(&mut self, n: usize) {
-        self.buf.push(0xde);
-        self.buf
-            .extend_from_slice(&(n.min(usize::from(u16::MAX)) as u16).to_be_bytes());
+        let n = n.min(usize::from(u16::MAX)) as u16;
+        let [hi, lo] = n.to_be_bytes();
+        let Ok(()) = self.buf.write_bytes(&[Marker::Map16.to_u8(), hi, lo]);
     }
 
     pub(crate) fn value(&mut self, v: &Value) {
@@ -618,7 +597,7 @@ mod tests {
     fn roundtrip(v: &Value) -> Value {
         let mut w = Writer::default();
         w.value(v);
-        let mut r = Reader::new(&w.buf);
+        let mut r = Reader::new(w.bytes());
         let out = r.read_value().expect("reads back");
         assert!(r.is_empty());
         out
@@ -655,7 +634,7 @@ mod tests {
         }
         let mut w = Writer::default();
         w.uint(1 << 32);
-        assert_eq!(w.buf[0], 0xcf, "msgspec writes >= 2^32 as uint64");
+        assert_eq!(w.bytes()[0], 0xcf, "msgspec writes >= 2^32 as uint64");
     }
 
     #[test]

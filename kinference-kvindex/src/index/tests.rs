@@ -1,11 +1,11 @@
 use super::*;
-use crate::event::{BlockHash, BlockRemoved};
+use crate::event::{BlockHash, BlockRemoved, BlockStored, KvEvent, Tier};
+use crate::key;
 use crate::key::{BlockKeyer, ExtraKeys};
 
 fn idx() -> KvIndex {
     KvIndex::new(IndexConfig {
         shards: 8,
-        segment: 4,
         ..IndexConfig::default()
     })
 }
@@ -66,7 +66,6 @@ fn events_meet_request_keys_across_events_and_segments() {
     ix.apply_event(w, &removed(&[10, 9], None))
         .expect("applies");
     assert_eq!(depth(&ix, &keys, w), (8, 8));
-    assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
     let mut held = keys[..8].to_vec();
     held.sort_unstable();
     assert_eq!(ix.worker_keys(w), held);
@@ -84,12 +83,11 @@ fn a_removed_middle_block_ends_the_match_and_refilling_it_restores_it() {
         .expect("applies");
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
     ix.apply_event(w, &removed(&[3], None)).expect("applies");
-    assert_eq!(ix.worker_stats(w).expect("stats").holes, 1);
     assert_eq!(depth(&ix, &keys, w), (2, 2));
+    assert_eq!(ix.entries(), 5);
     // Re-storing block 2 (parent 2) closes the hole.
     ix.apply_event(w, &stored(&[3], Some(2), &t[8..12], 4))
         .expect("applies");
-    assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
     assert_eq!(depth(&ix, &keys, w), (6, 6));
 }
 
@@ -179,7 +177,7 @@ fn workers_share_records_and_clear_independently() {
 }
 
 #[test]
-fn orphans_other_groups_and_remote_events_are_not_indexed() {
+fn orphans_encoder_groups_and_remote_events_are_not_indexed() {
     let ix = idx();
     let w = ix
         .register_worker(WorkerRef::new("a", 0), 4)
@@ -190,6 +188,7 @@ fn orphans_other_groups_and_remote_events_are_not_indexed() {
     let mut g1 = stored(&[7, 8], None, &t, 4);
     if let KvEvent::BlockStored(s) = &mut g1 {
         s.group_idx = Some(1);
+        s.kv_cache_spec_kind = Some("cross_attention".into());
     }
     ix.apply_event(w, &g1).expect("applies");
     let mut remote = stored(&[9, 10], None, &t, 4);
@@ -206,11 +205,10 @@ fn orphans_other_groups_and_remote_events_are_not_indexed() {
 }
 
 #[test]
-fn the_budget_clears_the_largest_worker() {
+fn the_budget_evicts_least_recently_stored_tails() {
     let ix = KvIndex::new(IndexConfig {
         shards: 4,
-        segment: 4,
-        max_entries: 6,
+        max_entries: 16,
         ..IndexConfig::default()
     });
     let a = ix
@@ -219,14 +217,45 @@ fn the_budget_clears_the_largest_worker() {
     let b = ix
         .register_worker(WorkerRef::new("b", 0), 4)
         .expect("registers");
-    let t = tokens(20, 8);
-    ix.apply_event(a, &stored(&[1, 2, 3, 4, 5], None, &t, 4))
+    // A shared prefix (4 blocks) and three continuations stored in turn.
+    let p = tokens(16, 8);
+    ix.apply_event(a, &stored(&[1, 2, 3, 4], None, &p, 4))
         .expect("applies");
-    ix.apply_event(b, &stored(&[1, 2], None, &t[..8], 4))
+    let conts: Vec<Vec<u32>> = (0..3).map(|c| tokens(16, 100 + c)).collect();
+    for (c, t) in conts.iter().enumerate() {
+        let base = 10 * (c as u64 + 1);
+        ix.apply_event(
+            a,
+            &stored(&[base, base + 1, base + 2, base + 3], Some(4), t, 4),
+        )
         .expect("applies");
-    assert_eq!(ix.entries(), 2);
-    assert_eq!(ix.stats().evictions, 1);
-    assert_eq!(ix.worker_stats(a).expect("stats").blocks_held, 0);
+    }
+    assert_eq!(ix.entries(), 16);
+    // b stores 4 more: back to 15/16 of the budget less what comes, so
+    // the two oldest continuations go, whole; the shared prefix stays.
+    ix.apply_event(b, &stored(&[1, 2, 3, 4], None, &p, 4))
+        .expect("applies");
+    let keys_of = |c: usize| {
+        let mut t = p.clone();
+        t.extend_from_slice(&conts[c]);
+        BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none())
+    };
+    assert_eq!(depth(&ix, &keys_of(0), a), (4, 4), "oldest tail evicted");
+    assert_eq!(depth(&ix, &keys_of(1), a), (4, 4), "next oldest evicted");
+    assert_eq!(depth(&ix, &keys_of(2), a), (8, 8));
+    assert_eq!(depth(&ix, &keys_of(2), b), (4, 4));
+    let st = ix.stats();
+    assert_eq!((st.evictions, st.evicted_entries, st.entries), (1, 8, 12));
+    assert_eq!(ix.worker_stats(a).expect("stats").evicted_blocks, 8);
+    // The shared prefix outlives its continuations: the prefix node is
+    // only a tail once nothing continues it.
+    for _ in 0..6 {
+        ix.apply_event(b, &KvEvent::AllBlocksCleared)
+            .expect("applies");
+        ix.apply_event(b, &stored(&[1, 2, 3, 4], None, &p, 4))
+            .expect("applies");
+    }
+    assert!(ix.entries() <= 16);
 }
 
 #[test]
@@ -267,50 +296,67 @@ fn index_is_send_and_sync() {
 }
 
 #[test]
-fn segments_double_in_length() {
-    let ix = KvIndex::new(IndexConfig {
-        segment: 64,
-        ..IndexConfig::default()
-    });
-    let segs: Vec<usize> = [0u32, 63, 64, 127, 128, 255, 256, 511, 512]
-        .iter()
-        .map(|p| ix.seg_of(*p))
-        .collect();
-    assert_eq!(segs, vec![0, 0, 1, 1, 2, 2, 3, 3, 4]);
-    assert_eq!(
-        (0..5).map(|s| ix.seg_start(s)).collect::<Vec<_>>(),
-        vec![0, 64, 128, 256, 512]
-    );
-    let starts: Vec<u32> = (0..600).filter(|p| ix.seg_start_at(*p)).collect();
-    assert_eq!(starts, vec![0, 64, 128, 256, 512]);
+#[allow(clippy::many_single_char_names)] // workers a, b; tokens t, u
+fn a_chain_that_leaves_a_node_midway_is_a_child_and_both_answer() {
+    let ix = idx();
+    let a = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    let b = ix
+        .register_worker(WorkerRef::new("b", 0), 4)
+        .expect("registers");
+    let t = tokens(32, 9);
+    let mut u = t.clone();
+    u[13] ^= 7; // differs from block 3 on
+    ix.apply_event(a, &stored(&[1, 2, 3, 4, 5, 6, 7, 8], None, &t, 4))
+        .expect("applies");
+    ix.apply_event(b, &stored(&[1, 2, 3], None, &u[..12], 4))
+        .expect("applies");
+    ix.apply_event(b, &stored(&[40, 50, 60], Some(3), &u[12..24], 4))
+        .expect("applies");
+    let kt = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
+    let ku = BlockKeyer::new(4, None).keys(&u, &ExtraKeys::none());
+    assert_eq!(depth(&ix, &kt, a), (8, 8));
+    assert_eq!(depth(&ix, &kt, b), (3, 3));
+    assert_eq!(depth(&ix, &ku, a), (3, 3));
+    assert_eq!(depth(&ix, &ku, b), (6, 6));
+    assert_eq!(ix.stats().nodes, 2);
+    // a's tail goes: its node keeps the prefix b's chain leaves from.
+    ix.apply_event(a, &removed(&[8, 7, 6, 5, 4], None))
+        .expect("applies");
+    assert_eq!(depth(&ix, &ku, b), (6, 6));
+    assert_eq!(ix.stats().keys, 6);
+    ix.apply_event(b, &removed(&[60, 50, 40], None))
+        .expect("applies");
+    assert_eq!(ix.stats().nodes, 1);
+    assert_eq!(ix.stats().keys, 3);
+    ix.apply_event(a, &KvEvent::AllBlocksCleared)
+        .expect("applies");
+    ix.apply_event(b, &KvEvent::AllBlocksCleared)
+        .expect("applies");
+    let s = ix.stats();
+    assert_eq!((s.entries, s.keys, s.nodes, s.engine_records), (0, 0, 0, 0));
 }
 
 #[test]
-fn many_children_spill_to_the_side_table_and_stay_exact() {
+fn re_reported_prefixes_are_idempotent() {
+    // kv_cache_report_mode "full": reused blocks re-stored with a nil
+    // parent, covering the reused prefix.
     let ix = idx();
     let w = ix
         .register_worker(WorkerRef::new("a", 0), 4)
         .expect("registers");
-    let seed = key::seed_for_lora(None);
-    ix.store_hashed(w, None, seed, &[1], &[10], Tier::Gpu)
-        .expect("stores");
-    for c in 0..300u64 {
-        ix.store_hashed(w, Some(1), seed, &[100 + c], &[1000 + c], Tier::Gpu)
-            .expect("stores");
+    let t = tokens(24, 10);
+    ix.apply_event(w, &stored(&[1, 2, 3, 4, 5, 6], None, &t, 4))
+        .expect("applies");
+    let before = ix.stats();
+    for _ in 0..3 {
+        let a = ix
+            .apply_event(w, &stored(&[1, 2, 3, 4], None, &t[..16], 4))
+            .expect("applies");
+        assert_eq!(a.stored, 0);
     }
-    assert_eq!(ix.entries(), 301);
-    ix.remove_hashed(w, &[1], Tier::Gpu).expect("removes");
-    assert_eq!(ix.worker_stats(w).expect("stats").holes, 300);
-    ix.store_hashed(w, None, seed, &[1], &[10], Tier::Gpu)
-        .expect("stores");
-    assert_eq!(ix.worker_stats(w).expect("stats").holes, 0);
-    let children: Vec<u64> = (0..300u64).map(|c| 100 + c).collect();
-    ix.remove_hashed(w, &children[..200], Tier::Gpu)
-        .expect("removes");
-    ix.remove_hashed(w, &[1], Tier::Gpu).expect("removes");
-    assert_eq!(ix.worker_stats(w).expect("stats").holes, 100);
-    ix.remove_hashed(w, &children[200..], Tier::Gpu)
-        .expect("removes");
-    let st = ix.worker_stats(w).expect("stats");
-    assert_eq!((st.holes, st.blocks_held, ix.entries()), (0, 0, 0));
+    assert_eq!(ix.stats(), before);
+    let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
+    assert_eq!(depth(&ix, &keys, w), (6, 6));
 }

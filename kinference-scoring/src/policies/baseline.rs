@@ -167,6 +167,7 @@ pub(super) mod test_support {
                 gpu,
                 cpu: 0,
                 disk: 0,
+                storage: 0,
             },
             in_flight: InFlight {
                 requests,

@@ -442,6 +442,7 @@ mod tests {
                 gpu,
                 cpu: 0,
                 disk: 0,
+                storage: 0,
             },
             in_flight: InFlight {
                 requests: u32::from(prefill_tokens > 0),

@@ -1,7 +1,8 @@
-//! The KV-index benchmark workload v1 (`shared/specs/index-workload.md`),
-//! implemented exactly (its test vectors are checked before anything is
-//! timed), printing the anchor's rows; then a decode+apply figure from raw
-//! vLLM map-form msgpack, and a branching variant (not part of v1).
+//! The KV-index benchmark workload v1 (`benches/README.md`, a copy of the
+//! project's `specs/index-workload.md`), implemented exactly (its test
+//! vectors are checked before anything is timed), printing the anchor's
+//! rows; then a decode+apply figure from raw vLLM map-form msgpack, and the
+//! branching variant v1b (`benches/README.md`, its vectors checked too).
 //!
 //! `cargo bench -p kinference-kvindex --bench index_workload` (one fresh
 //! process per run; `-- --json` also prints one JSON line of figures).
@@ -16,10 +17,14 @@ use std::time::Instant;
 
 use cap::Cap;
 use kinference_kvindex::key::{chain, seed_for_lora};
-use kinference_kvindex::{
-    BlockHash, BlockKey, BlockStored, EncodeForm, EventBatch, IndexConfig, KvEvent, KvIndex,
-    Matches, Tier, WorkerId, WorkerRef, decode_batch, encode_batch,
-};
+use kinference_kvindex::{BlockKey, IndexConfig, KvIndex, Matches, Tier, WorkerId, WorkerRef};
+
+mod decode;
+mod v1b;
+
+#[path = "../../tests/support/serde_decode/mod.rs"]
+#[allow(dead_code)] // each includer uses part of it
+mod serde_decode;
 
 #[global_allocator]
 static ALLOC: Cap<System> = Cap::new(System, usize::MAX);
@@ -328,28 +333,13 @@ fn main() {
     wl.check_vectors();
     println!("test vectors: all match");
     let mut config = IndexConfig::default();
-    if let Some(v) = std::env::var("KVBENCH_SEGMENT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        config.segment = v;
-    }
     if let Some(v) = std::env::var("KVBENCH_SHARDS")
         .ok()
         .and_then(|v| v.parse().ok())
     {
         config.shards = v;
     }
-    if let Some(v) = std::env::var("KVBENCH_FANOUT")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        config.fanout = v;
-    }
-    println!(
-        "index config: {} shards, segment {}, fanout {}",
-        config.shards, config.segment, config.fanout
-    );
+    println!("index config: {} shards", config.shards);
     let ix = KvIndex::new(config);
     let ids: Vec<WorkerId> = (0..WORKERS)
         .map(|w| {
@@ -608,14 +598,14 @@ fn main() {
     println!("timer floor                        {floor} ns");
     drop(ix);
 
-    let (decode_rate, decode_blocks) = decode_apply(&config);
+    let (decode_rate, decode_blocks) = decode::decode_apply(&config);
     println!(
         "decode+apply (vLLM 0.33 map form)  {:.2} M blocks/s over {decode_blocks} blocks",
         decode_rate / 1e6
     );
-    let br = branching(&config);
+    let br = v1b::branching(&config);
     println!(
-        "branching: {} entries, ingest {:.2} M blocks/s, {:.2} B/entry; lookup median/p99 {} / {} ns ({} wrong); during churn {} / {} ns ({} lookups, {} wrong), writer {:.2} M ops/s",
+        "v1b (branching): {} entries, ingest {:.2} M blocks/s, {:.2} B/entry; lookup median/p99 {} / {} ns ({} wrong); during churn {} / {} ns ({} lookups, {} wrong), writer {:.2} M ops/s",
         br.entries,
         br.ingest / 1e6,
         br.bytes_per_entry,
@@ -654,273 +644,5 @@ fn main() {
             br.writer,
             br.wrong + br.conc_wrong
         );
-    }
-}
-
-/// Decode + apply from raw msgpack: 200 documents × 512 blocks, 2 workers
-/// each, in 32-block `BlockStored` payloads of vLLM 0.33's map form with
-/// 16 token ids per block and u64 hashes (6 400 payloads, 204 800 blocks).
-fn decode_apply(config: &IndexConfig) -> (f64, u64) {
-    let ix = KvIndex::new(*config);
-    let ids: Vec<WorkerId> = (0..10)
-        .map(|w| {
-            ix.register_worker(WorkerRef::new(format!("d{w}"), 0), 16)
-                .expect("registers")
-        })
-        .collect();
-    let mut rng = SplitMix(99);
-    let mut payloads = Vec::new();
-    for d in 0..200u64 {
-        let tokens: Vec<u32> = (0..LEN * 16)
-            .map(|_| (rng.next() % 150_000) as u32)
-            .collect();
-        let hashes: Vec<u64> = (0..LEN).map(|_| rng.next()).collect();
-        for r in 0..2u64 {
-            let w = ids[((d + r * 3) % 10) as usize];
-            for c in 0..CHUNKS {
-                let b = EventBatch {
-                    ts: 1_767_225_600.0,
-                    events: vec![KvEvent::BlockStored(BlockStored {
-                        block_hashes: hashes[c * EVENT..(c + 1) * EVENT]
-                            .iter()
-                            .map(|h| BlockHash::Uint(*h))
-                            .collect(),
-                        parent_block_hash: (c > 0).then(|| BlockHash::Uint(hashes[c * EVENT - 1])),
-                        token_ids: tokens[c * EVENT * 16..(c + 1) * EVENT * 16].to_vec(),
-                        block_size: 16,
-                        medium: Some("GPU".into()),
-                        extra_keys: Some(vec![None; EVENT]),
-                        group_idx: Some(0),
-                        kv_cache_spec_kind: Some("full_attention".into()),
-                        ..BlockStored::default()
-                    })],
-                    dp_rank: Some(0),
-                    has_rank_field: true,
-                    ..EventBatch::default()
-                };
-                payloads.push((w, encode_batch(&b, EncodeForm::VllmMap)));
-            }
-        }
-    }
-    let t = Instant::now();
-    for (w, p) in &payloads {
-        let b = decode_batch(p).expect("decodes");
-        ix.apply_batch(*w, &b).expect("applies");
-    }
-    let secs = t.elapsed().as_secs_f64();
-    let blocks = (payloads.len() * EVENT) as u64;
-    assert_eq!(ix.entries(), blocks);
-    (blocks as f64 / secs, blocks)
-}
-
-struct Branching {
-    entries: u64,
-    ingest: f64,
-    bytes_per_entry: f64,
-    quiet: Lat,
-    wrong: u64,
-    conc: Lat,
-    conc_wrong: u64,
-    writer: f64,
-}
-
-/// Branching variant (ours, not in v1): one 128-block system prompt held by
-/// all 64 workers; 20 000 conversations of 64 more blocks each, each held
-/// by 3 workers, holder k holding the first 16·(k+1)+16 blocks of it
-/// (partial holders). Queries: prompt + one conversation (192 blocks); the
-/// answer has all 64 workers, the conversation's holders deeper. During
-/// churn a writer drops and re-stores the last 16 blocks of random
-/// (conversation, holder) pairs.
-fn branching(config: &IndexConfig) -> Branching {
-    const W: usize = 64;
-    const PROMPT: usize = 128;
-    const CONVS: usize = 20_000;
-    const CONV: usize = 64;
-    let ix = KvIndex::new(*config);
-    let ids: Vec<WorkerId> = (0..W)
-        .map(|w| {
-            ix.register_worker(WorkerRef::new(format!("b{w}"), 0), 16)
-                .expect("registers")
-        })
-        .collect();
-    let seed = seed_for_lora(None);
-    let mut rng = SplitMix(1001);
-    let p_local: Vec<u64> = (0..PROMPT).map(|_| rng.next()).collect();
-    let mut p_seq = Vec::with_capacity(PROMPT);
-    let mut prev = 0u64;
-    for l in &p_local {
-        prev = mix64(prev ^ l);
-        p_seq.push(prev);
-    }
-    let c_local: Vec<u64> = (0..CONVS * CONV).map(|_| rng.next()).collect();
-    let mut c_seq = vec![0u64; CONVS * CONV];
-    for c in 0..CONVS {
-        let mut prev = p_seq[PROMPT - 1];
-        for i in 0..CONV {
-            prev = mix64(prev ^ c_local[c * CONV + i]);
-            c_seq[c * CONV + i] = prev;
-        }
-    }
-    let holders: Vec<[(usize, usize); 3]> = (0..CONVS)
-        .map(|_| {
-            let mut hs = [(0usize, 0usize); 3];
-            let mut n = 0;
-            while n < 3 {
-                let w = rng.below(W as u64) as usize;
-                if !hs[..n].iter().any(|h| h.0 == w) {
-                    hs[n] = (w, 16 * (n + 1) + 16);
-                    n += 1;
-                }
-            }
-            hs
-        })
-        .collect();
-    let h0 = ALLOC.allocated() as u64;
-    let t = Instant::now();
-    let mut blocks = 0u64;
-    for id in &ids {
-        for c in 0..PROMPT / EVENT {
-            let r = c * EVENT..(c + 1) * EVENT;
-            ix.store_hashed(
-                *id,
-                (c > 0).then(|| p_seq[c * EVENT - 1]),
-                seed,
-                &p_seq[r.clone()],
-                &p_local[r],
-                Tier::Gpu,
-            )
-            .expect("stores");
-            blocks += EVENT as u64;
-        }
-    }
-    for (c, hs) in holders.iter().enumerate() {
-        for &(w, len) in hs {
-            for k in 0..len / 16 {
-                let r = c * CONV + k * 16..c * CONV + (k + 1) * 16;
-                let parent = if k == 0 {
-                    p_seq[PROMPT - 1]
-                } else {
-                    c_seq[c * CONV + k * 16 - 1]
-                };
-                ix.store_hashed(
-                    ids[w],
-                    Some(parent),
-                    seed,
-                    &c_seq[r.clone()],
-                    &c_local[r],
-                    Tier::Gpu,
-                )
-                .expect("stores");
-                blocks += 16;
-            }
-        }
-    }
-    let ingest = blocks as f64 / t.elapsed().as_secs_f64();
-    let entries = ix.entries();
-    assert_eq!(entries, blocks);
-    let bytes_per_entry = (ALLOC.allocated() as u64 - h0) as f64 / entries as f64;
-    let query = |c: usize| {
-        keys_of(
-            p_local
-                .iter()
-                .copied()
-                .chain(c_local[c * CONV..(c + 1) * CONV].iter().copied()),
-        )
-    };
-    let check = |m: &Matches, c: usize| -> bool {
-        m.len() == W
-            && m.as_slice().iter().all(|x| {
-                let want = holders[c]
-                    .iter()
-                    .find(|h| ids[h.0] == x.worker)
-                    .map_or(PROMPT, |h| PROMPT + h.1) as u32;
-                x.blocks == want
-            })
-    };
-    let mut m = Matches::default();
-    let mut samples = Vec::new();
-    let mut wrong = 0;
-    let mut q = SplitMix(1002);
-    for n in 0..22_000 {
-        let c = q.below(CONVS as u64) as usize;
-        let keys = query(c);
-        let t = Instant::now();
-        ix.find_matches_into(&keys, &mut m);
-        let e = t.elapsed().as_nanos() as u64;
-        if n >= 2000 {
-            samples.push(e);
-        }
-        if !check(&m, c) {
-            wrong += 1;
-        }
-    }
-    let quiet = lat(samples);
-    let done = AtomicBool::new(false);
-    let mut conc = Vec::new();
-    let mut conc_wrong = 0;
-    let mut writer = 0f64;
-    std::thread::scope(|s| {
-        let wt = s.spawn(|| {
-            let mut r = SplitMix(1003);
-            let t = Instant::now();
-            let mut ops = 0u64;
-            for _ in 0..40_000 {
-                let c = r.below(CONVS as u64) as usize;
-                let (w, len) = holders[c][r.below(3) as usize];
-                let tail = c * CONV + len - 16..c * CONV + len;
-                let rev: Vec<u64> = c_seq[tail.clone()].iter().rev().copied().collect();
-                ix.remove_hashed(ids[w], &rev, Tier::Gpu).expect("removes");
-                let parent = if len == 16 {
-                    p_seq[PROMPT - 1]
-                } else {
-                    c_seq[c * CONV + len - 17]
-                };
-                ix.store_hashed(
-                    ids[w],
-                    Some(parent),
-                    seed,
-                    &c_seq[tail.clone()],
-                    &c_local[tail],
-                    Tier::Gpu,
-                )
-                .expect("stores");
-                ops += 32;
-            }
-            let rate = ops as f64 / t.elapsed().as_secs_f64();
-            done.store(true, Ordering::Release);
-            rate
-        });
-        let mut q = SplitMix(1004);
-        let mut m = Matches::default();
-        while !done.load(Ordering::Acquire) {
-            let c = q.below(CONVS as u64) as usize;
-            let keys = query(c);
-            let t = Instant::now();
-            ix.find_matches_into(&keys, &mut m);
-            conc.push(t.elapsed().as_nanos() as u64);
-            // Mid-churn a holder may be 16 short; anything else is wrong.
-            let ok = m.len() == W
-                && m.as_slice().iter().all(|x| {
-                    let want = holders[c]
-                        .iter()
-                        .find(|h| ids[h.0] == x.worker)
-                        .map_or(PROMPT, |h| PROMPT + h.1) as u32;
-                    x.blocks == want || x.blocks + 16 == want
-                });
-            if !ok {
-                conc_wrong += 1;
-            }
-        }
-        writer = wt.join().expect("writer");
-    });
-    Branching {
-        entries,
-        ingest,
-        bytes_per_entry,
-        quiet,
-        wrong,
-        conc: lat(conc),
-        conc_wrong,
-        writer,
     }
 }
