@@ -397,6 +397,26 @@ impl Collector for StateCollector {
         )?;
         gauge(
             &mut encoder,
+            "tokenizer_unavailable",
+            "1 when the worker set's local tokenizer could not be loaded and it routes on load alone",
+            &sets
+                .iter()
+                .map(|s| {
+                    (
+                        WorkerSetLabels {
+                            worker_set: s.name.clone(),
+                        },
+                        if matches!(s.tokenizer, crate::runtime::TokenizerState::Failed(_)) {
+                            1.0
+                        } else {
+                            0.0
+                        },
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        gauge(
+            &mut encoder,
             "tokenizer_mismatch",
             "1 when the local tokenizer disagreed with the engine's /tokenize and the worker set fell back to engine tokenization",
             &sets

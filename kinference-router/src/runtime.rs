@@ -41,7 +41,7 @@ pub enum TokenizerState {
     Checking,
     /// Loaded and agrees with the engine's `/tokenize`.
     Checked,
-    /// Could not be loaded: routing uses the engine's `/tokenize`.
+    /// Could not be loaded: the worker set routes on load alone.
     Failed(String),
     /// Disagrees with the engine: routing uses the engine's `/tokenize`.
     Mismatch(String),
@@ -91,13 +91,15 @@ impl WsRuntime {
         }
     }
 
-    /// The tokenization mode in effect: a local tokenizer that failed to load
-    /// or disagreed with the engine falls back to the engine's `/tokenize`.
+    /// The tokenization mode in effect: a local tokenizer that disagreed
+    /// with the engine gives way to the engine's `/tokenize` (the engine's
+    /// ids are the truth). One that could not be loaded stays `local`, with
+    /// no tokenizer: the worker set routes on load alone, and says so
+    /// (`/debug/endpoints`, the `tokenizer_unavailable` metric, the log),
+    /// rather than silently sending every prompt to the engine to tokenize.
     pub fn effective_mode(&self) -> TokenizationMode {
         match (self.mode, &*self.tokenizer_state.read()) {
-            (TokenizationMode::Local, TokenizerState::Failed(_) | TokenizerState::Mismatch(_)) => {
-                TokenizationMode::Engine
-            }
+            (TokenizationMode::Local, TokenizerState::Mismatch(_)) => TokenizationMode::Engine,
             (m, _) => m,
         }
     }
@@ -153,7 +155,7 @@ fn tokenizer_path(spec: Option<&RoutingProfileSpec>) -> Option<Result<PathBuf, S
     Some(match (&src.path, &src.config_map) {
         (Some(p), _) => Ok(PathBuf::from(p)),
         (None, Some(cm)) => Err(format!(
-            "tokenizer ConfigMap {}/{} is not supported yet; mount it and give tokenizer.path",
+            "a ConfigMap tokenizer source ({}/{}) is not read by the router: a ConfigMap holds at most 1 MiB, less than most tokenizer.json files; mount the files into the router pods (a ConfigMap or image volume, or a PVC) and give tokenizer.path",
             cm.namespace, cm.name
         )),
         (None, None) => Err("no tokenizer source".into()),
@@ -205,7 +207,7 @@ impl Runtimes {
         match tokenizer_path(route.profile.as_ref()) {
             None => {}
             Some(Err(e)) => {
-                tracing::warn!(worker_set = %route.name, profile = %route.profile_name, error = %e, "local tokenizer unavailable; using the engine's /tokenize");
+                tracing::warn!(worker_set = %route.name, profile = %route.profile_name, error = %e, "local tokenizer unavailable: routing this worker set on load alone");
                 *rt.tokenizer_state.write() = TokenizerState::Failed(e);
             }
             Some(Ok(path)) => self.load_tokenizer(&rt, route.name.clone(), path, loaded),
@@ -251,7 +253,7 @@ impl Runtimes {
                     loaded();
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(worker_set = %ws, path = %path.display(), error = %e, "tokenizer not loaded; using the engine's /tokenize");
+                    tracing::warn!(worker_set = %ws, path = %path.display(), error = %e, "tokenizer not loaded: routing this worker set on load alone");
                     *rt.tokenizer_state.write() = TokenizerState::Failed(e.to_string());
                 }
                 Err(e) => *rt.tokenizer_state.write() = TokenizerState::Failed(e.to_string()),

@@ -115,13 +115,20 @@ pub async fn ids(
                 observe(shared, "engine", "unavailable", started);
                 return (None, Source::None);
             };
+            // SGLang tokenizes prompts at /v1/tokenize and has no chat form.
+            let sglang = e.family() == kinference_api::engine::EngineFamily::Sglang;
+            if sglang && api == openai::Endpoint::Chat {
+                observe(shared, "engine", "unsupported", started);
+                return (None, Source::None);
+            }
             let Some(req) = tokenize_body(api, fields, model) else {
                 observe(shared, "engine", "error", started);
                 return (None, Source::None);
             };
+            let path = if sglang { "/v1/tokenize" } else { "/tokenize" };
             let r = match tokio::time::timeout(
                 timeout,
-                post_tokenize(shared, &e.authority, Bytes::from(req)),
+                post_tokenize(shared, &e.authority, path, Bytes::from(req)),
             )
             .await
             {
@@ -266,6 +273,7 @@ struct TokenizeAnswer {
 async fn post_tokenize(
     shared: &Shared,
     authority: &str,
+    path: &str,
     bytes: Bytes,
 ) -> Result<Vec<u32>, crate::probe::ProbeError> {
     let fail = |reached: bool, message: String| crate::probe::ProbeError {
@@ -276,7 +284,7 @@ async fn post_tokenize(
         },
         message,
     };
-    let http = http::Request::post(format!("http://{authority}/tokenize"))
+    let http = http::Request::post(format!("http://{authority}{path}"))
         .header(http::header::CONTENT_TYPE, "application/json")
         .body(Full::new(bytes))
         .map_err(|e| fail(false, e.to_string()))?;
@@ -285,15 +293,15 @@ async fn post_tokenize(
         .upstream
         .request(http)
         .await
-        .map_err(|e| fail(false, format!("POST /tokenize: {e}")))?;
+        .map_err(|e| fail(false, format!("POST {path}: {e}")))?;
     let status = resp.status();
     let body = http_body_util::Limited::new(resp.into_body(), 64 << 20)
         .collect()
         .await
-        .map_err(|e| fail(false, format!("POST /tokenize: reading the answer: {e}")))?
+        .map_err(|e| fail(false, format!("POST {path}: reading the answer: {e}")))?
         .to_bytes();
     if !status.is_success() {
-        return Err(fail(true, format!("POST /tokenize: HTTP {status}")));
+        return Err(fail(true, format!("POST {path}: HTTP {status}")));
     }
     let t: TokenizeAnswer =
         serde_json::from_slice(&body).map_err(|e| fail(true, format!("/tokenize answer: {e}")))?;
@@ -343,7 +351,7 @@ pub async fn self_check(
         let bytes = serde_json::to_vec(&body).map_err(|e| e.to_string())?;
         let fields = openai::parse(api, &bytes).map_err(|e| e.message)?;
         let req = tokenize_body(api, &fields, model).ok_or("canary has no prompt")?;
-        let remote = post_tokenize(shared, authority, Bytes::from(req))
+        let remote = post_tokenize(shared, authority, "/tokenize", Bytes::from(req))
             .await
             .map_err(|e| e.message)?;
         let local = match local {
