@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use kinference_kvindex::{BlockKeyer, ExtraKeys, key};
 use kinference_router::metrics::RetryLabels;
 use kinference_sim::{FaultRequest, SimHandle};
@@ -26,42 +25,6 @@ use support::*;
 use tokio::time::Instant;
 
 // ---------------------------------------------------------------- helpers
-
-/// How a streamed body ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Ending {
-    /// `data: [DONE]` then the end of the body.
-    Complete,
-    /// The body ended without `[DONE]`: a truncated stream.
-    Truncated,
-    /// The body failed (the connection was cut): the client sees an error.
-    Error,
-    /// Nothing for longer than the patience given.
-    Hang,
-}
-
-async fn read_stream(mut body: Incoming, patience: Duration) -> (Ending, String) {
-    let mut text = String::new();
-    loop {
-        match tokio::time::timeout(patience, body.frame()).await {
-            Err(_) => return (Ending::Hang, text),
-            Ok(None) => {
-                let e = if text.trim_end().ends_with("data: [DONE]") {
-                    Ending::Complete
-                } else {
-                    Ending::Truncated
-                };
-                return (e, text);
-            }
-            Ok(Some(Err(_))) => return (Ending::Error, text),
-            Ok(Some(Ok(f))) => {
-                if let Some(d) = f.data_ref() {
-                    text.push_str(&String::from_utf8_lossy(d));
-                }
-            }
-        }
-    }
-}
 
 fn retries(r: &Router, reason: &'static str) -> u64 {
     r.running
@@ -150,6 +113,7 @@ fn fake(http: SocketAddr) -> EngineAddr {
         http,
         kv: None,
         ready: true,
+        replay: None,
     }
 }
 

@@ -51,6 +51,8 @@ pub struct WorkerSetOpts {
     pub kv_block_size: u32,
     /// Whether to set `kvEvents`.
     pub kv_events: bool,
+    /// Whether `kvEvents` names the port `kv-replay` as its `replayPort`.
+    pub replay_port: bool,
 }
 
 impl Default for WorkerSetOpts {
@@ -60,6 +62,7 @@ impl Default for WorkerSetOpts {
             profile_spec: None,
             kv_block_size: 16,
             kv_events: true,
+            replay_port: false,
         }
     }
 }
@@ -70,6 +73,8 @@ pub struct EngineAddr {
     pub http: SocketAddr,
     pub kv: Option<SocketAddr>,
     pub ready: bool,
+    /// A port listed as `kv-replay` in the slice.
+    pub replay: Option<u16>,
 }
 
 impl EngineAddr {
@@ -78,6 +83,7 @@ impl EngineAddr {
             http: e.http_addr(),
             kv: e.kv_addr(),
             ready: true,
+            replay: None,
         }
     }
 }
@@ -87,10 +93,10 @@ impl EngineAddr {
 pub fn manifests_yaml(engines: &[EngineAddr], opts: &WorkerSetOpts) -> String {
     let mut y = String::new();
     y.push_str("apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferencePool\nmetadata: {name: test}\nspec:\n  workerSets: [{name: sim}]\n---\n");
-    let kv = if opts.kv_events {
-        "  kvEvents: {port: kv}\n"
-    } else {
-        ""
+    let kv = match (opts.kv_events, opts.replay_port) {
+        (true, true) => "  kvEvents: {port: kv, replayPort: kv-replay}\n",
+        (true, false) => "  kvEvents: {port: kv}\n",
+        _ => "",
     };
     let _ = write!(
         y,
@@ -105,9 +111,12 @@ pub fn manifests_yaml(engines: &[EngineAddr], opts: &WorkerSetOpts) -> String {
         );
     }
     for (i, e) in engines.iter().enumerate() {
-        let kv_port = e.kv.map_or(String::new(), |k| {
+        let mut kv_port = e.kv.map_or(String::new(), |k| {
             format!(", {{name: kv, port: {}}}", k.port())
         });
+        if let Some(r) = e.replay {
+            let _ = write!(kv_port, ", {{name: kv-replay, port: {r}}}");
+        }
         let _ = write!(
             y,
             "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: sim-{i}\n  labels: {{kubernetes.io/service-name: sim}}\naddressType: IPv4\nports: [{{name: http, port: {}}}{kv_port}]\nendpoints:\n  - addresses: [\"{}\"]\n    conditions: {{ready: {}}}\n---\n",
@@ -475,4 +484,42 @@ pub async fn send_prompt(r: &Router, ids: &[u32]) {
     )
     .await;
     assert_eq!(reply.status, 200, "{}", reply.text());
+}
+
+// ------------------------------------------------------- stream readers
+
+/// How a streamed body ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ending {
+    /// `data: [DONE]` then the end of the body.
+    Complete,
+    /// The body ended without `[DONE]`: a truncated stream.
+    Truncated,
+    /// The body failed (the connection was cut): the client sees an error.
+    Error,
+    /// Nothing for longer than the patience given.
+    Hang,
+}
+
+pub async fn read_stream(mut body: Incoming, patience: Duration) -> (Ending, String) {
+    let mut text = String::new();
+    loop {
+        match tokio::time::timeout(patience, body.frame()).await {
+            Err(_) => return (Ending::Hang, text),
+            Ok(None) => {
+                let e = if text.trim_end().ends_with("data: [DONE]") {
+                    Ending::Complete
+                } else {
+                    Ending::Truncated
+                };
+                return (e, text);
+            }
+            Ok(Some(Err(_))) => return (Ending::Error, text),
+            Ok(Some(Ok(f))) => {
+                if let Some(d) = f.data_ref() {
+                    text.push_str(&String::from_utf8_lossy(d));
+                }
+            }
+        }
+    }
 }
