@@ -310,13 +310,16 @@ fn check_docs(root: &Path, docs: &[(String, Value)]) -> Result<String> {
         .with_context(|| {
             format!("the chart with {VALUES_FILE} runs no router for {ns}/{pool_name}")
         })?;
-    let router_args = chart::container_args(router);
-    let offset: u16 = flag(&router_args, "--kv-replay-offset")
-        .context("no --kv-replay-offset")?
-        .parse()?;
+    let _ = chart::container_args(router);
+    // vLLM before 0.31 does not say where it replays: the worker set must.
+    let named = kv_events
+        .replay_port
+        .as_ref()
+        .context("the worker set names no kvEvents.replayPort for vLLM's replay_endpoint")?;
+    let replay_target = target_port(&service, &port_name(named)?, container)?;
     ensure!(
-        replay == kv + offset,
-        "vLLM replays on {replay}, the router asks {kv} + {offset} (--kv-replay-offset)"
+        replay == replay_target,
+        "vLLM replays on {replay}, kvEvents.replayPort targets {replay_target}"
     );
     let route = one(docs, "HTTPRoute")?;
     ensure!(
