@@ -193,6 +193,31 @@ async fn one_engine_failing_every_request_costs_no_client_request() {
         server_errors >= 1,
         "the broken engine was never tried: the test tested nothing"
     );
+    // The engine recovers: it takes traffic again once its ejection runs out
+    // and a request succeeds there.
+    sims[1]
+        .inject(&FaultRequest {
+            fail_requests: Some(FailMode::None),
+            ..FaultRequest::default()
+        })
+        .await
+        .unwrap();
+    let healed = Instant::now();
+    let n = std::sync::atomic::AtomicUsize::new(0);
+    let back = eventually(Duration::from_secs(60), "the engine readmitted", || async {
+        // New prompts: a repeated one would stay on the engine holding it.
+        let k = n.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let reply = post(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(7_000 + k * 40, 30), false, 2),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        (reply.endpoint() == broken).then(|| healed.elapsed())
+    })
+    .await;
+    eprintln!("FIGURE broken-engine: readmitted {back:?} after it was repaired");
     r.shutdown().await;
 }
 
