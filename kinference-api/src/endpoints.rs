@@ -179,10 +179,17 @@ pub fn read<'a>(
                 .map_err(|e| out.kv_port_errors.push(e))
                 .ok()
         });
+        // A replay port number is the pod's own (replay sockets are seldom
+        // Service ports); a name must be one of the slice's.
         let replay = replay_port.and_then(|k| {
-            resolve_port(k, ports)
-                .map_err(|e| out.kv_port_errors.push(e))
-                .ok()
+            let listed = match as_number(k) {
+                Some(n) => u16::try_from(n)
+                    .ok()
+                    .filter(|p| *p != 0)
+                    .ok_or(PortError::OutOfRange(n)),
+                None => resolve_port(k, ports),
+            };
+            listed.map_err(|e| out.kv_port_errors.push(e)).ok()
         });
         for ep in &slice.endpoints {
             let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);

@@ -13,7 +13,7 @@
 //! from YAML manifests for running without a cluster ([`manifests`]), and
 //! the engines' own HTTP answers (`/v1/models`, `/metrics`,
 //! `/kv_event_sources`, `/server_info`) as both binaries read them
-//! ([`engine`]).
+//! ([`engine`]), and durations as the flags write them ([`duration`]).
 //!
 //! This crate does no I/O. It depends on `k8s-openapi` without choosing a
 //! Kubernetes version feature; binaries choose one (kinference supports
@@ -41,6 +41,7 @@ pub mod conditions;
 pub mod conflicts;
 pub mod crds;
 mod diagnosis;
+pub mod duration;
 pub mod endpoints;
 pub mod engine;
 pub mod manifests;

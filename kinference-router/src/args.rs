@@ -6,13 +6,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use clap::builder::TypedValueParser as _;
 use clap::{Args as ClapArgs, Parser, Subcommand, ValueEnum};
 use kinference_scoring::PolicyName;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
 use crate::catalog::{Catalog, PoolRef};
-use crate::config::{Config, ProbeIntervals, defaults};
+use crate::config::{Config, ProbeIntervals, defaults, parse_duration};
 use crate::state::Shared;
 
 /// The kinference router.
@@ -32,6 +33,10 @@ pub struct Args {
         env = "KINFERENCE_LOG_FORMAT"
     )]
     pub log_format: LogFormat,
+    /// What to log: a level (`info`) or per-module directives
+    /// (`info,kinference_router=debug`), as `RUST_LOG` takes them.
+    #[arg(long, global = true, env = "KINFERENCE_LOG", default_value = "info")]
+    pub log: String,
     /// What to do.
     #[command(subcommand)]
     pub command: Command,
@@ -61,30 +66,53 @@ pub enum Command {
     },
 }
 
+fn policy_names() -> Vec<&'static str> {
+    PolicyName::ALL.iter().map(|p| p.as_str()).collect()
+}
+
+fn parse_policy(s: &str) -> Result<PolicyName, String> {
+    s.parse()
+        .map_err(|e: kinference_scoring::UnknownPolicy| e.to_string())
+}
+
 /// `serve`.
 #[derive(ClapArgs, Debug, Clone)]
 pub struct ServeArgs {
-    /// The InferencePool to serve: NAME or NAMESPACE/NAME (namespace `default` when omitted).
-    #[arg(long, env = "KINFERENCE_POOL")]
-    pub pool: String,
+    /// The InferencePool to serve: NAME or NAMESPACE/NAME (namespace
+    /// `default` when omitted). Not needed with `--engine`.
+    #[arg(long, env = "KINFERENCE_POOL", required_unless_present = "engine")]
+    pub pool: Option<String>,
     /// Read the pool's objects from this directory of YAML files (reloaded on
     /// change) instead of watching Kubernetes.
-    #[arg(long, env = "KINFERENCE_MANIFESTS")]
+    #[arg(long, env = "KINFERENCE_MANIFESTS", conflicts_with = "engine")]
     pub manifests: Option<PathBuf>,
+    /// Quick start without any YAML or cluster: route to these engines'
+    /// OpenAI APIs (repeat the flag, e.g. `--engine http://10.0.0.5:8000`).
+    /// Their models are discovered; their KV events are read from
+    /// `/kv_event_sources` (vLLM ≥ 0.31), SGLang's `/server_info`, or
+    /// `--kv-port`.
+    #[arg(long, value_name = "URL")]
+    pub engine: Vec<String>,
+    /// With `--engine`: the engines' KV-event port when they do not say
+    /// (vLLM's and SGLang's default is 5557).
+    #[arg(long, requires = "engine", default_value_t = 5557)]
+    pub kv_port: u16,
+    /// With `--engine`: the width of the engines' KV-event blocks.
+    #[arg(long, requires = "engine", default_value_t = 16)]
+    pub kv_block_size: u32,
     /// Address of the OpenAI API.
     #[arg(long, env = "KINFERENCE_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
     /// Address of metrics, health and debug pages.
-    #[arg(long, env = "KINFERENCE_ADMIN", default_value = "0.0.0.0:9090")]
-    pub admin: SocketAddr,
-    /// Routing policy: kinference (ours), or a baseline for comparisons:
-    /// round-robin, least-inflight, llm-d-blend, llm-d-default, dynamo-cost,
-    /// sglang-cache-aware.
-    #[arg(long, env = "KINFERENCE_POLICY", default_value = "kinference")]
-    pub policy: String,
+    #[arg(long, env = "KINFERENCE_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
+    pub admin_addr: SocketAddr,
+    /// Routing policy: kinference (ours), or a baseline for comparisons.
+    #[arg(long, env = "KINFERENCE_POLICY", default_value = "kinference",
+          value_parser = clap::builder::PossibleValuesParser::new(policy_names()).map(|s: String| parse_policy(&s).expect("listed")))]
+    pub policy: PolicyName,
     /// Longest wait for a request's token ids before routing on load alone.
-    #[arg(long, env = "KINFERENCE_TOKENIZE_TIMEOUT_MS", default_value_t = defaults::TOKENIZE_TIMEOUT.as_millis() as u64)]
-    pub tokenize_timeout_ms: u64,
+    #[arg(long, env = "KINFERENCE_TOKENIZE_TIMEOUT", default_value = defaults::TOKENIZE_TIMEOUT, value_parser = parse_duration)]
+    pub tokenize_timeout: Duration,
     /// Request bodies up to this many bytes are tokenized in place; larger
     /// ones on the blocking pool, under the tokenize timeout.
     #[arg(long, env = "KINFERENCE_TOKENIZE_INLINE_BYTES", default_value_t = defaults::TOKENIZE_INLINE_BYTES)]
@@ -93,21 +121,23 @@ pub struct ServeArgs {
     #[arg(long, env = "KINFERENCE_BODY_LIMIT", default_value_t = defaults::BODY_LIMIT)]
     pub body_limit: usize,
     /// Longest wait for an engine's response headers, and between two
-    /// chunks of a streamed response, seconds.
-    #[arg(long, env = "KINFERENCE_UPSTREAM_TIMEOUT_S", default_value_t = defaults::UPSTREAM_TIMEOUT.as_secs())]
-    pub upstream_timeout_s: u64,
-    /// The replay port is the KV-event port plus this (0: no replay).
+    /// chunks of a streamed response.
+    #[arg(long, env = "KINFERENCE_UPSTREAM_TIMEOUT", default_value = defaults::UPSTREAM_TIMEOUT, value_parser = parse_duration)]
+    pub upstream_timeout: Duration,
+    /// When neither the engines nor `kvEvents.replayPort` say where replay
+    /// is: the KV-event port plus this (0: no replay).
     #[arg(long, env = "KINFERENCE_KV_REPLAY_OFFSET", default_value_t = defaults::KV_REPLAY_OFFSET)]
     pub kv_replay_offset: u16,
-    /// Seconds between /metrics scrapes of each engine.
-    #[arg(long, env = "KINFERENCE_SCRAPE_INTERVAL_S", default_value_t = defaults::SCRAPE_INTERVAL.as_secs_f64())]
-    pub scrape_interval_s: f64,
-    /// Seconds between /v1/models calls to each engine.
-    #[arg(long, env = "KINFERENCE_DISCOVERY_INTERVAL_S", default_value_t = defaults::DISCOVERY_INTERVAL.as_secs_f64())]
-    pub discovery_interval_s: f64,
-    /// Seconds to let requests in flight finish at shutdown.
-    #[arg(long, env = "KINFERENCE_DRAIN_S", default_value_t = defaults::DRAIN.as_secs())]
-    pub drain_s: u64,
+    /// Between /health and /metrics probes of each engine.
+    #[arg(long, env = "KINFERENCE_SCRAPE_INTERVAL", default_value = defaults::SCRAPE_INTERVAL, value_parser = parse_duration)]
+    pub scrape_interval: Duration,
+    /// Between /v1/models and /version calls to each engine.
+    #[arg(long, env = "KINFERENCE_DISCOVERY_INTERVAL", default_value = defaults::DISCOVERY_INTERVAL, value_parser = parse_duration)]
+    pub discovery_interval: Duration,
+    /// Time requests in flight get to finish at shutdown (long generations
+    /// take minutes).
+    #[arg(long, env = "KINFERENCE_DRAIN", default_value = defaults::DRAIN, value_parser = parse_duration)]
+    pub drain: Duration,
     /// Seed of the tie-breaking random source.
     #[arg(long, env = "KINFERENCE_SEED", default_value_t = defaults::SEED)]
     pub seed: u64,
@@ -116,19 +146,24 @@ pub struct ServeArgs {
     /// half the container's memory limit, or 50 000 000 without one.
     #[arg(long, env = "KINFERENCE_KV_INDEX_MAX_ENTRIES")]
     pub kv_index_max_entries: Option<u64>,
-    /// Longest wait for a request's headers, seconds.
-    #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT_S", default_value_t = defaults::HEADER_READ_TIMEOUT.as_secs())]
-    pub header_read_timeout_s: u64,
-    /// Longest wait for a request's body, seconds.
-    #[arg(long, env = "KINFERENCE_BODY_READ_TIMEOUT_S", default_value_t = defaults::BODY_READ_TIMEOUT.as_secs())]
-    pub body_read_timeout_s: u64,
+    /// Longest wait for a request's headers.
+    #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT", default_value = defaults::HEADER_READ_TIMEOUT, value_parser = parse_duration)]
+    pub header_read_timeout: Duration,
+    /// Longest wait for a request's body.
+    #[arg(long, env = "KINFERENCE_BODY_READ_TIMEOUT", default_value = defaults::BODY_READ_TIMEOUT, value_parser = parse_duration)]
+    pub body_read_timeout: Duration,
     /// Most client connections served at once (more wait to be accepted).
     #[arg(long, env = "KINFERENCE_MAX_CONNECTIONS", default_value_t = defaults::MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Let clients ask for the routing decision with `x-kinference-debug`
-    /// (it names endpoints and their load).
+    /// (it names endpoints, their addresses and load: off by default).
     #[arg(long, env = "KINFERENCE_DEBUG_HEADERS", default_value_t = defaults::DEBUG_HEADERS, action = clap::ArgAction::Set)]
     pub debug_headers: bool,
+    /// Log one line per request (id, model, worker set, engine, status,
+    /// tokens, TTFT, duration; never the prompt) at target
+    /// `kinference::access`, whatever `--log` says for the rest.
+    #[arg(long, env = "KINFERENCE_ACCESS_LOG")]
+    pub access_log: bool,
 }
 
 /// `tokenize`.
@@ -210,7 +245,13 @@ impl Args {
     /// # Errors
     /// What the command fails with.
     pub async fn run(self) -> Result<(), Error> {
-        init_logging(self.log_format);
+        let mut directives = self.log.clone();
+        if let Command::Serve(a) = &self.command
+            && a.access_log
+        {
+            directives.push_str(",kinference::access=info");
+        }
+        init_logging(self.log_format, &directives);
         match self.command {
             Command::Serve(a) => serve(*a).await,
             Command::Tokenize(a) => tokenize(&a),
@@ -219,8 +260,8 @@ impl Args {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+fn init_logging(format: LogFormat, directives: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(directives)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -237,29 +278,23 @@ impl ServeArgs {
     /// # Errors
     /// An unknown policy name.
     pub fn config(&self) -> Result<Config, Error> {
-        let policy: PolicyName = self
-            .policy
-            .parse()
-            .map_err(|e: kinference_scoring::UnknownPolicy| Error::Usage(e.to_string()))?;
-        let secs = |s: f64, what: &str| {
-            if s.is_finite() && s > 0.0 {
-                Ok(Duration::from_secs_f64(s))
+        let positive = |d: Duration, what: &str| {
+            if d.is_zero() {
+                Err(Error::Usage(format!("{what} must be longer than 0")))
             } else {
-                Err(Error::Usage(format!(
-                    "{what} must be a positive number of seconds"
-                )))
+                Ok(d)
             }
         };
         Ok(Config {
-            drain: Duration::from_secs(self.drain_s),
-            policy,
+            drain: self.drain,
+            policy: self.policy,
             body_limit: self.body_limit,
-            tokenize_timeout: Duration::from_millis(self.tokenize_timeout_ms),
+            tokenize_timeout: self.tokenize_timeout,
             tokenize_inline_bytes: self.tokenize_inline_bytes,
-            upstream_timeout: Duration::from_secs(self.upstream_timeout_s),
+            upstream_timeout: positive(self.upstream_timeout, "--upstream-timeout")?,
             probes: ProbeIntervals {
-                models: secs(self.discovery_interval_s, "--discovery-interval-s")?,
-                metrics: secs(self.scrape_interval_s, "--scrape-interval-s")?,
+                models: positive(self.discovery_interval, "--discovery-interval")?,
+                metrics: positive(self.scrape_interval, "--scrape-interval")?,
                 ..ProbeIntervals::default()
             },
             kv_replay_offset: self.kv_replay_offset,
@@ -267,10 +302,11 @@ impl ServeArgs {
             kv_max_entries: self.kv_index_max_entries.unwrap_or_else(|| {
                 crate::config::default_kv_max_entries(crate::config::memory_limit())
             }),
-            header_read_timeout: Duration::from_secs(self.header_read_timeout_s.max(1)),
-            body_read_timeout: Duration::from_secs(self.body_read_timeout_s.max(1)),
+            header_read_timeout: self.header_read_timeout.max(Duration::from_secs(1)),
+            body_read_timeout: self.body_read_timeout.max(Duration::from_secs(1)),
             max_connections: self.max_connections.max(1),
             debug_headers: self.debug_headers,
+            access_log: self.access_log,
             ..Config::default()
         })
     }
@@ -298,17 +334,18 @@ pub struct Running {
 /// Bad flags, ports in use, an unreadable manifests directory, no cluster.
 pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, Error> {
     let config = args.config()?;
-    let pool = PoolRef::parse(&args.pool).map_err(Error::Usage)?;
+    let pool = PoolRef::parse(args.pool.as_deref().unwrap_or(crate::source::QUICK_POOL))
+        .map_err(Error::Usage)?;
     let api = tokio::net::TcpListener::bind(args.listen)
         .await
         .map_err(|source| Error::Bind {
             addr: args.listen,
             source,
         })?;
-    let admin = tokio::net::TcpListener::bind(args.admin)
+    let admin = tokio::net::TcpListener::bind(args.admin_addr)
         .await
         .map_err(|source| Error::Bind {
-            addr: args.admin,
+            addr: args.admin_addr,
             source,
         })?;
     let api_addr = api.local_addr().map_err(|source| Error::Bind {
@@ -316,7 +353,7 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
         source,
     })?;
     let admin_addr = admin.local_addr().map_err(|source| Error::Bind {
-        addr: args.admin,
+        addr: args.admin_addr,
         source,
     })?;
     tracing::info!(%pool, listen = %api_addr, admin = %admin_addr, policy = config.policy.as_str(), "starting");
@@ -324,7 +361,11 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
     let (catalog, snapshots) = Catalog::new(pool);
     let catalog = Arc::new(Mutex::new(catalog));
     let shared = Shared::new(config, stop.clone());
-    if let Some(dir) = &args.manifests {
+    if !args.engine.is_empty() {
+        let objects = crate::source::quick_objects(&args.engine, args.kv_port, args.kv_block_size)
+            .map_err(Error::Usage)?;
+        crate::source::reset_from(&mut *catalog.lock().await, objects);
+    } else if let Some(dir) = &args.manifests {
         crate::source::watch_manifests(
             dir.clone(),
             catalog.clone(),
@@ -472,11 +513,17 @@ async fn events(command: EventsCommand) -> Result<(), Error> {
 mod tests {
     use super::*;
 
+    fn serve(argv: &[&str]) -> Result<ServeArgs, clap::Error> {
+        let a = Args::try_parse_from(["kinference-router", "serve"].iter().chain(argv))?;
+        match a.command {
+            Command::Serve(s) => Ok(*s),
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[test]
     fn flags_and_env() {
-        let a = Args::try_parse_from([
-            "kinference-router",
-            "serve",
+        let s = serve(&[
             "--pool",
             "ns/p",
             "--manifests",
@@ -485,30 +532,72 @@ mod tests {
             "round-robin",
         ])
         .unwrap();
-        let Command::Serve(s) = a.command else {
-            panic!()
-        };
         assert_eq!(s.listen.to_string(), "0.0.0.0:8080");
-        assert_eq!(s.admin.to_string(), "0.0.0.0:9090");
+        assert_eq!(s.admin_addr.to_string(), "0.0.0.0:9090");
         let c = s.config().unwrap();
         assert_eq!(c.policy, PolicyName::RoundRobin);
+        assert_eq!(c.drain, Duration::from_secs(30));
+        assert_eq!(c.upstream_timeout, Duration::from_secs(600));
+        assert!(!c.debug_headers);
 
-        let a = Args::try_parse_from([
-            "kinference-router",
-            "serve",
-            "--pool",
-            "p",
-            "--policy",
-            "best",
+        // An unknown policy is refused while parsing, naming the choices.
+        let e = serve(&["--pool", "p", "--policy", "best"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("best") && e.contains("round-robin"), "{e}");
+        // A pool or engines are needed (unless the environment names a pool).
+        assert!(serve(&[]).is_err() || std::env::var_os("KINFERENCE_POOL").is_some());
+    }
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        let s = serve(&[
+            "--pool=p",
+            "--drain=10m",
+            "--tokenize-timeout=1s",
+            "--scrape-interval=500ms",
+            "--upstream-timeout=1h 30m",
         ])
         .unwrap();
-        let Command::Serve(s) = a.command else {
-            panic!()
-        };
-        assert!(s.config().unwrap_err().to_string().contains("best"));
+        let c = s.config().unwrap();
+        assert_eq!(c.drain, Duration::from_secs(600));
+        assert_eq!(c.tokenize_timeout, Duration::from_secs(1));
+        assert_eq!(c.probes.metrics, Duration::from_millis(500));
+        assert_eq!(c.upstream_timeout, Duration::from_secs(5400));
+        let e = serve(&["--pool=p", "--drain=soon"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--drain") && e.contains("30s"), "{e}");
+        let zero = serve(&["--pool=p", "--upstream-timeout=0s"]).unwrap();
         assert!(
-            Args::try_parse_from(["kinference-router", "serve"]).is_err()
-                || std::env::var_os("KINFERENCE_POOL").is_some()
+            zero.config()
+                .unwrap_err()
+                .to_string()
+                .contains("--upstream-timeout")
         );
+    }
+
+    #[test]
+    fn quick_mode_needs_no_pool() {
+        let s = serve(&[
+            "--engine",
+            "http://127.0.0.1:8000",
+            "--engine",
+            "http://[::1]:8001",
+        ])
+        .unwrap();
+        assert_eq!(s.pool, None);
+        assert_eq!(s.engine.len(), 2);
+        assert!(serve(&["--engine", "http://e:1", "--manifests", "/m"]).is_err());
+        assert!(
+            serve(&["--pool=p", "--kv-port=5558"]).is_err(),
+            "--kv-port needs --engine"
+        );
+    }
+
+    #[test]
+    fn clap_is_consistent() {
+        use clap::CommandFactory;
+        Args::command().debug_assert();
     }
 }

@@ -13,28 +13,31 @@ use kinference_scoring::PolicyName;
 pub mod defaults {
     use std::time::Duration;
 
+    // Durations are written as the command line takes them (see
+    // [`super::parse_duration`]); [`super::duration`] reads them.
+
     /// Largest request body accepted (32 MiB: long agent contexts with
     /// tool results fit; a client sending more gets a 413).
     pub const BODY_LIMIT: usize = 32 << 20;
     /// Longest wait for a request's token ids before routing on load alone.
-    pub const TOKENIZE_TIMEOUT: Duration = Duration::from_millis(250);
+    pub const TOKENIZE_TIMEOUT: &str = "250ms";
     /// Bodies up to this size are tokenized on the I/O thread (a few
     /// microseconds with the prefix cache warm); larger ones on the
     /// blocking pool under the timeout.
     pub const TOKENIZE_INLINE_BYTES: usize = 16 << 10;
     /// Longest wait for an engine's response headers, and between two
     /// chunks of a streamed response.
-    pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(600);
+    pub const UPSTREAM_TIMEOUT: &str = "10m";
     /// Attempts per request on different endpoints.
     pub const MAX_ATTEMPTS: usize = 3;
     /// The replay port is the KV-event port plus this when neither the
     /// engine nor the worker set says. 0: none, as vLLM and SGLang start
     /// without a replay socket unless configured.
     pub const KV_REPLAY_OFFSET: u16 = 0;
-    /// Between `/metrics` scrapes of each engine.
-    pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(5);
-    /// Between `/v1/models` calls to each engine.
-    pub const DISCOVERY_INTERVAL: Duration = Duration::from_secs(30);
+    /// Between `/health` and `/metrics` probes of each engine.
+    pub const SCRAPE_INTERVAL: &str = "5s";
+    /// Between `/v1/models` and `/version` calls to each engine.
+    pub const DISCOVERY_INTERVAL: &str = "30s";
     /// Per probe call.
     pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
     /// Connecting to an engine (requests and probes).
@@ -55,19 +58,31 @@ pub mod defaults {
     /// default (the rest: connections, buffers, tokenizer caches).
     pub const KV_INDEX_MEMORY_SHARE: f64 = 0.5;
     /// Longest wait for a request's headers on the serving port.
-    pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const HEADER_READ_TIMEOUT: &str = "30s";
     /// Longest wait for a request's body.
-    pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(60);
+    pub const BODY_READ_TIMEOUT: &str = "60s";
     /// Most client connections served at once.
     pub const MAX_CONNECTIONS: usize = 20_000;
-    /// Time requests in flight get to finish at shutdown.
-    pub const DRAIN: Duration = Duration::from_secs(30);
-    /// Whether clients may ask for the decision in response headers.
-    pub const DEBUG_HEADERS: bool = true;
+    /// Time requests in flight get to finish at shutdown (the chart gives
+    /// minutes: long generations).
+    pub const DRAIN: &str = "30s";
+    /// Whether clients may ask for the decision in response headers (they
+    /// name endpoints, their addresses and load: off unless asked for).
+    pub const DEBUG_HEADERS: bool = false;
     /// Bytes of block keys kept per worker set for prompts seen before
     /// ([`crate::memo`]; 16 bytes per block: 32 MiB hold about two
     /// million blocks).
     pub const ROUTE_MEMO_BYTES: usize = 32 << 20;
+}
+
+pub use kinference_api::duration::parse_duration;
+
+/// A default duration of [`defaults`].
+///
+/// # Panics
+/// When a default is not a duration (a test checks they all are).
+pub fn duration(text: &str) -> Duration {
+    parse_duration(text).expect("the defaults are durations")
 }
 
 /// How often and how patiently engines are probed.
@@ -84,8 +99,8 @@ pub struct ProbeIntervals {
 impl Default for ProbeIntervals {
     fn default() -> Self {
         Self {
-            models: defaults::DISCOVERY_INTERVAL,
-            metrics: defaults::SCRAPE_INTERVAL,
+            models: duration(defaults::DISCOVERY_INTERVAL),
+            metrics: duration(defaults::SCRAPE_INTERVAL),
             timeout: defaults::PROBE_TIMEOUT,
         }
     }
@@ -137,6 +152,9 @@ pub struct Config {
     pub drain: Duration,
     /// Whether `x-kinference-debug` may ask for the decision in headers.
     pub debug_headers: bool,
+    /// Whether each request writes an access-log line (target
+    /// `kinference::access`; no prompts).
+    pub access_log: bool,
 }
 
 impl Default for Config {
@@ -144,9 +162,9 @@ impl Default for Config {
         Self {
             policy: PolicyName::Kinference,
             body_limit: defaults::BODY_LIMIT,
-            tokenize_timeout: defaults::TOKENIZE_TIMEOUT,
+            tokenize_timeout: duration(defaults::TOKENIZE_TIMEOUT),
             tokenize_inline_bytes: defaults::TOKENIZE_INLINE_BYTES,
-            upstream_timeout: defaults::UPSTREAM_TIMEOUT,
+            upstream_timeout: duration(defaults::UPSTREAM_TIMEOUT),
             max_attempts: defaults::MAX_ATTEMPTS,
             probes: ProbeIntervals::default(),
             connect_timeout: defaults::CONNECT_TIMEOUT,
@@ -156,11 +174,12 @@ impl Default for Config {
             seed: defaults::SEED,
             prefix_ttl: defaults::PREFIX_TTL,
             kv_max_entries: defaults::KV_INDEX_MAX_ENTRIES,
-            header_read_timeout: defaults::HEADER_READ_TIMEOUT,
-            body_read_timeout: defaults::BODY_READ_TIMEOUT,
+            header_read_timeout: duration(defaults::HEADER_READ_TIMEOUT),
+            body_read_timeout: duration(defaults::BODY_READ_TIMEOUT),
             max_connections: defaults::MAX_CONNECTIONS,
-            drain: defaults::DRAIN,
+            drain: duration(defaults::DRAIN),
             debug_headers: defaults::DEBUG_HEADERS,
+            access_log: false,
         }
     }
 }
@@ -192,6 +211,21 @@ pub fn default_kv_max_entries(limit: Option<u64>) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_default_duration_parses() {
+        for d in [
+            defaults::TOKENIZE_TIMEOUT,
+            defaults::UPSTREAM_TIMEOUT,
+            defaults::SCRAPE_INTERVAL,
+            defaults::DISCOVERY_INTERVAL,
+            defaults::HEADER_READ_TIMEOUT,
+            defaults::BODY_READ_TIMEOUT,
+            defaults::DRAIN,
+        ] {
+            assert!(parse_duration(d).is_ok(), "{d}");
+        }
+    }
 
     #[test]
     fn the_index_budget_follows_the_memory_limit() {

@@ -62,6 +62,32 @@ pub struct Manifests {
     pub ignored: Vec<String>,
 }
 
+impl Manifests {
+    /// Adds `o`, read from a file in `base` (a relative tokenizer path is
+    /// relative to it).
+    fn push(&mut self, o: Object, base: &Path) {
+        match o {
+            Object::Pool(o) => self.pools.push(*o),
+            Object::WorkerSet(o) => self.worker_sets.push(*o),
+            Object::Profile(mut o) => {
+                if let Some(p) = o
+                    .spec
+                    .tokenization
+                    .tokenizer
+                    .as_mut()
+                    .and_then(|t| t.path.as_mut())
+                    && Path::new(p.as_str()).is_relative()
+                {
+                    *p = base.join(p.as_str()).display().to_string();
+                }
+                self.profiles.push(*o);
+            }
+            Object::EndpointSlice(o) => self.slices.push(*o),
+            other @ Object::Other { .. } => self.ignored.push(other.describe()),
+        }
+    }
+}
+
 fn yaml_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), ManifestsError> {
     let read_err = |source| ManifestsError::Read {
         path: dir.to_path_buf(),
@@ -116,32 +142,9 @@ pub fn load_manifests(dir: &Path) -> Result<Manifests, ManifestsError> {
             path: path.clone(),
             source,
         })?;
+        let base = path.parent().unwrap_or(dir);
         for o in objects {
-            match o {
-                Object::Pool(o) => out.pools.push(*o),
-                Object::WorkerSet(o) => out.worker_sets.push(*o),
-                Object::Profile(mut o) => {
-                    // A relative tokenizer path is relative to the file's directory.
-                    if let Some(p) = o
-                        .spec
-                        .tokenization
-                        .tokenizer
-                        .as_mut()
-                        .and_then(|t| t.path.as_mut())
-                        && Path::new(p.as_str()).is_relative()
-                    {
-                        *p = path
-                            .parent()
-                            .unwrap_or(dir)
-                            .join(p.as_str())
-                            .display()
-                            .to_string();
-                    }
-                    out.profiles.push(*o);
-                }
-                Object::EndpointSlice(o) => out.slices.push(*o),
-                other @ Object::Other { .. } => out.ignored.push(other.describe()),
-            }
+            out.push(o, base);
         }
     }
     Ok(out)
@@ -153,6 +156,67 @@ pub fn reset_from(catalog: &mut Catalog, m: Manifests) {
     catalog.reset_worker_sets(m.worker_sets);
     catalog.reset_profiles(m.profiles);
     catalog.reset_slices(m.slices);
+}
+
+/// The pool the quick mode (`--engine URL`) serves.
+pub const QUICK_POOL: &str = "default/quick";
+
+/// The objects of the quick mode: a pool `quick` with one worker set
+/// `engines` (built-in `default` profile, block width `kv_block_size`, KV
+/// events on `kv_port` unless the engines say otherwise) whose ready
+/// endpoints are `engines` (`http://host:port` each), checked as any
+/// manifest is.
+///
+/// # Errors
+/// An engine that is not an `http://host:port` URL.
+pub fn quick_objects(
+    engines: &[String],
+    kv_port: u16,
+    kv_block_size: u32,
+) -> Result<Manifests, String> {
+    use std::fmt::Write as _;
+    let mut yaml = String::from(
+        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferencePool\nmetadata: {name: quick, namespace: default}\nspec: {workerSets: [{name: engines}]}\n---\n",
+    );
+    let _ = write!(
+        yaml,
+        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: engines, namespace: default}}\nspec:\n  profile: default\n  kvBlockSize: {kv_block_size}\n  serviceRef: {{name: engines, port: http}}\n  kvEvents: {{port: kv}}\n---\n"
+    );
+    for (i, url) in engines.iter().enumerate() {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e| format!("--engine {url:?}: not a URL: {e}"))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(format!(
+                "--engine {url:?}: write it as http://HOST:PORT (engines speak plain HTTP)"
+            ));
+        }
+        let host = uri
+            .host()
+            .filter(|h| !h.is_empty())
+            .ok_or_else(|| format!("--engine {url:?}: no host"))?
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned();
+        let port = uri.port_u16().unwrap_or(80);
+        let kind = if host.parse::<std::net::Ipv6Addr>().is_ok() {
+            "IPv6"
+        } else if host.parse::<std::net::Ipv4Addr>().is_ok() {
+            "IPv4"
+        } else {
+            "FQDN"
+        };
+        let kv = format!(", {{name: kv, port: {kv_port}}}");
+        let _ = write!(
+            yaml,
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: engine-{i}\n  namespace: default\n  labels: {{kubernetes.io/service-name: engines}}\naddressType: {kind}\nports: [{{name: http, port: {port}}}{kv}]\nendpoints:\n  - addresses: [\"{host}\"]\n    conditions: {{ready: true}}\n---\n"
+        );
+    }
+    let mut out = Manifests::default();
+    for o in manifests::parse(&yaml).map_err(|e| e.to_string())? {
+        out.push(o, Path::new("."));
+    }
+    Ok(out)
 }
 
 /// Loads `dir` into the catalog now, then reloads it whenever its files
@@ -341,4 +405,49 @@ where
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+
+    #[test]
+    fn quick_objects_name_each_engine() {
+        let m = quick_objects(
+            &[
+                "http://10.0.0.5:8000".into(),
+                "http://[fd00::7]:8001".into(),
+                "http://vllm-0.vllm:8000".into(),
+            ],
+            5557,
+            32,
+        )
+        .unwrap();
+        assert_eq!(m.pools.len(), 1);
+        assert_eq!(m.pools[0].name_any(), "quick");
+        assert_eq!(m.worker_sets[0].spec.kv_block_size, 32);
+        let e = kinference_api::endpoints::read(
+            &m.slices,
+            &IntOrString::String("http".into()),
+            Some(&IntOrString::String("kv".into())),
+            None,
+        );
+        let got: Vec<(&str, u16, Option<u16>)> = e
+            .ready
+            .iter()
+            .map(|r| (r.address.as_str(), r.http_port, r.kv_port))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("10.0.0.5", 8000, Some(5557)),
+                ("fd00::7", 8001, Some(5557)),
+                ("vllm-0.vllm", 8000, Some(5557))
+            ]
+        );
+        for bad in ["https://e:1", "not a url", "http://:80", "10.0.0.5:8000"] {
+            assert!(quick_objects(&[bad.into()], 5557, 16).is_err(), "{bad}");
+        }
+    }
 }

@@ -493,7 +493,7 @@ async fn an_engine_that_accepts_connections_and_never_answers() {
     // probes that time out eject it for new requests, but never abandon
     // the requests already waiting (a busy engine answers probes late too,
     // and is still working on them).
-    for timeout in ["2", "8"] {
+    for timeout in ["2s", "8s"] {
         let sims = engines(2, |_| {}).await;
         let (hole, hole_task) = black_hole().await;
         let mut addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
@@ -501,7 +501,7 @@ async fn an_engine_that_accepts_connections_and_never_answers() {
         let r = router(
             &addrs,
             &WorkerSetOpts::default(),
-            &["--upstream-timeout-s", timeout],
+            &["--upstream-timeout", timeout],
         )
         .await;
         // The hung engine never lists its models; wait for the two others.
@@ -514,12 +514,12 @@ async fn an_engine_that_accepts_connections_and_never_answers() {
             &r,
             &hole.to_string(),
             "",
-            &format!("hung-engine (black hole, upstream timeout {timeout} s)"),
-            Duration::from_secs(timeout.parse().unwrap()),
+            &format!("hung-engine (black hole, upstream timeout {timeout})"),
+            kinference_api::duration::parse_duration(timeout).unwrap(),
         )
         .await;
         eprintln!(
-            "FIGURE hung-engine (black hole, upstream timeout {timeout} s): retried elsewhere after probes found it unreachable: {}",
+            "FIGURE hung-engine (black hole, upstream timeout {timeout}): retried elsewhere after probes found it unreachable: {}",
             retries(&r, "down")
         );
         hole_task.abort();
@@ -536,7 +536,7 @@ async fn an_engine_whose_core_hangs() {
     let r = router(
         &addrs,
         &WorkerSetOpts::default(),
-        &["--upstream-timeout-s", "2"],
+        &["--upstream-timeout", "2s"],
     )
     .await;
     wait_routable(&r, 3, true).await;

@@ -68,10 +68,10 @@ async fn the_router_follows_the_cluster() {
         &format!("{ns}/chat"),
         "--listen",
         "127.0.0.1:0",
-        "--admin",
+        "--admin-addr",
         "127.0.0.1:0",
-        "--drain-s",
-        "1",
+        "--drain",
+        "1s",
     ])
     .unwrap();
     let Command::Serve(serve) = args.command else {

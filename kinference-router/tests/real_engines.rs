@@ -463,3 +463,59 @@ async fn after_a_router_restart_the_index_converges_on_a_warm_fleet() {
     assert_eq!(after, truth_after);
     r.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quick_mode_routes_to_engines_named_on_the_command_line() {
+    // `serve --engine URL …`: no YAML, no cluster. A vLLM 0.31 engine says
+    // where its events are (/kv_event_sources); a vLLM 0.30 one does not,
+    // and `--kv-port` names its port.
+    let new = engines(1, |c| c.engine_mode = vllm(31)).await.remove(0);
+    let old = engines(1, |c| {
+        c.seed = 1;
+        c.engine_mode = vllm(30);
+        c.kv_events = c.kv_events.take().map(KvEventsConfig::without_replay);
+    })
+    .await
+    .remove(0);
+    let url = |s: &kinference_sim::SimHandle| format!("http://{}", s.http_addr());
+    let (new_url, old_url) = (url(&new), url(&old));
+    let kv_port = old.kv_addr().expect("KV events").port().to_string();
+    let r = serve(
+        tempfile::tempdir().unwrap(),
+        &[
+            "--engine",
+            &new_url,
+            "--engine",
+            &old_url,
+            "--kv-port",
+            &kv_port,
+        ],
+    )
+    .await;
+    wait_routable(&r, 2, true).await;
+    // Both engines' events reach the index.
+    for (k, sim) in [(0, &new), (1, &old)] {
+        let p = prompt(40 + k, 6);
+        let direct = post_direct(sim, &p).await;
+        assert_eq!(direct, 200);
+        eventually(Duration::from_secs(10), "blocks indexed", || async {
+            let (router, truth) = depths(&r, sim, &p);
+            (router > 0 && router == truth).then_some(())
+        })
+        .await;
+    }
+    // And the router serves the engines' model through them.
+    send_prompt(&r, &prompt(50, 4)).await;
+    r.shutdown().await;
+}
+
+/// Sends `ids` to `sim` directly (not through the router): the status.
+async fn post_direct(sim: &kinference_sim::SimHandle, ids: &[u32]) -> u16 {
+    post(
+        sim.http_addr(),
+        "/v1/completions",
+        &serde_json::json!({"model": MODEL, "prompt": ids, "max_tokens": 2}),
+    )
+    .await
+    .status
+}

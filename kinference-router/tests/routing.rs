@@ -363,7 +363,7 @@ async fn problems_are_shown_and_slow_clients_are_cut_off() {
     let r = router(
         &[EngineAddr::of(&sims[0])],
         &WorkerSetOpts::default(),
-        &["--body-read-timeout-s", "1", "--debug-headers", "false"],
+        &["--body-read-timeout", "1s", "--debug-headers", "false"],
     )
     .await;
     wait_routable(&r, 1, true).await;

@@ -215,8 +215,11 @@ pub(crate) fn serve_args(
         pool,
         "--listen",
         listen,
-        "--admin",
+        "--admin-addr",
         admin,
+        // The benchmarks read each decision's explanation from its response.
+        "--debug-headers",
+        "true",
     ]
     .iter()
     .map(ToString::to_string)

@@ -162,30 +162,40 @@ impl Router {
 pub async fn router(engines: &[EngineAddr], opts: &WorkerSetOpts, extra_flags: &[&str]) -> Router {
     let dir = tempfile::tempdir().expect("temp dir");
     write_manifests(dir.path(), &manifests_yaml(engines, opts));
+    let path = dir.path().to_str().expect("utf-8 path").to_owned();
+    let mut flags = vec!["--pool", "test", "--manifests", &path];
+    flags.extend_from_slice(extra_flags);
+    serve(dir, &flags).await
+}
+
+/// Starts `kinference-router serve` with `flags` (after the tests' own
+/// listen addresses, probe intervals and drain); `dir` lives as long as it.
+pub async fn serve(dir: tempfile::TempDir, flags: &[&str]) -> Router {
     let mut argv: Vec<String> = [
         "kinference-router",
         "serve",
-        "--pool",
-        "test",
-        "--manifests",
-        dir.path().to_str().expect("utf-8 path"),
         "--listen",
         "127.0.0.1:0",
-        "--admin",
+        "--admin-addr",
         "127.0.0.1:0",
-        "--scrape-interval-s",
-        "0.5",
-        "--discovery-interval-s",
-        "1",
-        "--drain-s",
-        "2",
-        "--tokenize-timeout-ms",
-        "2000",
+        "--scrape-interval",
+        "500ms",
+        "--discovery-interval",
+        "1s",
+        "--drain",
+        "2s",
+        "--tokenize-timeout",
+        "2s",
     ]
     .iter()
     .map(|s| (*s).to_owned())
     .collect();
-    argv.extend(extra_flags.iter().map(|s| (*s).to_owned()));
+    // Tests read decisions from response headers (off by default) unless
+    // they say otherwise.
+    if !flags.contains(&"--debug-headers") {
+        argv.extend(["--debug-headers".to_owned(), "true".to_owned()]);
+    }
+    argv.extend(flags.iter().map(|s| (*s).to_owned()));
     let args = Args::try_parse_from(argv).expect("router flags");
     let Command::Serve(serve) = args.command else {
         unreachable!()
@@ -372,10 +382,12 @@ impl RouterProc {
             dir.path().to_str().expect("utf-8 path"),
             "--listen",
             &format!("127.0.0.1:{api}"),
-            "--admin",
+            "--admin-addr",
             &format!("127.0.0.1:{admin}"),
-            "--scrape-interval-s",
-            "0.5",
+            "--scrape-interval",
+            "500ms",
+            "--debug-headers",
+            "true",
         ]
         .iter()
         .map(|s| (*s).to_owned())
@@ -383,7 +395,7 @@ impl RouterProc {
         args.extend(extra_flags.iter().map(|s| (*s).to_owned()));
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_kinference-router"))
             .args(&args)
-            .env("RUST_LOG", rust_log)
+            .env("KINFERENCE_LOG", rust_log)
             .stdout(out.try_clone().expect("log file"))
             .stderr(out)
             .spawn()

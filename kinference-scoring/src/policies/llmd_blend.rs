@@ -51,7 +51,7 @@ impl Default for LlmdBlendConfig {
 /// scores 0 (llm-d leaves such endpoints unscored).
 ///
 /// Freshness: llm-d's metrics data source scrapes every engine every 50 ms
-/// (`--refresh-metrics-interval`, `pkg/epp/server/options.go`); the router's `--scrape-interval-s` decides
+/// (`--refresh-metrics-interval`, `pkg/epp/server/options.go`); the router's `--scrape-interval` decides
 /// ours, and `cargo xtask bench routing` runs this policy at 0.05 s so that
 /// it sees what llm-d sees.
 #[derive(Debug, Clone)]

@@ -162,9 +162,9 @@ impl Contender {
             }),
             Self::Router(policy) => {
                 let mut m = s.tuned.clone();
-                let mut scrape = "1";
+                let mut scrape = "1s";
                 match policy {
-                    PolicyName::LlmdBlend => scrape = "0.05",
+                    PolicyName::LlmdBlend => scrape = "50ms",
                     PolicyName::SglangCacheAware => {
                         if let Some((name, spec)) = &mut m.profile {
                             *name = "bench-approximate".into();
@@ -176,7 +176,7 @@ impl Contender {
                 let flags = vec![
                     "--policy".to_owned(),
                     policy.to_string(),
-                    "--scrape-interval-s".into(),
+                    "--scrape-interval".into(),
                     scrape.into(),
                     // The simulator's replay socket is its KV port + 100.
                     "--kv-replay-offset".into(),
@@ -191,8 +191,8 @@ impl Contender {
                 let flags = vec![
                     "--policy".to_owned(),
                     "kinference".into(),
-                    "--scrape-interval-s".into(),
-                    "5".into(),
+                    "--scrape-interval".into(),
+                    "5s".into(),
                     "--kv-replay-offset".into(),
                     "0".into(),
                 ];

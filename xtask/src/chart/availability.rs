@@ -53,32 +53,18 @@ fn flag<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
         .find_map(|a| a.strip_prefix(flag)?.strip_prefix('='))
 }
 
-/// Whole seconds of a duration written as `N`, `Ns`, `Nm` or `Nh`.
-fn seconds(s: &str) -> Option<u64> {
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n.parse().ok()?;
-    match unit {
-        "" | "s" => Some(n),
-        "m" => Some(n * 60),
-        "h" => Some(n * 3600),
-        _ => None,
-    }
-}
-
-/// The router's drain, seconds: `--drain-s=N` today, or a `--drain=`
-/// duration should the flag become one.
+/// The router's drain, whole seconds (`--drain=10m`, as the router reads it).
 fn drain_seconds(args: &[String]) -> Option<u64> {
-    flag(args, "--drain-s")
-        .and_then(|v| v.parse().ok())
-        .or_else(|| flag(args, "--drain").and_then(seconds))
+    flag(args, "--drain")
+        .and_then(|v| kinference_api::duration::parse_duration(v).ok())
+        .map(|d| d.as_secs())
 }
 
 /// A router pod's grace period covers its preStop sleep and its drain.
 fn check_drain(d: &Value) -> Result<u64> {
     let what = format!("Deployment {}/{}", ns_of(d), name_of(d));
     let drain = drain_seconds(&container_args(d))
-        .with_context(|| format!("{what}: the router has no --drain-s (or --drain)"))?;
+        .with_context(|| format!("{what}: the router has no --drain"))?;
     let pod = &d["spec"]["template"]["spec"];
     let sleep = pod["containers"][0]["lifecycle"]["preStop"]["sleep"]["seconds"]
         .as_u64()
@@ -275,7 +261,7 @@ mod tests {
                         {"topologyKey": "zone", "labelSelector": {"matchLabels": {"app": name}}}
                     ],
                     "containers": [{
-                        "args": ["serve", format!("--drain-s={drain}")],
+                        "args": ["serve", format!("--drain={drain}s")],
                         "ports": [{"name": "http"}, {"name": "admin"}],
                         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
                         "resources": {"requests": {"cpu": "1"}},
@@ -310,12 +296,12 @@ mod tests {
     }
 
     #[test]
-    fn drain_in_either_spelling() {
+    fn drain_as_the_router_reads_it() {
         let args = |a: &str| vec!["serve".to_owned(), a.to_owned()];
-        assert_eq!(drain_seconds(&args("--drain-s=600")), Some(600));
+        assert_eq!(drain_seconds(&args("--drain=600s")), Some(600));
         assert_eq!(drain_seconds(&args("--drain=10m")), Some(600));
-        assert_eq!(drain_seconds(&args("--drain=90s")), Some(90));
-        assert_eq!(drain_seconds(&args("--drain=10 minutes")), None);
+        assert_eq!(drain_seconds(&args("--drain=90")), Some(90));
+        assert_eq!(drain_seconds(&args("--drain=soon")), None);
         assert_eq!(drain_seconds(&args("--drain-size=3")), None);
     }
 

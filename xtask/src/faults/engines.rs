@@ -262,7 +262,7 @@ pub(super) async fn stalled(env: &Env, f: &mut Figures) -> Result<()> {
         env,
         "stalled-router",
         &specs,
-        &["--upstream-timeout-s", "10"],
+        &["--upstream-timeout", "10s"],
         None,
         3,
     )

@@ -124,7 +124,7 @@ pub(super) async fn router(
                 pool,
                 "--listen",
                 &listen,
-                "--admin",
+                "--admin-addr",
                 &admin_addr,
             ]
             .iter()
