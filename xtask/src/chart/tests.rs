@@ -176,3 +176,35 @@ fn every_option_renders_its_objects() {
         "routers[].drainSeconds reaches the router"
     );
 }
+
+#[test]
+fn observability_objects_render_only_when_enabled() {
+    let root = root();
+    let none = render(&root, &serde_json::Value::Null).unwrap_or_else(|e| panic!("{e:#}"));
+    let objects = none.objects.expect("rendered");
+    assert_eq!(
+        super::observability::check(&root, &serde_json::Value::Null, &objects)
+            .unwrap_or_else(|e| panic!("{e:#}")),
+        (0, 0),
+        "off by default"
+    );
+    let values = serde_json::json!({"metrics": {
+        "prometheusRule": {"enabled": true, "namespace": "monitoring", "labels": {"release": "prom"}},
+        "dashboard": {"enabled": true, "annotations": {"grafana_folder": "kinference"}},
+    }});
+    let r = render(&root, &values).unwrap_or_else(|e| panic!("{e:#}"));
+    check_rendered(&root, &values, &r).unwrap_or_else(|e| panic!("{e:#}"));
+    let mut objects = r.objects.expect("rendered");
+    assert_eq!(
+        super::observability::check(&root, &values, &objects).unwrap_or_else(|e| panic!("{e:#}")),
+        (1, 1)
+    );
+    // A rule that drifted from deploy/observability/alerts.yaml is caught.
+    for o in &mut objects {
+        if o["kind"] == "PrometheusRule" {
+            o["spec"]["groups"][0]["rules"][0]["expr"] = serde_json::json!("vector(1)");
+        }
+    }
+    let e = super::observability::check(&root, &values, &objects).expect_err("a drifted rule");
+    assert!(e.to_string().contains("alerts.yaml"), "{e}");
+}
