@@ -166,15 +166,26 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener) {
 #[derive(Debug)]
 pub struct StateCollector(pub Arc<Shared>);
 
+/// Labels of per-engine figures: `engine`, not `endpoint` (the Prometheus
+/// Operator sets `endpoint` on every series it scrapes).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct EndpointLabels {
-    endpoint: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerSetLabels {
+struct EngineLabels {
+    /// `address:port`.
+    engine: String,
+    /// The worker sets listing it (comma-separated when several do).
     worker_set: String,
 }
+
+impl EngineLabels {
+    fn of(r: &crate::reports::EndpointReport) -> Self {
+        Self {
+            engine: r.endpoint.clone(),
+            worker_set: r.worker_sets.join(","),
+        }
+    }
+}
+
+use crate::metrics::WorkerSetLabels;
 
 fn gauge<L: EncodeLabelSet>(
     encoder: &mut DescriptorEncoder<'_>,
@@ -272,6 +283,12 @@ impl Collector for StateCollector {
         )?;
         single_gauge(
             &mut encoder,
+            "ready",
+            "1 once the pool's objects have all been listed (the admin port's /readyz and the serving port's /ready)",
+            if shared.is_ready() { 1.0 } else { 0.0 },
+        )?;
+        single_gauge(
+            &mut encoder,
             "config_problems",
             "Problems with the pool's objects (see /debug/endpoints): missing worker sets, unresolvable ports, unknown profiles",
             shared.runtime.problems().len() as f64,
@@ -279,92 +296,99 @@ impl Collector for StateCollector {
 
         let view = shared.view();
         let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now());
-        let ep =
-            |f: &dyn Fn(&crate::reports::EndpointReport) -> f64| -> Vec<(EndpointLabels, f64)> {
-                endpoints
-                    .iter()
-                    .map(|r| {
-                        (
-                            EndpointLabels {
-                                endpoint: r.endpoint.clone(),
-                            },
-                            f(r),
-                        )
-                    })
-                    .collect()
-            };
+        let ep = |f: &dyn Fn(&crate::reports::EndpointReport) -> f64| -> Vec<(EngineLabels, f64)> {
+            endpoints
+                .iter()
+                .map(|r| (EngineLabels::of(r), f(r)))
+                .collect()
+        };
         gauge(
             &mut encoder,
-            "endpoint_in_flight_requests",
+            "engine_in_flight_requests",
             "Requests this router has in flight per endpoint",
             &ep(&|r| f64::from(r.load.requests)),
         )?;
         gauge(
             &mut encoder,
-            "endpoint_prefill_tokens",
+            "engine_prefill_tokens",
             "Uncached prompt tokens of requests before their first token",
             &ep(&|r| r.load.prefill_tokens as f64),
         )?;
         gauge(
             &mut encoder,
-            "endpoint_healthy",
+            "engine_healthy",
             "1 when the endpoint takes requests, 0 while ejected",
             &ep(&|r| if r.healthy { 1.0 } else { 0.0 }),
         )?;
         gauge(
             &mut encoder,
-            "endpoint_kv_connected",
+            "engine_kv_connected",
             "KV-event streams (DP ranks) connected",
             &ep(&|r| r.kv.iter().flatten().filter(|k| k.connected).count() as f64),
         )?;
         gauge(
             &mut encoder,
-            "endpoint_kv_blocks",
+            "engine_kv_blocks",
             "Blocks the KV index holds for the endpoint",
             &ep(&|r| r.kv.iter().flatten().map(|k| k.blocks_held).sum::<u64>() as f64),
         )?;
-        let kv_counter = |f: &dyn Fn(&crate::kv::KvReport) -> u64| -> Vec<(EndpointLabels, u64)> {
+        gauge(
+            &mut encoder,
+            "engine_queue_depth",
+            "Requests waiting in the engine's own queue (vllm:num_requests_waiting, sglang:num_queue_reqs), as last scraped",
+            &endpoints
+                .iter()
+                .filter_map(|r| r.scraped.as_ref().map(|s| (EngineLabels::of(r), s.waiting)))
+                .collect::<Vec<_>>(),
+        )?;
+        gauge(
+            &mut encoder,
+            "engine_kv_last_event_age_seconds",
+            "Seconds since the engine's last KV event (oldest among its DP ranks; absent before the first)",
+            &endpoints
+                .iter()
+                .filter_map(|r| {
+                    let ages = r.kv.as_ref()?.iter().filter_map(|k| k.last_event_age_s);
+                    ages.reduce(f64::max).map(|a| (EngineLabels::of(r), a))
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        let kv_counter = |f: &dyn Fn(&crate::kv::KvReport) -> u64| -> Vec<(EngineLabels, u64)> {
             endpoints
                 .iter()
                 .filter_map(|r| {
-                    r.kv.as_ref().map(|k| {
-                        (
-                            EndpointLabels {
-                                endpoint: r.endpoint.clone(),
-                            },
-                            k.iter().map(f).sum(),
-                        )
-                    })
+                    r.kv.as_ref()
+                        .map(|k| (EngineLabels::of(r), k.iter().map(f).sum()))
                 })
                 .collect()
         };
         counter(
             &mut encoder,
-            "endpoint_kv_batches",
+            "engine_kv_batches",
             "KV-event batches received",
             &kv_counter(&|k| k.batches),
         )?;
         counter(
             &mut encoder,
-            "endpoint_kv_gaps",
+            "engine_kv_gaps",
             "KV-event sequence gaps",
             &kv_counter(&|k| k.gaps),
         )?;
         counter(
             &mut encoder,
-            "endpoint_kv_replays",
+            "engine_kv_replays",
             "KV-event replays",
             &kv_counter(&|k| k.replays),
         )?;
         counter(
             &mut encoder,
-            "endpoint_kv_restarts",
+            "engine_kv_restarts",
             "KV-event publisher restarts (sequence went down)",
             &kv_counter(&|k| k.restarts),
         )?;
         counter(
             &mut encoder,
-            "endpoint_kv_decode_errors",
+            "engine_kv_decode_errors",
             "KV-event batches that failed to decode",
             &kv_counter(&|k| k.decode_errors),
         )?;

@@ -164,6 +164,30 @@ pub struct ServeArgs {
     /// `kinference::access`, whatever `--log` says for the rest.
     #[arg(long, env = "KINFERENCE_ACCESS_LOG")]
     pub access_log: bool,
+    /// Require clients to present one of the API keys in this file (one
+    /// per line, `#` comments; re-read when it changes), as `Authorization:
+    /// Bearer KEY` or `x-api-key: KEY`. `/health` and `/ready` stay open.
+    #[arg(long, env = "KINFERENCE_API_KEYS_FILE")]
+    pub api_keys_file: Option<PathBuf>,
+    /// The engines' API key (vLLM's and SGLang's `--api-key`): sent with
+    /// requests, probes, discovery and tokenization.
+    #[arg(
+        long,
+        env = "KINFERENCE_ENGINE_API_KEY",
+        hide_env_values = true,
+        conflicts_with = "engine_api_key_file"
+    )]
+    pub engine_api_key: Option<String>,
+    /// The same, read from a file (a mounted Secret).
+    #[arg(long, env = "KINFERENCE_ENGINE_API_KEY_FILE")]
+    pub engine_api_key_file: Option<PathBuf>,
+    /// Serve the OpenAI API over TLS with this PEM certificate chain (with
+    /// `--tls-key-file`).
+    #[arg(long, env = "KINFERENCE_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of `--tls-cert-file`.
+    #[arg(long, env = "KINFERENCE_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
 }
 
 /// `tokenize`.
@@ -307,9 +331,54 @@ impl ServeArgs {
             max_connections: self.max_connections.max(1),
             debug_headers: self.debug_headers,
             access_log: self.access_log,
+            security: self.security()?,
             ..Config::default()
         })
     }
+}
+
+impl ServeArgs {
+    fn security(&self) -> Result<crate::config::Security, Error> {
+        let usage = |e: &dyn std::fmt::Display| Error::Usage(e.to_string());
+        let client_keys = match &self.api_keys_file {
+            Some(p) => Some(Arc::new(crate::auth::ClientKeys::load(p).map_err(|e| {
+                Error::Usage(format!("--api-keys-file: {}", error_chain(&e)))
+            })?)),
+            None => None,
+        };
+        let engine_key = match (&self.engine_api_key, &self.engine_api_key_file) {
+            (Some(k), _) => Some(k.clone()),
+            (None, Some(p)) => Some(std::fs::read_to_string(p).map_err(|e| {
+                Error::Usage(format!("--engine-api-key-file {}: {e}", p.display()))
+            })?),
+            (None, None) => None,
+        };
+        let engine_auth = match engine_key.filter(|k| !k.trim().is_empty()) {
+            Some(k) => Some(crate::auth::engine_authorization(&k).map_err(|e| usage(&e))?),
+            None => None,
+        };
+        let tls = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(c), Some(k)) => {
+                Some(crate::auth::tls_acceptor(c, k).map_err(|e| Error::Usage(error_chain(&e)))?)
+            }
+            _ => None,
+        };
+        Ok(crate::config::Security {
+            client_keys,
+            engine_auth,
+            tls,
+        })
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s = format!("{s}: {x}");
+        src = x.source();
+    }
+    s
 }
 
 /// A router started in this process.
@@ -361,6 +430,9 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
     let (catalog, snapshots) = Catalog::new(pool);
     let catalog = Arc::new(Mutex::new(catalog));
     let shared = Shared::new(config, stop.clone());
+    if let Some(keys) = &shared.config.security.client_keys {
+        keys.watch(stop.clone());
+    }
     if !args.engine.is_empty() {
         let objects = crate::source::quick_objects(&args.engine, args.kv_port, args.kv_block_size)
             .map_err(Error::Usage)?;

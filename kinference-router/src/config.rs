@@ -155,6 +155,29 @@ pub struct Config {
     /// Whether each request writes an access-log line (target
     /// `kinference::access`; no prompts).
     pub access_log: bool,
+    /// Client keys, the engines' key, TLS ([`crate::auth`]).
+    pub security: Security,
+}
+
+/// Who may call the router and how it calls engines.
+#[derive(Clone, Default)]
+pub struct Security {
+    /// The API keys clients must present; anyone may call without.
+    pub client_keys: Option<std::sync::Arc<crate::auth::ClientKeys>>,
+    /// `Authorization` for the engines (their `--api-key`).
+    pub engine_auth: Option<http::HeaderValue>,
+    /// TLS on the serving port.
+    pub tls: Option<tokio_rustls::TlsAcceptor>,
+}
+
+impl std::fmt::Debug for Security {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Security")
+            .field("client_keys", &self.client_keys)
+            .field("engine_auth", &self.engine_auth.is_some())
+            .field("tls", &self.tls.is_some())
+            .finish()
+    }
 }
 
 impl Default for Config {
@@ -180,6 +203,7 @@ impl Default for Config {
             drain: duration(defaults::DRAIN),
             debug_headers: defaults::DEBUG_HEADERS,
             access_log: false,
+            security: Security::default(),
         }
     }
 }

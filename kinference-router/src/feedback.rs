@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use kinference_scoring::{Choice, Pick as _};
 
+use crate::metrics::{ModelLabels, WorkerSetLabels};
 use crate::proxy::OnFirstByte;
 use crate::runtime::WsRuntime;
 use crate::state::Shared;
@@ -20,15 +21,18 @@ pub fn on_first_token(
     shared: &Arc<Shared>,
     runtime: &Arc<WsRuntime>,
     choice: &Choice,
+    labels: ModelLabels,
 ) -> OnFirstByte {
     let (shared, runtime) = (shared.clone(), runtime.clone());
     let (endpoint, prediction) = (choice.endpoint, choice.prediction);
     Box::new(move |ttft: Duration| {
-        shared.metrics.ttft.observe(ttft.as_secs_f64());
+        let m = &shared.metrics;
+        m.ttft.get_or_create(&labels).observe(ttft.as_secs_f64());
         if prediction.ttft_ms > 0.0 {
-            shared
-                .metrics
-                .ttft_ratio
+            m.ttft_ratio
+                .get_or_create(&WorkerSetLabels {
+                    worker_set: labels.worker_set.clone(),
+                })
                 .observe(ttft.as_secs_f64() * 1000.0 / prediction.ttft_ms);
         }
         let now = shared.now();

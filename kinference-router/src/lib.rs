@@ -46,12 +46,14 @@
 
 pub mod admin;
 pub mod args;
+pub mod auth;
 pub mod catalog;
 pub mod commit;
 pub mod config;
 pub mod decide;
 pub mod endpoint;
 pub mod events;
+pub mod exchange;
 pub mod feedback;
 pub mod kv;
 pub mod maintain;

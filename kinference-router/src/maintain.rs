@@ -84,7 +84,7 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
             e.clone(),
             shared.runtime.probes.clone(),
             shared.config.probes,
-            None,
+            shared.config.security.engine_auth.clone(),
             move || s.runtime.notify_models_changed(),
         );
     }

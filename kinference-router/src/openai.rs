@@ -25,6 +25,17 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// 401 `invalid_api_key`, as OpenAI answers a missing or wrong key.
+    pub fn unauthorized() -> Self {
+        Self {
+            status: StatusCode::UNAUTHORIZED,
+            kind: "invalid_request_error",
+            message: "Incorrect or missing API key: send it as `Authorization: Bearer KEY`.".into(),
+            param: None,
+            code: Some("invalid_api_key"),
+        }
+    }
+
     /// 400 `invalid_request_error`.
     pub fn invalid(message: impl Into<String>, param: Option<&'static str>) -> Self {
         Self {
@@ -162,6 +173,16 @@ pub enum Endpoint {
     Chat,
     /// `POST /v1/completions`.
     Completions,
+    /// `POST /v1/embeddings`.
+    Embeddings,
+    /// `POST /v1/responses` (OpenAI's Responses API).
+    Responses,
+    /// `POST /v1/messages` (Anthropic's Messages API, as vLLM serves it).
+    Messages,
+    /// `POST /tokenize` (vLLM's).
+    Tokenize,
+    /// `POST /detokenize` (vLLM's).
+    Detokenize,
 }
 
 impl Endpoint {
@@ -170,6 +191,11 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Completions => "/v1/completions",
+            Endpoint::Embeddings => "/v1/embeddings",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
+            Endpoint::Tokenize => "/tokenize",
+            Endpoint::Detokenize => "/detokenize",
         }
     }
 
@@ -178,7 +204,31 @@ impl Endpoint {
         match self {
             Endpoint::Chat => "chat",
             Endpoint::Completions => "completions",
+            Endpoint::Embeddings => "embeddings",
+            Endpoint::Responses => "responses",
+            Endpoint::Messages => "messages",
+            Endpoint::Tokenize => "tokenize",
+            Endpoint::Detokenize => "detokenize",
         }
+    }
+
+    /// Every endpoint.
+    pub const ALL: [Endpoint; 7] = [
+        Endpoint::Chat,
+        Endpoint::Completions,
+        Endpoint::Embeddings,
+        Endpoint::Responses,
+        Endpoint::Messages,
+        Endpoint::Tokenize,
+        Endpoint::Detokenize,
+    ];
+
+    /// Whether requests are routed on their prompt's cached prefix (chat and
+    /// completions, whose token ids the router computes as the engine
+    /// does); the others are routed on load alone, their bodies passed
+    /// through for the engine to validate.
+    pub fn cache_aware(self) -> bool {
+        matches!(self, Endpoint::Chat | Endpoint::Completions)
     }
 }
 
@@ -373,6 +423,12 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
             }
             None => return Err(type_error("`prompt` is required.", "prompt")),
         },
+        // The engine validates the rest of these bodies.
+        Endpoint::Embeddings
+        | Endpoint::Responses
+        | Endpoint::Messages
+        | Endpoint::Tokenize
+        | Endpoint::Detokenize => {}
     }
     let cache_salt = match raw.cache_salt {
         Some(r) if r.get() != "null" => Some(

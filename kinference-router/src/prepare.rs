@@ -217,6 +217,21 @@ async fn route(
     let ws = &view.worker_sets[target.worker_set];
     let rt = &ws.runtime;
     let block_size = ws.route.kv_block_size.max(1);
+    if !api.cache_aware() {
+        // Passed through and routed on load: the body's size stands for
+        // its prefill work.
+        return Route {
+            target: target.clone(),
+            tokens: Source::None,
+            request: Request {
+                prompt_tokens: u32::try_from(body_len / APPROX_BYTES_PER_TOKEN).unwrap_or(u32::MAX),
+                block_tokens: block_size,
+                cache: CacheSource::None,
+            },
+            keys: Arc::new([]),
+            block_keys: Arc::new([]),
+        };
+    }
     let endpoints = ws.serving(&target.model, Instant::now(), &[]);
     let lora = lora_name(&endpoints, &target.model);
     let mode = rt.effective_mode();
@@ -377,6 +392,7 @@ pub fn prompt_text(api: openai::Endpoint, fields: &Fields<'_>) -> String {
                 out.push('\n');
             }
         }
+        _ => {}
     }
     out
 }

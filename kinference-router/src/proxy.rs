@@ -32,6 +32,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use tokio::time::Instant;
 
 use crate::endpoint::InFlight;
+use crate::exchange::Exchange;
 
 /// The upstream client: pooled keep-alive connections to every engine.
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -117,6 +118,15 @@ pub enum RetryReason {
 }
 
 impl RetryReason {
+    /// Every reason.
+    pub const ALL: [RetryReason; 5] = [
+        RetryReason::Connect,
+        RetryReason::Unavailable,
+        RetryReason::Down,
+        RetryReason::ServerError,
+        RetryReason::Broken,
+    ];
+
     /// The metric label.
     pub fn label(self) -> &'static str {
         match self {
@@ -261,11 +271,15 @@ pub struct TrackedBody {
     inner: Incoming,
     /// Bytes read ahead (the first data of a stream), sent first.
     first: Option<Bytes>,
+    /// When they came.
+    first_at: Option<Instant>,
     inflight: Option<InFlight>,
     sent_at: Instant,
     on_first_byte: Option<OnFirstByte>,
     idle: Duration,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
+    /// The client request's record, written when the body ends or drops.
+    exchange: Option<Exchange>,
 }
 
 /// The engine sent nothing for too long.
@@ -301,12 +315,21 @@ impl TrackedBody {
         Self {
             inner,
             first: None,
+            first_at: None,
             inflight: Some(inflight),
             sent_at,
             on_first_byte,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
+            exchange: None,
         }
+    }
+
+    /// The same, carrying the request's [`Exchange`] to the end of the body.
+    #[must_use]
+    pub fn with_exchange(mut self, exchange: Exchange) -> Self {
+        self.exchange = Some(exchange);
+        self
     }
 
     /// The same, with `first` (read ahead at `at`) sent before the rest:
@@ -316,6 +339,7 @@ impl TrackedBody {
         if let Some(f) = self.on_first_byte.take() {
             f(at.saturating_duration_since(self.sent_at));
         }
+        self.first_at = Some(at);
         if let Some(g) = &mut self.inflight {
             g.first_token();
         }
@@ -334,6 +358,14 @@ impl Body for TrackedBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         if let Some(first) = this.first.take() {
+            if let Some(x) = &mut this.exchange {
+                let at = this.first_at.unwrap_or_else(Instant::now);
+                x.first_token(at.saturating_duration_since(this.sent_at));
+                x.data(&first, at);
+                if this.inner.is_end_stream() {
+                    x.ended();
+                }
+            }
             let deadline = Instant::now() + this.idle;
             this.idle_timer.as_mut().reset(deadline);
             return Poll::Ready(Some(Ok(Frame::data(first))));
@@ -355,19 +387,39 @@ impl Body for TrackedBody {
         let polled = polled.map(|o| o.map(|r| r.map_err(BoxError::from)));
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
-                if frame.data_ref().is_some_and(|d| !d.is_empty()) {
-                    if let Some(f) = this.on_first_byte.take() {
-                        f(this.sent_at.elapsed());
+                if let Some(d) = frame.data_ref().filter(|d| !d.is_empty()) {
+                    let now = Instant::now();
+                    if this.on_first_byte.is_some() || this.exchange.is_some() {
+                        let ttft = now.saturating_duration_since(this.sent_at);
+                        if let Some(f) = this.on_first_byte.take() {
+                            f(ttft);
+                        }
+                        if let Some(x) = &mut this.exchange {
+                            x.first_token(ttft);
+                            x.data(d, now);
+                        }
                     }
                     if let Some(g) = &mut this.inflight {
                         g.first_token();
                     }
                 }
+                if let Some(x) = &mut this.exchange
+                    && this.inner.is_end_stream()
+                {
+                    x.ended();
+                }
             }
-            Poll::Ready(None | Some(Err(_))) => {
-                // The end, or a failure: release the load now rather than
-                // when hyper drops the body.
+            Poll::Ready(None) => {
+                // The end: release the load now rather than when hyper
+                // drops the body, and write the request's record.
                 this.inflight = None;
+                if let Some(mut x) = this.exchange.take() {
+                    x.ended();
+                }
+            }
+            Poll::Ready(Some(Err(_))) => {
+                this.inflight = None;
+                this.exchange = None;
             }
             Poll::Pending => {}
         }

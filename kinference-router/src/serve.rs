@@ -1,5 +1,8 @@
-//! The OpenAI API: `POST /v1/chat/completions`, `POST /v1/completions`,
-//! `GET /v1/models`; and the request path that runs its stages.
+//! The OpenAI API: `POST /v1/chat/completions` and `/v1/completions`
+//! (routed on their cached prefix), `/v1/embeddings`, `/v1/responses`,
+//! `/v1/messages` (Anthropic's), `/tokenize` and `/detokenize` (routed on
+//! load, passed through), `GET /v1/models[/{id}]`, `/health` and `/ready`;
+//! and the request path that runs its stages.
 //!
 //! ```text
 //! body ─▶ prepare ─▶ decide ─▶ commit ─▶ proxy ─▶ (stream back) ─▶ feedback
@@ -37,7 +40,8 @@ use tokio::time::Instant;
 
 use crate::decide::{self, Now};
 use crate::endpoint::{EndpointId, Outcome};
-use crate::metrics::{DecisionLabels, RequestLabels, RetryLabels};
+use crate::exchange::{Exchange, REQUEST_ID_HEADER};
+use crate::metrics::{DecisionLabels, ReasonLabels, RetryLabels};
 use crate::openai::{self, ApiError};
 use crate::proxy::{self, Sent, TrackedBody};
 use crate::reports::DecisionRecord;
@@ -105,14 +109,37 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener, drain: Duration) {
             let s = s.clone();
             async move { Ok::<_, Infallible>(handle(s, req).await) }
         });
-        let conn = builder
-            .serve_connection(TokioIo::new(stream), service)
-            .into_owned();
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            let _ = conn.await;
-            drop(slot);
-        });
+        let watcher = graceful.watcher();
+        match shared.config.security.tls.clone() {
+            None => {
+                let conn = builder
+                    .serve_connection(TokioIo::new(stream), service)
+                    .into_owned();
+                let conn = watcher.watch(conn);
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                    drop(slot);
+                });
+            }
+            Some(tls) => {
+                // The handshake runs in the connection's task, within the
+                // header timeout: a slow client holds only its own slot.
+                let (builder, timeout) = (builder.clone(), shared.config.header_read_timeout);
+                tokio::spawn(async move {
+                    match tokio::time::timeout(timeout, tls.accept(stream)).await {
+                        Ok(Ok(stream)) => {
+                            let conn = builder
+                                .serve_connection(TokioIo::new(stream), service)
+                                .into_owned();
+                            let _ = watcher.watch(conn).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                    drop(slot);
+                });
+            }
+        }
     }
     if tokio::time::timeout(drain, graceful.shutdown())
         .await
@@ -125,6 +152,21 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener, drain: Duration) {
 /// Handles one request.
 pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path();
+    if let Some(keys) = &shared.config.security.client_keys
+        && !matches!(path, "/health" | "/ready")
+        && !keys.allows(req.headers())
+    {
+        let api = openai::Endpoint::ALL
+            .iter()
+            .find(|e| e.path() == path)
+            .map_or("other", |e| e.label());
+        return local(
+            &shared,
+            api,
+            req.headers(),
+            error(&ApiError::unauthorized()),
+        );
+    }
     match (req.method(), path) {
         (&Method::POST, "/v1/chat/completions") => {
             inference(shared, openai::Endpoint::Chat, req).await
@@ -132,37 +174,109 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Bod
         (&Method::POST, "/v1/completions") => {
             inference(shared, openai::Endpoint::Completions, req).await
         }
-        (&Method::GET, "/v1/models") => models(&shared),
-        (m, "/v1/chat/completions" | "/v1/completions" | "/v1/models") => {
+        (&Method::POST, "/v1/embeddings") => {
+            inference(shared, openai::Endpoint::Embeddings, req).await
+        }
+        (&Method::POST, "/v1/responses") => {
+            inference(shared, openai::Endpoint::Responses, req).await
+        }
+        (&Method::POST, "/v1/messages") => inference(shared, openai::Endpoint::Messages, req).await,
+        (&Method::POST, "/tokenize") => inference(shared, openai::Endpoint::Tokenize, req).await,
+        (&Method::POST, "/detokenize") => {
+            inference(shared, openai::Endpoint::Detokenize, req).await
+        }
+        // Load balancers' and gateways' health checks: the process serves
+        // (`/health`, as vLLM's), and its view of the pool is loaded
+        // (`/ready`, as the admin port's `/readyz`).
+        (&Method::GET | &Method::HEAD, "/health") => plain(StatusCode::OK, "ok\n"),
+        (&Method::GET | &Method::HEAD, "/ready") => {
+            if shared.is_ready() {
+                plain(StatusCode::OK, "ready\n")
+            } else {
+                plain(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "not ready: the pool's objects have not all been listed yet\n",
+                )
+            }
+        }
+        (&Method::GET, "/v1/models") => local(&shared, "models", req.headers(), models(&shared)),
+        (&Method::GET, p) if p.starts_with("/v1/models/") => {
+            let id = percent_decode(&p["/v1/models/".len()..]);
+            let resp = model(&shared, &id);
+            local(&shared, "models", req.headers(), resp)
+        }
+        (m, p)
+            if p == "/v1/models"
+                || p == "/health"
+                || p == "/ready"
+                || openai::Endpoint::ALL.iter().any(|e| e.path() == p) =>
+        {
             error(&ApiError::method_not_allowed(m, path))
         }
         _ => error(&ApiError::not_found(path)),
     }
 }
 
-fn models(shared: &Shared) -> Response<Body> {
-    let view = shared.view();
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let data: Vec<Value> = view
-        .cards
-        .iter()
-        .map(|c| {
-            serde_json::json!({
-                "id": c.id,
-                "object": "model",
-                "created": created,
-                "owned_by": "kinference",
-                "root": c.root,
-                "parent": null,
-                "max_model_len": c.max_model_len,
-            })
-        })
-        .collect();
-    let body = serde_json::json!({"object": "list", "data": data});
+fn plain(status: StatusCode, body: &'static str) -> Response<Body> {
+    let mut r = Response::new(full(Bytes::from_static(body.as_bytes())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r
+}
+
+/// Records a request answered by the router itself.
+fn local(
+    shared: &Arc<Shared>,
+    api: &'static str,
+    headers: &http::HeaderMap,
+    mut resp: Response<Body>,
+) -> Response<Body> {
+    let mut x = Exchange::start(shared, api, headers, Instant::now());
+    x.status(resp.status());
+    resp.headers_mut().insert(REQUEST_ID_HEADER, x.id.clone());
+    resp
+}
+
+/// `%XX` escapes decoded (model names with `/` may come escaped).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%'
+            && let Some(v) = b
+                .get(i + 1..i + 3)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            out.push(v);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn card_json(c: &crate::view::Card, created: u64) -> Value {
+    serde_json::json!({
+        "id": c.id,
+        "object": "model",
+        "created": created,
+        "owned_by": "kinference",
+        "root": c.root,
+        "parent": null,
+        "max_model_len": c.max_model_len,
+    })
+}
+
+fn json_response(body: &Value) -> Response<Body> {
     let mut r = Response::new(full(Bytes::from(
-        serde_json::to_vec(&body).unwrap_or_default(),
+        serde_json::to_vec(body).unwrap_or_default(),
     )));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -171,25 +285,26 @@ fn models(shared: &Shared) -> Response<Body> {
     r
 }
 
-fn class(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        200..=299 => "2xx",
-        400..=499 => "4xx",
-        _ => "5xx",
-    }
+fn created_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
-fn count(shared: &Shared, api: openai::Endpoint, status: StatusCode, started: Instant) {
-    let labels = RequestLabels {
-        api: api.label(),
-        class: class(status),
-    };
-    shared.metrics.requests.get_or_create(&labels).inc();
-    shared
-        .metrics
-        .request_duration
-        .get_or_create(&labels)
-        .observe(started.elapsed().as_secs_f64());
+fn models(shared: &Shared) -> Response<Body> {
+    let view = shared.view();
+    let created = created_now();
+    let data: Vec<Value> = view.cards.iter().map(|c| card_json(c, created)).collect();
+    json_response(&serde_json::json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{id}`: the card, or OpenAI's `model_not_found`.
+fn model(shared: &Shared, id: &str) -> Response<Body> {
+    let view = shared.view();
+    match view.cards.iter().find(|c| c.id == id) {
+        Some(c) => json_response(&card_json(c, created_now())),
+        None => error(&ApiError::model_not_found(id)),
+    }
 }
 
 async fn inference(
@@ -198,11 +313,19 @@ async fn inference(
     req: Request<Incoming>,
 ) -> Response<Body> {
     let started = Instant::now();
-    let resp = match route(&shared, api, req, started).await {
-        Ok(r) => r,
-        Err(e) => error(&e),
+    let mut x = Exchange::start(&shared, api.label(), req.headers(), started);
+    let id = x.id.clone();
+    let mut resp = match route(&shared, api, req, started, &mut x).await {
+        Ok((parts, body)) => {
+            x.status(parts.status);
+            Response::from_parts(parts, body.with_exchange(x).boxed_unsync())
+        }
+        Err(e) => {
+            x.status(e.status);
+            error(&e)
+        }
     };
-    count(&shared, api, resp.status(), started);
+    resp.headers_mut().insert(REQUEST_ID_HEADER, id);
     resp
 }
 
@@ -264,7 +387,8 @@ async fn route(
     api: openai::Endpoint,
     req: Request<Incoming>,
     started: Instant,
-) -> Result<Response<Body>, ApiError> {
+    x: &mut Exchange,
+) -> Result<(http::response::Parts, TrackedBody), ApiError> {
     let (parts, body) = req.into_parts();
     let bytes = read_body(
         body,
@@ -286,6 +410,7 @@ async fn route(
         debug,
     };
     let prepared = prepare::prepare(shared, &view, api, head, bytes).await?;
+    x.requested(&prepared.requested, prepared.stream);
     // A random source of this request's own: no lock shared between requests.
     let mut rng = kinference_scoring::SplitMix64::new(
         shared.config.seed
@@ -319,12 +444,32 @@ async fn route(
                 })
                 .observe(started.elapsed().as_secs_f64());
         }
+        x.attempt();
+        shared
+            .metrics
+            .decisions
+            .get_or_create(&ReasonLabels {
+                policy: shared.config.policy.as_str(),
+                reason: if d.panic {
+                    "panic"
+                } else {
+                    d.choice.reason.label()
+                },
+            })
+            .inc();
         if d.panic {
             shared.metrics.panic_decisions.inc();
         }
         let route = &prepared.routes[d.route];
         let ws = &view.worker_sets[route.target.worker_set];
         let mut headers = prepared.headers.clone();
+        headers.insert(REQUEST_ID_HEADER, x.id.clone());
+        let security = &shared.config.security;
+        crate::auth::for_engine(
+            &mut headers,
+            security.client_keys.is_some(),
+            security.engine_auth.as_ref(),
+        );
         if let Some(rank) = d.dp_rank {
             headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
         }
@@ -486,8 +631,18 @@ async fn route(
                 explanation: e.clone(),
             });
         }
+        x.routed(
+            &prepared.requested,
+            &ws.route.name,
+            &d.endpoint.authority,
+            route.request.prompt_tokens,
+            d.choice.prediction.cached_tokens,
+            predicted,
+        );
         let on_first = (prepared.stream && resp.status().is_success())
-            .then(|| feedback::on_first_token(shared, &ws.runtime, &d.choice));
+            .then(|| x.model_labels().cloned())
+            .flatten()
+            .map(|labels| feedback::on_first_token(shared, &ws.runtime, &d.choice, labels));
         let (mut rparts, rbody) = resp.into_parts();
         proxy::strip_hop_by_hop(&mut rparts.headers);
         if let Some(v) = &d.endpoint.authority_header {
@@ -518,8 +673,7 @@ async fn route(
         if let Some((b, at)) = first {
             body = body.with_first(b, at);
         }
-        let body = body.boxed_unsync();
-        return Ok(Response::from_parts(rparts, body));
+        return Ok((rparts, body));
     }
     Err(last_error.unwrap_or_else(|| ApiError::unavailable("No endpoint took the request.")))
 }

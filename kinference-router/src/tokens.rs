@@ -58,7 +58,8 @@ impl Source {
 fn tok_endpoint(api: openai::Endpoint) -> TokEndpoint {
     match api {
         openai::Endpoint::Chat => TokEndpoint::ChatCompletions,
-        openai::Endpoint::Completions => TokEndpoint::Completions,
+        // Only chat and completions are tokenized ([`openai::Endpoint::cache_aware`]).
+        _ => TokEndpoint::Completions,
     }
 }
 
@@ -234,6 +235,7 @@ pub fn tokenize_body(api: openai::Endpoint, fields: &Fields<'_>, model: &str) ->
                 field("add_special_tokens", a.get());
             }
         }
+        _ => return None,
     }
     out.push(b'}');
     Some(out)
@@ -284,8 +286,12 @@ async fn post_tokenize(
         },
         message,
     };
-    let http = http::Request::post(format!("http://{authority}{path}"))
-        .header(http::header::CONTENT_TYPE, "application/json")
+    let mut http = http::Request::post(format!("http://{authority}{path}"))
+        .header(http::header::CONTENT_TYPE, "application/json");
+    if let Some(a) = &shared.config.security.engine_auth {
+        http = http.header(http::header::AUTHORIZATION, a.clone());
+    }
+    let http = http
         .body(Full::new(bytes))
         .map_err(|e| fail(false, e.to_string()))?;
     let resp = shared

@@ -390,9 +390,7 @@ async fn hostile_cases(opts: &WorkerSetOpts, mode: &str) {
     let metrics = get(r.admin(), "/metrics").await.text();
     let five = metrics
         .lines()
-        .filter(|l| {
-            l.starts_with("kinference_router_requests_total") && l.contains("class=\"5xx\"")
-        })
+        .filter(|l| l.starts_with("kinference_router_requests_total") && l.contains("code=\"5"))
         .collect::<Vec<_>>();
     assert!(
         five.iter().all(|l| l.ends_with(" 0")),
@@ -608,7 +606,7 @@ async fn router_log(sim: &kinference_sim::SimHandle, level: &str, marker: &str) 
     let p = RouterProc::start(
         &[EngineAddr::of(sim)],
         &WorkerSetOpts::default(),
-        &["--upstream-timeout-s", "5"],
+        &["--upstream-timeout", "5s"],
         level,
     )
     .await;

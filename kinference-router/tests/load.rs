@@ -1,7 +1,7 @@
 //! Many concurrent streams held through the router, in rounds: every one
 //! completes, memory does not grow round after round, and the router's
 //! in-flight accounting (`/debug/endpoints` load and the
-//! `kinference_router_endpoint_in_flight_requests` gauges) is back to zero
+//! `kinference_router_engine_in_flight_requests` gauges) is back to zero
 //! once they are done.
 //!
 //! The router runs as its own process (the binary), so its memory is its
@@ -35,7 +35,7 @@ fn env(name: &str, default: usize) -> usize {
 fn in_flight_gauges(metrics: &str) -> (usize, f64) {
     let lines: Vec<f64> = metrics
         .lines()
-        .filter(|l| l.starts_with("kinference_router_endpoint_in_flight_requests{"))
+        .filter(|l| l.starts_with("kinference_router_engine_in_flight_requests{"))
         .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
         .collect();
     (lines.len(), lines.iter().sum())

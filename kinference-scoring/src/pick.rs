@@ -103,27 +103,34 @@ impl Choice {
     }
 }
 
+impl Reason {
+    /// The rule's name, as in metrics labels and the decision header.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::LowestPredictedTtft => "lowest_predicted_ttft",
+            Self::StayedWarm { .. } => "stayed_warm",
+            Self::SaturationRelease { .. } => "saturation_release",
+            Self::Rotation => "rotation",
+            Self::FewestInFlight => "fewest_in_flight",
+            Self::HighestWeightedScore => "highest_weighted_score",
+            Self::Sticky => "sticky",
+            Self::StickinessReleased => "stickiness_released",
+            Self::NoStickyEndpoint => "no_sticky_endpoint",
+            Self::Exploration => "exploration",
+            Self::LowestCost => "lowest_cost",
+            Self::SoftmaxSample => "softmax_sample",
+            Self::LoadImbalance => "load_imbalance",
+            Self::LongestPrefixMatch => "longest_prefix_match",
+            Self::SmallestCache => "smallest_cache",
+        }
+    }
+}
+
 impl fmt::Display for Choice {
     /// A compact one-line form for a response header, e.g.
     /// `endpoint=3; ttft_ms=41.2; cached=0.93; rule=lowest_predicted_ttft`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let rule = match self.reason {
-            Reason::LowestPredictedTtft => "lowest_predicted_ttft",
-            Reason::StayedWarm { .. } => "stayed_warm",
-            Reason::SaturationRelease { .. } => "saturation_release",
-            Reason::Rotation => "rotation",
-            Reason::FewestInFlight => "fewest_in_flight",
-            Reason::HighestWeightedScore => "highest_weighted_score",
-            Reason::Sticky => "sticky",
-            Reason::StickinessReleased => "stickiness_released",
-            Reason::NoStickyEndpoint => "no_sticky_endpoint",
-            Reason::Exploration => "exploration",
-            Reason::LowestCost => "lowest_cost",
-            Reason::SoftmaxSample => "softmax_sample",
-            Reason::LoadImbalance => "load_imbalance",
-            Reason::LongestPrefixMatch => "longest_prefix_match",
-            Reason::SmallestCache => "smallest_cache",
-        };
+        let rule = self.reason.label();
         write!(
             f,
             "endpoint={}; ttft_ms={:.1}; cached={:.2}; rule={rule}",

@@ -25,6 +25,7 @@ mod demo;
 mod faults;
 mod fleet;
 mod gen_crds;
+mod gen_docs;
 mod load;
 mod procs;
 mod proxy_bench;
@@ -41,6 +42,12 @@ struct Cli {
 enum Command {
     /// Write the CRDs to deploy/crds/ (one file per kind).
     GenCrds {
+        /// Do not write; exit non-zero when the files are stale.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Write the CLI and metrics references to docs/reference/ from the code.
+    GenDocs {
         /// Do not write; exit non-zero when the files are stale.
         #[arg(long)]
         check: bool,
@@ -77,6 +84,7 @@ fn main() -> ExitCode {
                 code
             })
         }),
+        Command::GenDocs { check } => gen_docs::run(&workspace_root(), check),
         Command::Chart => chart::run(&workspace_root()),
         Command::Demo { quick, release } => demo::run(demo::Options { quick, release }),
         Command::Bench { command } => bench::run(&workspace_root(), command),
