@@ -134,7 +134,7 @@ impl ClientKeys {
                         last = now;
                     }
                     Ok(_) => {
-                        tracing::warn!(path = %keys.path.display(), "the API keys file is empty: keeping the keys in force")
+                        tracing::warn!(path = %keys.path.display(), "the API keys file is empty: keeping the keys in force");
                     }
                     Err(e) => tracing::warn!(error = %e, "keeping the API keys in force"),
                 }

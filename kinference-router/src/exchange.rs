@@ -33,23 +33,23 @@ const MAX_ID_LEN: usize = 200;
 /// A request id: the client's when usable (visible ASCII, at most
 /// [`MAX_ID_LEN`] bytes), else 32 random hex digits.
 pub fn request_id(headers: &HeaderMap, n: u64) -> HeaderValue {
-    if let Some(v) = headers.get(&REQUEST_ID_HEADER)
-        && !v.is_empty()
-        && v.len() <= MAX_ID_LEN
-        && v.as_bytes().iter().all(|b| b.is_ascii_graphic())
-    {
-        return v.clone();
-    }
+    use kinference_scoring::RandomSource as _;
     // A key drawn once per process keeps replicas (and restarts) from
     // repeating each other's ids even with the same --seed.
     static KEY: OnceLock<u64> = OnceLock::new();
+    if let Some(v) = headers.get(&REQUEST_ID_HEADER)
+        && !v.is_empty()
+        && v.len() <= MAX_ID_LEN
+        && v.as_bytes().iter().all(u8::is_ascii_graphic)
+    {
+        return v.clone();
+    }
     let key = *KEY.get_or_init(|| {
         std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish()
     });
     let mut rng = kinference_scoring::SplitMix64::new(key ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    use kinference_scoring::RandomSource as _;
     let id = format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64());
     HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("0"))
 }
