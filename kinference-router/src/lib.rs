@@ -31,6 +31,9 @@
 //! the [`maintain`]er turns each snapshot into endpoint states, probes
 //! ([`probe`]), KV-event subscriptions and a new view. The [`admin`] port
 //! serves metrics, health and debug pages.
+//! Each client request is one [`exchange::Exchange`] (its id, route and
+//! ending: metrics and the access log, written once); [`auth`] holds client
+//! keys, the engines' key and TLS.
 //!
 //! # Architecture invariants
 //!
