@@ -114,7 +114,7 @@ pub(crate) struct Params {
     pub(crate) report_full: bool,
 }
 
-fn opt_uint(body: &Value, key: &'static str) -> Result<Option<u64>, ApiError> {
+pub(crate) fn opt_uint(body: &Value, key: &'static str) -> Result<Option<u64>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(v) => v.as_u64().map(Some).ok_or_else(|| {
@@ -126,7 +126,7 @@ fn opt_uint(body: &Value, key: &'static str) -> Result<Option<u64>, ApiError> {
     }
 }
 
-fn opt_bool(body: &Value, key: &'static str) -> Result<Option<bool>, ApiError> {
+pub(crate) fn opt_bool(body: &Value, key: &'static str) -> Result<Option<bool>, ApiError> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Bool(b)) => Ok(Some(*b)),

@@ -26,6 +26,8 @@ use crate::driver::{Out, Rank};
 use crate::engine::{Finished, NewRequest, ReqId};
 use crate::{FaultRequest, Shared};
 
+mod apis;
+
 /// Bodies up to 64 MiB (long prompts as text).
 const BODY_LIMIT: usize = 64 << 20;
 
@@ -35,6 +37,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/embeddings", post(apis::embeddings))
+        .route("/v1/responses", post(apis::responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(crate::surface::health))
@@ -49,6 +53,9 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             .route("/version", get(version))
             .route("/load", get(load))
             .route("/reset_prefix_cache", post(reset_prefix_cache));
+    }
+    if mode.serves_anthropic_messages() {
+        app = app.route("/v1/messages", post(apis::messages));
     }
     if mode.serves_kv_event_sources() {
         app = app.route("/kv_event_sources", get(kv_event_sources));

@@ -8,6 +8,8 @@
 //! |---|---|---|
 //! | `GET /kv_event_sources` | ≥ 0.31 (404 before) | never (404) |
 //! | `GET /server_info`, `/get_server_info` | never (404) | always; its `kv_events` object ≥ 0.5.22 |
+//! | `POST /v1/embeddings`, `/v1/responses` | always | always |
+//! | `POST /v1/messages` (Anthropic) | always | never (404) |
 //! | event encoding | positional < 0.24, maps ≥ 0.24 | positional < 0.5.20, maps ≥ 0.5.20 |
 //! | one event per block | `BlockRemoved` always | both kinds < 0.5.18; a node's pages coalesced ≥ 0.5.18 |
 //! | replay reply frames | `[seq, payload]` < 0.26, `[topic, seq, payload]` ≥ 0.26 | same change at 0.5.22 |
@@ -251,6 +253,13 @@ impl EngineMode {
     /// `GET /kv_event_sources` exists (vLLM ≥ 0.31).
     pub fn serves_kv_event_sources(&self) -> bool {
         self.is_vllm() && self.version.at_least(0, 31)
+    }
+
+    /// `POST /v1/messages`, Anthropic's Messages API: vLLM (every modelled
+    /// release); SGLang serves only the OpenAI APIs (`/v1/embeddings` and
+    /// `/v1/responses` are served by both).
+    pub fn serves_anthropic_messages(&self) -> bool {
+        self.is_vllm()
     }
 
     /// `GET /server_info` (and the older `/get_server_info`) exist: SGLang.
