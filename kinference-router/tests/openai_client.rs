@@ -42,42 +42,15 @@ except openai.NotFoundError as e:
 print(json.dumps(out))
 "#;
 
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_client_works_through_the_router() {
-    let check = std::process::Command::new(python())
-        .args(["-c", "import openai"])
-        .output();
-    match check {
-        Ok(o) if o.status.success() => {}
-        Ok(o) => panic!(
-            "this test needs the `openai` Python package: pip install openai ({})",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ),
-        Err(e) => {
-            panic!("this test needs python3 with the `openai` package ({e}): pip install openai")
-        }
-    }
     let sims = engines(2, |_| {}).await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
     wait_routable(&r, 2, true).await;
 
     let base = format!("http://{}", r.api());
-    let out = tokio::process::Command::new(python())
-        .args(["-c", CLIENT, &base, MODEL, ALIAS])
-        .output()
-        .await
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "python client failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("client prints JSON");
+    let v = openai_python(CLIENT, &[&base, MODEL, ALIAS]).await;
     eprintln!("{v:#}");
     assert_eq!(v["models"], serde_json::json!([MODEL, ALIAS]));
     assert_eq!(v["completion"]["completion_tokens"], 5);
@@ -99,5 +72,128 @@ async fn the_openai_python_client_works_through_the_router() {
     assert!(v["chat_stream"]["deltas"].as_array().unwrap().len() >= 3);
     assert_eq!(v["not_found"]["status"], 404);
     assert_eq!(v["not_found"]["code"], "model_not_found");
+    r.shutdown().await;
+}
+
+const OTHER_APIS: &str = r#"
+import json, sys
+import openai
+
+base, model = sys.argv[1], sys.argv[2]
+c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+out = {}
+e = c.embeddings.create(model=model, input=["w1 w2 w3", "w4 w5"])
+out["embeddings"] = [len(d.embedding) for d in e.data]
+r = c.responses.create(model=model, input="w1 w2 w3 w4", max_output_tokens=4)
+out["response"] = {"status": r.status, "text": r.output_text, "output_tokens": r.usage.output_tokens}
+kinds = [ev.type for ev in c.responses.create(model=model, input="w5 w6", max_output_tokens=3, stream=True)]
+out["response_stream"] = kinds
+print(json.dumps(out))
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embeddings_responses_messages_and_tokenize_pass_through() {
+    let sims = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 2, true).await;
+
+    let base = format!("http://{}", r.api());
+    let v = openai_python(OTHER_APIS, &[&base, ALIAS]).await;
+    assert_eq!(v["embeddings"].as_array().unwrap().len(), 2, "{v}");
+    assert!(v["embeddings"][0].as_u64().unwrap() > 0);
+    // Stopped by max_output_tokens: OpenAI's "incomplete".
+    assert!(
+        ["completed", "incomplete"].contains(&v["response"]["status"].as_str().unwrap()),
+        "{v}"
+    );
+    assert!(!v["response"]["text"].as_str().unwrap().is_empty());
+    assert_eq!(v["response"]["output_tokens"], 4);
+    let kinds: Vec<&str> = v["response_stream"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(kinds.first(), Some(&"response.created"), "{kinds:?}");
+    assert_eq!(kinds.last(), Some(&"response.completed"), "{kinds:?}");
+    assert!(kinds.contains(&"response.output_text.delta"), "{kinds:?}");
+
+    // Anthropic's Messages API, as vLLM serves it (the alias rewritten).
+    let m = post(
+        r.api(),
+        "/v1/messages",
+        &serde_json::json!({"model": ALIAS, "max_tokens": 3,
+            "messages": [{"role": "user", "content": "w1 w2"}]}),
+    )
+    .await;
+    assert_eq!(m.status, 200, "{}", m.text());
+    assert_eq!(m.json()["type"], "message");
+    assert_eq!(m.json()["model"], MODEL);
+    assert!(!m.endpoint().is_empty());
+    let streamed = post_streaming(
+        r.api(),
+        "/v1/messages",
+        &serde_json::json!({"model": MODEL, "max_tokens": 3, "stream": true,
+            "messages": [{"role": "user", "content": "w3"}]}),
+    )
+    .await;
+    let (_, text) = read_stream(streamed.into_body(), std::time::Duration::from_secs(10)).await;
+    assert!(
+        text.contains("event: message_start") && text.contains("event: message_stop"),
+        "{text}"
+    );
+
+    // vLLM's /tokenize and /detokenize, on the model's engines.
+    let t = post(
+        r.api(),
+        "/tokenize",
+        &serde_json::json!({"model": MODEL, "prompt": "w1 w2 w3"}),
+    )
+    .await;
+    assert_eq!(t.status, 200, "{}", t.text());
+    let tokens = t.json()["tokens"].clone();
+    assert!(!tokens.as_array().unwrap().is_empty());
+    let d = post(
+        r.api(),
+        "/detokenize",
+        &serde_json::json!({"model": MODEL, "tokens": tokens}),
+    )
+    .await;
+    assert_eq!(d.status, 200, "{}", d.text());
+    assert!(
+        d.json()["prompt"]
+            .as_str()
+            .is_some_and(|p| p.contains("w2")),
+        "{}",
+        d.text()
+    );
+    // A model the pool does not serve is OpenAI's 404 here too.
+    let missing = post(
+        r.api(),
+        "/v1/embeddings",
+        &serde_json::json!({"model": "nope", "input": "x"}),
+    )
+    .await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.json()["error"]["code"], "model_not_found");
+
+    let metrics = get(r.admin(), "/metrics").await.text();
+    for api in [
+        "embeddings",
+        "responses",
+        "messages",
+        "tokenize",
+        "detokenize",
+    ] {
+        assert!(
+            metrics
+                .lines()
+                .any(|l| l.starts_with("kinference_router_requests_total")
+                    && l.contains(&format!("api=\"{api}\""))
+                    && l.contains("code=\"200\"")),
+            "no 200 counted for {api}"
+        );
+    }
     r.shutdown().await;
 }

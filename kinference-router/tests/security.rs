@@ -8,7 +8,6 @@ use std::path::Path;
 use std::time::Duration;
 
 use bytes::Bytes;
-use serde_json::Value;
 use support::*;
 
 const CLIENT: &str = r#"
@@ -34,10 +33,6 @@ except openai.AuthenticationError as e:
 out["health"] = http.get(base + "/health").status_code
 print(json.dumps(out))
 "#;
-
-fn python() -> String {
-    std::env::var("PYTHON").unwrap_or_else(|_| "python3".into())
-}
 
 /// A self-signed certificate for 127.0.0.1 in `dir`.
 fn certificate(dir: &Path) -> (String, String) {
@@ -71,13 +66,6 @@ fn certificate(dir: &Path) -> (String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_need_a_key_engines_get_theirs_over_tls() {
-    let check = std::process::Command::new(python())
-        .args(["-c", "import openai"])
-        .output();
-    assert!(
-        check.is_ok_and(|o| o.status.success()),
-        "this test needs python3 with the `openai` package: pip install openai"
-    );
     // Engines started with --api-key: discovery, probes and requests all
     // need it, and a client's key would be refused.
     let sims = engines(2, |c| c.api_key = Some("engine-secret".into())).await;
@@ -105,17 +93,7 @@ async fn clients_need_a_key_engines_get_theirs_over_tls() {
     wait_routable(&r, 2, true).await;
 
     let base = format!("https://{}", r.api());
-    let out = tokio::process::Command::new(python())
-        .args(["-c", CLIENT, &base, MODEL, &cert, "client-key-2"])
-        .output()
-        .await
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "python client failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("client prints JSON");
+    let v = openai_python(CLIENT, &[&base, MODEL, &cert, "client-key-2"]).await;
     assert_eq!(v["models"], serde_json::json!([MODEL, ALIAS]));
     assert_eq!(v["chat"], 3);
     assert!(v["stream"].as_u64().unwrap() >= 3, "{v}");

@@ -535,3 +535,36 @@ pub async fn read_stream(mut body: Incoming, patience: Duration) -> (Ending, Str
         }
     }
 }
+
+/// Runs `script` with the `openai` Python package (`python3`, or `$PYTHON`)
+/// and `args`, and returns the JSON it prints; fails with install advice
+/// when the package is missing.
+pub async fn openai_python(script: &str, args: &[&str]) -> Value {
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let check = std::process::Command::new(&python)
+        .args(["-c", "import openai"])
+        .output();
+    match check {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => panic!(
+            "this test needs the `openai` Python package: pip install openai ({})",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => {
+            panic!("this test needs python3 with the `openai` package ({e}): pip install openai")
+        }
+    }
+    let out = tokio::process::Command::new(&python)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .output()
+        .await
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "python client failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the client prints JSON")
+}
