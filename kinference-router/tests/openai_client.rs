@@ -120,17 +120,17 @@ async fn embeddings_responses_messages_and_tokenize_pass_through() {
     assert!(kinds.contains(&"response.output_text.delta"), "{kinds:?}");
 
     // Anthropic's Messages API, as vLLM serves it (the alias rewritten).
-    let m = post(
+    let message = post(
         r.api(),
         "/v1/messages",
         &serde_json::json!({"model": ALIAS, "max_tokens": 3,
             "messages": [{"role": "user", "content": "w1 w2"}]}),
     )
     .await;
-    assert_eq!(m.status, 200, "{}", m.text());
-    assert_eq!(m.json()["type"], "message");
-    assert_eq!(m.json()["model"], MODEL);
-    assert!(!m.endpoint().is_empty());
+    assert_eq!(message.status, 200, "{}", message.text());
+    assert_eq!(message.json()["type"], "message");
+    assert_eq!(message.json()["model"], MODEL);
+    assert!(!message.endpoint().is_empty());
     let streamed = post_streaming(
         r.api(),
         "/v1/messages",
@@ -145,28 +145,28 @@ async fn embeddings_responses_messages_and_tokenize_pass_through() {
     );
 
     // vLLM's /tokenize and /detokenize, on the model's engines.
-    let t = post(
+    let tokenized = post(
         r.api(),
         "/tokenize",
         &serde_json::json!({"model": MODEL, "prompt": "w1 w2 w3"}),
     )
     .await;
-    assert_eq!(t.status, 200, "{}", t.text());
-    let tokens = t.json()["tokens"].clone();
+    assert_eq!(tokenized.status, 200, "{}", tokenized.text());
+    let tokens = tokenized.json()["tokens"].clone();
     assert!(!tokens.as_array().unwrap().is_empty());
-    let d = post(
+    let detokenized = post(
         r.api(),
         "/detokenize",
         &serde_json::json!({"model": MODEL, "tokens": tokens}),
     )
     .await;
-    assert_eq!(d.status, 200, "{}", d.text());
+    assert_eq!(detokenized.status, 200, "{}", detokenized.text());
     assert!(
-        d.json()["prompt"]
+        detokenized.json()["prompt"]
             .as_str()
             .is_some_and(|p| p.contains("w2")),
         "{}",
-        d.text()
+        detokenized.text()
     );
     // A model the pool does not serve is OpenAI's 404 here too.
     let missing = post(

@@ -2,6 +2,10 @@
 //! serving port, model lookups, request ids, the access log, and metrics
 //! per model, worker set and status code with tokens and latencies.
 
+// Counters compared below are integers Prometheus text writes as floats:
+// exact comparisons are what is meant.
+#![allow(clippy::float_cmp)]
+
 mod support;
 
 use std::time::Duration;
