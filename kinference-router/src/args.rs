@@ -43,7 +43,7 @@ pub struct Args {
 }
 
 /// Log formats.
-#[derive(Clone, Copy, Debug, ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     /// Human-readable lines.
     Plain,
@@ -188,6 +188,17 @@ pub struct ServeArgs {
     /// The PEM private key of `--tls-cert-file`.
     #[arg(long, env = "KINFERENCE_TLS_KEY_FILE", requires = "tls_cert_file")]
     pub tls_key_file: Option<PathBuf>,
+    /// Export traces over OTLP/HTTP to this collector (a base URL such as
+    /// `http://otel-collector:4318`; `/v1/traces` is appended).
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (a full URL) and
+    /// `OTEL_EXPORTER_OTLP_PROTOCOL` (`http/protobuf`, `http/json`) are read
+    /// as the OpenTelemetry spec says.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+    /// Share of traces kept when the client sends none (a sampled client
+    /// trace is always followed).
+    #[arg(long, env = "OTEL_TRACES_SAMPLER_ARG", default_value_t = 1.0)]
+    pub trace_sample_ratio: f64,
 }
 
 /// `tokenize`.
@@ -270,30 +281,30 @@ impl Args {
     /// What the command fails with.
     pub async fn run(self) -> Result<(), Error> {
         let mut directives = self.log.clone();
-        if let Command::Serve(a) = &self.command
-            && a.access_log
-        {
-            directives.push_str(",kinference::access=info");
+        let mut otlp = None;
+        if let Command::Serve(a) = &self.command {
+            if a.access_log {
+                directives.push_str(",kinference::access=info");
+            }
+            otlp =
+                crate::telemetry::Otlp::resolve(a.otlp_endpoint.as_deref(), a.trace_sample_ratio)
+                    .map_err(Error::Usage)?;
         }
-        init_logging(self.log_format, &directives);
+        let filter = tracing_subscriber::EnvFilter::try_new(&directives)
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // Flushes the traces when the command returns.
+        let _telemetry =
+            crate::telemetry::init(self.log_format == LogFormat::Json, filter, otlp.as_ref())
+                .map_err(Error::Usage)?;
+        if let Some(o) = &otlp {
+            tracing::info!(endpoint = %o.endpoint, json = o.json, "exporting traces");
+        }
         match self.command {
             Command::Serve(a) => serve(*a).await,
             Command::Tokenize(a) => tokenize(&a),
             Command::Events { command } => events(command).await,
         }
     }
-}
-
-fn init_logging(format: LogFormat, directives: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(directives)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Plain => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
-    };
 }
 
 impl ServeArgs {

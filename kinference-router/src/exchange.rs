@@ -68,6 +68,8 @@ struct Routed {
 #[derive(Debug)]
 pub struct Exchange {
     shared: Arc<Shared>,
+    /// The request's trace span (disabled unless traces are exported).
+    pub span: tracing::Span,
     /// Its id (see [`request_id`]).
     pub id: HeaderValue,
     api: &'static str,
@@ -91,12 +93,36 @@ impl Exchange {
     pub fn start(
         shared: &Arc<Shared>,
         api: &'static str,
+        head: (&http::Method, &str),
         headers: &HeaderMap,
         started: Instant,
     ) -> Self {
+        use tracing::field::Empty;
         shared.metrics.in_flight.inc();
+        let (method, path) = head;
+        let id = request_id(headers, shared.runtime.next_request());
+        let span = tracing::info_span!(
+            target: crate::telemetry::SPAN_TARGET,
+            "request",
+            otel.name = %format!("{method} {path}"),
+            otel.kind = "server",
+            otel.status_code = Empty,
+            http.request.method = %method,
+            url.path = path,
+            http.response.status_code = Empty,
+            kinference.request_id = id.to_str().unwrap_or_default(),
+            gen_ai.request.model = Empty,
+            kinference.worker_set = Empty,
+            kinference.engine = Empty,
+            kinference.attempts = Empty,
+            gen_ai.usage.input_tokens = Empty,
+            gen_ai.usage.output_tokens = Empty,
+            kinference.cached_tokens = Empty,
+        );
+        crate::telemetry::continue_from(&span, headers);
         Self {
-            id: request_id(headers, shared.runtime.next_request()),
+            span,
+            id,
             shared: shared.clone(),
             api,
             started,
@@ -236,6 +262,27 @@ impl Drop for Exchange {
             m.completion_tokens
                 .get_or_create(&r.labels)
                 .inc_by(completion);
+        }
+        if !self.span.is_disabled() {
+            let s = &self.span;
+            s.record("http.response.status_code", i64::from(self.code));
+            if self.code >= 500 {
+                s.record("otel.status_code", "ERROR");
+            }
+            s.record("kinference.attempts", i64::from(self.attempts));
+            if let Some(m) = &self.requested {
+                s.record("gen_ai.request.model", m.as_str());
+            }
+            if let Some(r) = &self.routed {
+                s.record("kinference.worker_set", r.labels.worker_set.as_str());
+                s.record("kinference.engine", r.engine.as_str());
+                s.record("gen_ai.usage.input_tokens", i64::from(r.prompt_tokens));
+                s.record("kinference.cached_tokens", i64::from(r.cached_tokens));
+                s.record(
+                    "gen_ai.usage.output_tokens",
+                    i64::try_from(completion).unwrap_or(i64::MAX),
+                );
+            }
         }
         if self.shared.config.access_log {
             let r = self.routed.as_ref();

@@ -71,5 +71,6 @@ pub mod runtime;
 pub mod serve;
 pub mod source;
 pub mod state;
+pub mod telemetry;
 pub mod tokens;
 pub mod view;

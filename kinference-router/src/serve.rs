@@ -46,7 +46,9 @@ use crate::openai::{self, ApiError};
 use crate::proxy::{self, Sent, TrackedBody};
 use crate::reports::DecisionRecord;
 use crate::state::Shared;
+use crate::telemetry::SPAN_TARGET;
 use crate::{commit, feedback, prepare};
+use tracing::Instrument as _;
 
 /// Response bodies: proxied streams or small local answers.
 pub type Body = UnsyncBoxBody<Bytes, proxy::BoxError>;
@@ -160,12 +162,7 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Bod
             .iter()
             .find(|e| e.path() == path)
             .map_or("other", |e| e.label());
-        return local(
-            &shared,
-            api,
-            req.headers(),
-            error(&ApiError::unauthorized()),
-        );
+        return local(&shared, api, &req, error(&ApiError::unauthorized()));
     }
     match (req.method(), path) {
         (&Method::POST, "/v1/chat/completions") => {
@@ -199,11 +196,11 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Bod
                 )
             }
         }
-        (&Method::GET, "/v1/models") => local(&shared, "models", req.headers(), models(&shared)),
+        (&Method::GET, "/v1/models") => local(&shared, "models", &req, models(&shared)),
         (&Method::GET, p) if p.starts_with("/v1/models/") => {
             let id = percent_decode(&p["/v1/models/".len()..]);
             let resp = model(&shared, &id);
-            local(&shared, "models", req.headers(), resp)
+            local(&shared, "models", &req, resp)
         }
         (m, p)
             if p == "/v1/models"
@@ -231,10 +228,11 @@ fn plain(status: StatusCode, body: &'static str) -> Response<Body> {
 fn local(
     shared: &Arc<Shared>,
     api: &'static str,
-    headers: &http::HeaderMap,
+    req: &Request<Incoming>,
     mut resp: Response<Body>,
 ) -> Response<Body> {
-    let mut x = Exchange::start(shared, api, headers, Instant::now());
+    let head = (req.method(), req.uri().path());
+    let mut x = Exchange::start(shared, api, head, req.headers(), Instant::now());
     x.status(resp.status());
     resp.headers_mut().insert(REQUEST_ID_HEADER, x.id.clone());
     resp
@@ -313,7 +311,8 @@ async fn inference(
     req: Request<Incoming>,
 ) -> Response<Body> {
     let started = Instant::now();
-    let mut x = Exchange::start(&shared, api.label(), req.headers(), started);
+    let head = (req.method(), req.uri().path());
+    let mut x = Exchange::start(&shared, api.label(), head, req.headers(), started);
     let id = x.id.clone();
     let mut resp = match route(&shared, api, req, started, &mut x).await {
         Ok((parts, body)) => {
@@ -409,7 +408,9 @@ async fn route(
         headers,
         debug,
     };
-    let prepared = prepare::prepare(shared, &view, api, head, bytes).await?;
+    let prepared = prepare::prepare(shared, &view, api, head, bytes)
+        .instrument(tracing::info_span!(target: SPAN_TARGET, parent: &x.span, "prepare"))
+        .await?;
     x.requested(&prepared.requested, prepared.stream);
     // A random source of this request's own: no lock shared between requests.
     let mut rng = kinference_scoring::SplitMix64::new(
@@ -429,9 +430,9 @@ async fn route(
             since_start: shared.now(),
         };
         let explain = prepared.debug || shared.explanations.sample();
-        let d = match decide::decide(
-            &view, &shared.kv, &prepared, &excluded, now, &mut rng, explain,
-        ) {
+        let decided = tracing::info_span!(target: SPAN_TARGET, parent: &x.span, "decide", kinference.attempt = attempt_no)
+            .in_scope(|| decide::decide(&view, &shared.kv, &prepared, &excluded, now, &mut rng, explain));
+        let d = match decided {
             Ok(d) => d,
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
@@ -481,6 +482,15 @@ async fn route(
         if recover {
             shared.metrics.kv_recovery_requests.inc();
         }
+        let proxy_span = tracing::info_span!(
+            target: SPAN_TARGET,
+            parent: &x.span,
+            "proxy",
+            kinference.attempt = attempt_no,
+            kinference.engine = %d.endpoint.authority,
+        );
+        // The engine continues this attempt's trace.
+        crate::telemetry::propagate(&proxy_span, &mut headers);
         let upstream = proxy::upstream_request(
             &d.endpoint.authority,
             &prepared.path_and_query,
@@ -500,6 +510,7 @@ async fn route(
             assume,
             shared.config.upstream_timeout,
         )
+        .instrument(proxy_span)
         .await;
         let mut first = None;
         let resp = match sent {

@@ -302,6 +302,7 @@ async fn generate(
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, ApiError> {
+    s.note_trace_parent(headers);
     let json = parse_json(body)?;
     let params = Params::parse(&json, kind == Kind::Chat)?;
     let model = s.check_model(json.get("model"))?;

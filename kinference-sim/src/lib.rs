@@ -177,11 +177,27 @@ pub(crate) struct Shared {
     pub(crate) faults: LiveFaults,
     /// `vllm:admission_rejections_total` by reason.
     pub(crate) admission_rejections: metrics::Rejections,
+    /// The W3C `traceparent` of recent generation requests (vLLM started
+    /// with `--otlp-traces-endpoint` makes its request span their child).
+    pub(crate) trace_parents: std::sync::Mutex<std::collections::VecDeque<String>>,
     id_salt: u64,
     id_seq: AtomicU64,
 }
 
 impl Shared {
+    /// Keeps a request's `traceparent`, as vLLM reads it for its spans.
+    pub(crate) fn note_trace_parent(&self, headers: &axum::http::HeaderMap) {
+        if let Some(tp) = headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+            let Ok(mut q) = self.trace_parents.lock() else {
+                return;
+            };
+            if q.len() == 64 {
+                q.pop_front();
+            }
+            q.push_back(tp.to_owned());
+        }
+    }
+
     pub(crate) fn next_id_hex(&self) -> String {
         let n = self.id_seq.fetch_add(1, Ordering::Relaxed);
         format!("{:016x}{:016x}", self.id_salt, n)
@@ -396,6 +412,7 @@ impl SimEngine {
             id_salt: xxhash_rust::xxh3::xxh3_64(format!("{http_addr}/{}", cfg.seed).as_bytes()),
             faults: LiveFaults::new(&cfg.faults),
             admission_rejections: metrics::Rejections::default(),
+            trace_parents: std::sync::Mutex::default(),
             cfg,
             tok,
             ranks,
@@ -492,6 +509,16 @@ impl SimHandle {
     /// Prompt tokens of `tokens` each rank would serve from its cache now.
     pub fn cached_prefix_tokens(&self, tokens: &[u32]) -> Vec<usize> {
         self.shared.cached_prefix_tokens(tokens)
+    }
+
+    /// The `traceparent` headers of the last generation requests (up to
+    /// 64, oldest first).
+    pub fn trace_parents(&self) -> Vec<String> {
+        self.shared
+            .trace_parents
+            .lock()
+            .map(|q| q.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// Timings of recently finished requests, per rank (engine seconds).

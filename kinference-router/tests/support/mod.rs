@@ -363,6 +363,17 @@ impl RouterProc {
         extra_flags: &[&str],
         rust_log: &str,
     ) -> Self {
+        Self::start_with_env(engines, opts, extra_flags, rust_log, &[]).await
+    }
+
+    /// The same, with `env` added to the process's environment.
+    pub async fn start_with_env(
+        engines: &[EngineAddr],
+        opts: &WorkerSetOpts,
+        extra_flags: &[&str],
+        rust_log: &str,
+        env: &[(&str, &str)],
+    ) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         write_manifests(dir.path(), &manifests_yaml(engines, opts));
         let log = dir.path().join("router.log");
@@ -396,6 +407,7 @@ impl RouterProc {
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_kinference-router"))
             .args(&args)
             .env("KINFERENCE_LOG", rust_log)
+            .envs(env.iter().copied())
             .stdout(out.try_clone().expect("log file"))
             .stderr(out)
             .spawn()
