@@ -5,7 +5,9 @@
 //! once (a burst arriving during this request's prefill must see them):
 //! the endpoint's in-flight load ([`crate::endpoint::InFlight`]), the
 //! policy's per-decision state (rotation, least-recently-chosen times;
-//! [`kinference_scoring::Pick::commit`]) and the prefix record. If the
+//! [`kinference_scoring::Pick::commit`]), the prefix record, and the
+//! request's send time and prediction while it waits for its first token
+//! ([`crate::endpoint::Waiting`]: evidence for the next decisions). If the
 //! engine refuses the attempt before any byte reaches the client (a connect
 //! failure, a 5xx), [`Commit::withdraw`] takes the prefix record back: an
 //! engine that refused holds nothing new. Routes that lost the decision
@@ -51,9 +53,14 @@ pub fn commit(view: &View, prepared: &Prepared, d: &Decision, now: Now) -> Commi
                 .write()
                 .record(d.choice.endpoint, &route.keys, now.since_start)
         });
-    let inflight = d.endpoint.begin(
+    let mut inflight = d.endpoint.begin(
         u64::from(d.choice.uncached_tokens()),
         u64::from(route.request.prompt_tokens),
+    );
+    // Until its first token, its age is evidence about the engine.
+    inflight.waiting_since(
+        now.since_start,
+        std::time::Duration::from_secs_f64((d.choice.prediction.ttft_ms / 1e3).clamp(0.0, 3600.0)),
     );
     Commit {
         runtime,

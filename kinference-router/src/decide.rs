@@ -11,7 +11,10 @@
 //! Their cached leading blocks come from the KV index (exact mode), topped
 //! up by this router's own record of prefixes it sent in the last seconds
 //! (a burst of a new prefix stays together before the engine's events
-//! arrive), or from the record alone (approximate mode). The set's policy
+//! arrive), or from the record alone (approximate mode). Load is the
+//! router's in-flight accounting, the scraped figures, and the evidence of
+//! requests still waiting there for a first token and of the engine's
+//! recent 503s ([`kinference_scoring::Evidence`], ages taken at `now`). The set's policy
 //! proposes; across routes the lowest predicted time to first token wins.
 
 use std::sync::Arc;
@@ -19,8 +22,8 @@ use std::time::Duration;
 
 use kinference_kvindex::Matches;
 use kinference_scoring::{
-    CacheSource, CachedBlocks, Candidate, Choice, EngineMetrics, Explanation, InFlight, Pick,
-    RandomSource,
+    CacheSource, CachedBlocks, Candidate, Choice, EngineMetrics, Evidence, Explanation, InFlight,
+    Pick, RandomSource,
 };
 use tokio::time::Instant;
 
@@ -195,7 +198,7 @@ fn decide_route(
     let candidates: Vec<Candidate> = endpoints
         .iter()
         .zip(&cached)
-        .map(|(e, c)| candidate(e, *c, now.instant))
+        .map(|(e, c)| candidate(e, *c, now))
         .collect();
     let (choice, explanation) = {
         let mut policy = ws.runtime.policy.lock();
@@ -232,8 +235,9 @@ fn decide_route(
 }
 
 /// What the policy reads about one endpoint.
-fn candidate(e: &Endpoint, cached: CachedBlocks, now: Instant) -> Candidate {
+fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now) -> Candidate {
     let load = e.load.snapshot();
+    let (oldest_waiting, oldest_predicted) = e.waiting.oldest(now.since_start).unwrap_or_default();
     Candidate {
         endpoint: kinference_scoring::EndpointId(e.id.0),
         cached,
@@ -247,10 +251,15 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Instant) -> Candidate {
             running: s.running as u32,
             waiting: s.waiting as u32,
             kv_usage: s.kv_usage,
-            age: now.saturating_duration_since(s.at),
+            age: now.instant.saturating_duration_since(s.at),
             own_requests: s.own_requests,
             own_prefilling: s.own_prefilling,
         }),
+        evidence: Evidence {
+            oldest_waiting,
+            oldest_predicted,
+            refused_age: e.refused_age(now.since_start),
+        },
     }
 }
 

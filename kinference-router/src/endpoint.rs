@@ -90,6 +90,60 @@ pub struct Load {
     pub context_tokens: AtomicU64,
 }
 
+/// Requests this router tracks per endpoint while they wait for their first
+/// token (the oldest of them is the evidence; see [`Waiting`]).
+pub const WAITING_SLOTS: usize = 32;
+
+/// The router's requests at an endpoint that have no first token yet: when
+/// each was sent and what was predicted for it, so that decisions can read
+/// the oldest one's age as evidence about the engine now
+/// ([`kinference_scoring::Evidence`]). Lock-free: a fixed set of slots, each
+/// one atomic word (sent, ms since the router started, + 1; predicted TTFT,
+/// ms), claimed at send and cleared at the first token or the end. When
+/// every slot is taken a new request goes untracked: the oldest ones, which
+/// are what counts, already hold slots.
+#[derive(Debug, Default)]
+pub struct Waiting {
+    slots: [AtomicU64; WAITING_SLOTS],
+}
+
+impl Waiting {
+    fn claim(&self, sent: Duration, predicted: Duration) -> Option<usize> {
+        let sent_ms = u64::try_from(sent.as_millis())
+            .unwrap_or(u64::MAX)
+            .min(u64::from(u32::MAX - 1))
+            + 1;
+        let predicted_ms = u64::try_from(predicted.as_millis())
+            .unwrap_or(u64::MAX)
+            .min(u64::from(u32::MAX));
+        let word = (sent_ms << 32) | predicted_ms;
+        self.slots.iter().position(|s| {
+            s.compare_exchange(0, word, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        })
+    }
+
+    fn release(&self, slot: usize) {
+        if let Some(s) = self.slots.get(slot) {
+            s.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The oldest tracked request's `(age at now, predicted TTFT)`, `now`
+    /// being the time since the router started.
+    pub fn oldest(&self, now: Duration) -> Option<(Duration, Duration)> {
+        let word = self
+            .slots
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .filter(|&w| w != 0)
+            .min()?;
+        let sent = Duration::from_millis((word >> 32) - 1);
+        let predicted = Duration::from_millis(word & u64::from(u32::MAX));
+        Some((now.saturating_sub(sent), predicted))
+    }
+}
+
 /// A point-in-time copy of [`Load`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LoadSnapshot {
@@ -187,6 +241,11 @@ pub struct Endpoint {
     pub authority_header: Option<http::HeaderValue>,
     /// Load sent by this router.
     pub load: Load,
+    /// Of it, the requests waiting for their first token, by age.
+    pub waiting: Waiting,
+    /// When the engine last refused a request with 503 (ms since the router
+    /// started, + 1; 0: never).
+    refused_at: AtomicU64,
     health: RwLock<Health>,
     /// Woken when probes find the engine unreachable: requests still
     /// waiting for its response headers move to another endpoint.
@@ -217,6 +276,8 @@ impl Endpoint {
             authority,
             key,
             load: Load::default(),
+            waiting: Waiting::default(),
+            refused_at: AtomicU64::new(0),
             health: RwLock::default(),
             down: tokio::sync::Notify::new(),
             models: RwLock::default(),
@@ -344,6 +405,22 @@ impl Endpoint {
         self.down.notified()
     }
 
+    /// The engine refused a request with 503 at `now` (time since the router
+    /// started): its admission control is full. Not a failure (no ejection);
+    /// evidence for the next decisions.
+    pub fn record_refusal(&self, now: Duration) {
+        let ms = u64::try_from(now.as_millis()).unwrap_or(u64::MAX - 1);
+        self.refused_at.store(ms + 1, Ordering::Relaxed);
+    }
+
+    /// Time since the last 503 refusal at `now`, if any.
+    pub fn refused_age(&self, now: Duration) -> Option<Duration> {
+        match self.refused_at.load(Ordering::Relaxed) {
+            0 => None,
+            at => Some(now.saturating_sub(Duration::from_millis(at - 1))),
+        }
+    }
+
     /// Ejections since the last success (0 when healthy).
     pub fn failures(&self) -> u32 {
         self.health.read().ejections
@@ -467,6 +544,7 @@ impl Endpoint {
             prefill_tokens,
             context_tokens,
             phase: Phase::Prefilling,
+            waiting_slot: None,
         }
     }
 }
@@ -484,9 +562,25 @@ pub struct InFlight {
     prefill_tokens: u64,
     context_tokens: u64,
     phase: Phase,
+    /// Its slot in the endpoint's [`Waiting`] until the first token.
+    waiting_slot: Option<usize>,
 }
 
 impl InFlight {
+    /// Tracks the request as waiting for its first token since `sent` (time
+    /// since the router started), predicted to take `predicted`.
+    pub fn waiting_since(&mut self, sent: Duration, predicted: Duration) {
+        if self.phase == Phase::Prefilling && self.waiting_slot.is_none() {
+            self.waiting_slot = self.endpoint.waiting.claim(sent, predicted);
+        }
+    }
+
+    fn stop_waiting(&mut self) {
+        if let Some(slot) = self.waiting_slot.take() {
+            self.endpoint.waiting.release(slot);
+        }
+    }
+
     /// The endpoint this request went to.
     pub fn endpoint(&self) -> &Arc<Endpoint> {
         &self.endpoint
@@ -495,6 +589,7 @@ impl InFlight {
     /// The first token arrived (or is assumed to have): prefill work is done.
     /// Idempotent.
     pub fn first_token(&mut self) {
+        self.stop_waiting();
         if self.phase == Phase::Prefilling {
             let l = &self.endpoint.load;
             l.prefilling.fetch_sub(1, Ordering::Relaxed);
@@ -513,6 +608,7 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        self.stop_waiting();
         let l = &self.endpoint.load;
         match self.phase {
             Phase::Prefilling => {
@@ -659,6 +755,42 @@ mod tests {
             );
         }
         assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn waiting_requests_are_tracked_until_their_first_token_or_end() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let ms = Duration::from_millis;
+        assert_eq!(e.waiting.oldest(ms(1000)), None);
+        let mut a = e.begin(100, 100);
+        a.waiting_since(ms(1000), ms(40));
+        let mut b = e.begin(100, 100);
+        b.waiting_since(ms(1200), ms(70));
+        assert_eq!(e.waiting.oldest(ms(1500)), Some((ms(500), ms(40))));
+        a.first_token();
+        assert_eq!(e.waiting.oldest(ms(1500)), Some((ms(300), ms(70))));
+        drop(b);
+        assert_eq!(e.waiting.oldest(ms(1500)), None);
+        drop(a);
+        // Full slots: the oldest stay tracked, newer ones go untracked.
+        let mut held: Vec<_> = (0..WAITING_SLOTS as u64 + 4)
+            .map(|i| {
+                let mut g = e.begin(1, 1);
+                g.waiting_since(ms(2000 + i), ms(10));
+                g
+            })
+            .collect();
+        assert_eq!(e.waiting.oldest(ms(3000)), Some((ms(1000), ms(10))));
+        held.clear();
+        assert_eq!(e.waiting.oldest(ms(3000)), None);
+        assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+        // Refusals.
+        assert_eq!(e.refused_age(ms(10)), None);
+        e.record_refusal(ms(100));
+        assert_eq!(e.refused_age(ms(350)), Some(ms(250)));
+        assert!(e.healthy(Instant::now()), "a 503 ejects nothing");
     }
 
     #[test]

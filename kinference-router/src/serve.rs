@@ -595,6 +595,11 @@ async fn route(
                 if reason == proxy::RetryReason::Connect {
                     d.endpoint.record(Outcome::ConnectFailure, Instant::now());
                 }
+                // Its admission control is full: evidence for the next
+                // decisions (kinference_scoring::Evidence::refused_age).
+                if reason == proxy::RetryReason::Unavailable {
+                    d.endpoint.record_refusal(shared.now());
+                }
                 retry(shared, &d, reason, &mut excluded);
                 last_error = Some(ApiError::unavailable(format!(
                     "The engines serving this model did not take the request (last: {}: {why}).",

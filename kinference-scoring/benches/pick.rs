@@ -61,6 +61,7 @@ fn fleet(seed: u64) -> Vec<Candidate> {
                     own_requests: 0,
                     own_prefilling: 0,
                 }),
+                evidence: kinference_scoring::Evidence::default(),
             }
         })
         .collect()

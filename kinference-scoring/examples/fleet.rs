@@ -214,6 +214,7 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                         },
                         in_flight: in_flight[idx],
                         engine: None,
+                        evidence: kinference_scoring::Evidence::default(),
                     });
                 }
                 let request = Request {

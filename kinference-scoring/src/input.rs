@@ -135,4 +135,30 @@ pub struct Candidate {
     pub in_flight: InFlight,
     /// Scraped engine figures, if any.
     pub engine: Option<EngineMetrics>,
+    /// What the router's requests still waiting there, and the engine's
+    /// refusals, say about it now.
+    #[serde(default)]
+    pub evidence: Evidence,
+}
+
+/// Evidence about an endpoint *now*, from requests that have not answered
+/// yet: a request sent `oldest_waiting` ago without a first token has a TTFT
+/// of at least that (a lower bound, a censored observation), and an engine
+/// that answered 503 recently is at its admission limit. Both are read by the
+/// model ([`crate::latency`]) before any first token arrives, so an engine
+/// that slowed down stops getting new work within about a second of a burst
+/// rather than after its first (late) tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Evidence {
+    /// Age of the oldest request this router sent there that has no first
+    /// token yet (zero: none).
+    #[serde(default)]
+    pub oldest_waiting: Duration,
+    /// That request's predicted TTFT when it was sent (zero: unknown).
+    #[serde(default)]
+    pub oldest_predicted: Duration,
+    /// Time since the engine last refused a request with 503 (its admission
+    /// control), if it did within the scrape horizon.
+    #[serde(default)]
+    pub refused_age: Option<Duration>,
 }

@@ -30,6 +30,16 @@
 //! Everything after `base` is the *load part* that per-endpoint calibration
 //! scales (see [`crate::calibrate`]): `TTFT = offset + scale × load`.
 //!
+//! Evidence from requests that have not answered yet ([`crate::Evidence`])
+//! comes last: the oldest request still waiting there for its first token,
+//! older than its prediction by more than `overdue_slack_millis`, raises the
+//! scale to `(age − slack) ÷ predicted` (its TTFT is at least its age, a
+//! lower bound) and the prediction to at least that age (requests on time
+//! change nothing); a 503 from the
+//! engine within `metrics_max_age` adds `refusal_penalty_millis`, fading.
+//! Calibration learns from `load_ms` and observed TTFT only, so evidence
+//! lasts exactly as long as the requests it comes from wait.
+//!
 //! Monotonicity (checked by proptests): more cached blocks never predict a
 //! later first token; more queued prefill tokens, decoding sequences, scraped
 //! waiting or running requests, or KV usage never predict an earlier one.
@@ -48,7 +58,9 @@ use crate::profile::{LatencyParams, TierCredits};
 /// One candidate's predicted time to first token, with its terms.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
-    /// Calibrated prediction, milliseconds: `offset_ms + scale × load_ms`.
+    /// Calibrated prediction, milliseconds: `offset_ms + scale × load_ms`,
+    /// at least the age of the oldest request still waiting there, plus a
+    /// recent refusal's penalty (`evidence_ms`).
     pub ttft_ms: f64,
     /// Uncalibrated prediction: `base_ms + load_ms`.
     pub model_ms: f64,
@@ -81,8 +93,37 @@ pub struct Prediction {
     pub warm_fraction: f64,
     /// Calibration offset in effect, milliseconds.
     pub offset_ms: f64,
-    /// Calibration scale in effect.
+    /// Calibration scale in effect, times the evidence of requests still
+    /// waiting there ([`crate::Evidence`]).
     pub scale: f64,
+    /// What the evidence added over the calibrated prediction: the longer
+    /// wait of overdue requests and a recent 503's penalty, milliseconds.
+    #[serde(default)]
+    pub evidence_ms: f64,
+}
+
+/// How the evidence of requests still waiting and of refusals changes one
+/// candidate's prediction: `TTFT = max(offset + scale × load, floor) +
+/// extra`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Adjust {
+    /// The calibrated scale before evidence.
+    pub calibrated_scale: f64,
+    /// The scale after it (at least the calibrated one).
+    pub scale: f64,
+    /// The oldest waiting request's age, ms: a new request there is not
+    /// expected sooner.
+    pub floor: f64,
+    /// A recent refusal's penalty, ms.
+    pub extra: f64,
+}
+
+impl Adjust {
+    /// The TTFT for a calibrated `offset` and `load`.
+    #[inline]
+    pub(crate) fn ttft(&self, offset: f64, load: f64) -> f64 {
+        max(offset + self.scale * load, self.floor) + self.extra
+    }
 }
 
 /// Cached blocks after tier credits: each block counts at the best credit of
@@ -162,6 +203,9 @@ pub(crate) struct Model {
     kv_start: f64,
     kv_slope: f64,
     calibrate: bool,
+    overdue_slack: f64,
+    overdue_max_scale: f64,
+    refusal_penalty: f64,
 }
 
 /// The load terms of one candidate.
@@ -222,7 +266,49 @@ impl Model {
                 0.0
             },
             calibrate: params.calibrate,
+            overdue_slack: params.overdue_slack_millis,
+            overdue_max_scale: params.overdue_max_scale,
+            refusal_penalty: params.refusal_penalty_millis,
         }
+    }
+
+    /// The evidence of `candidate`'s requests still waiting and refusals,
+    /// on top of calibration's `scale`.
+    ///
+    /// A request predicted `p` that has waited `a > p + slack` shows the
+    /// engine at least `(a − slack) ÷ p` times slower than predicted (its
+    /// TTFT is at least `a`: a lower bound, which can only raise the
+    /// scale); a new request there is then not expected before `a` either
+    /// (requests on time change nothing). A
+    /// 503 within `metrics_max_age` adds `refusal_penalty_millis`, fading
+    /// linearly with its age.
+    #[inline]
+    pub(crate) fn adjust(&self, candidate: &Candidate, scale: f64) -> Adjust {
+        let e = &candidate.evidence;
+        let mut out = Adjust {
+            calibrated_scale: scale,
+            scale,
+            floor: 0.0,
+            extra: 0.0,
+        };
+        if !e.oldest_waiting.is_zero() {
+            let age = e.oldest_waiting.as_secs_f64() * 1e3;
+            let predicted = e.oldest_predicted.as_secs_f64() * 1e3;
+            if predicted > 0.0 {
+                let ratio = (age - self.overdue_slack) / predicted;
+                if ratio > 1.0 {
+                    out.scale = scale * min(ratio, self.overdue_max_scale);
+                    out.floor = age;
+                }
+            }
+        }
+        if let Some(age) = e.refused_age {
+            let age = nanos(age);
+            if age < self.max_age_nanos {
+                out.extra = self.refusal_penalty * (1.0 - count(age) * self.inv_max_age_nanos);
+            }
+        }
+        out
     }
 
     // Measured: without it the per-candidate call was not inlined into the
@@ -340,9 +426,12 @@ impl Model {
         cached * self.inv_prompt
     }
 
-    pub(crate) fn prediction(&self, t: &Terms, (offset_ms, scale): (f64, f64)) -> Prediction {
+    pub(crate) fn prediction(&self, t: &Terms, offset_ms: f64, adjust: &Adjust) -> Prediction {
+        let ttft_ms = adjust.ttft(offset_ms, t.load_ms);
+        let scale = adjust.scale;
         Prediction {
-            ttft_ms: offset_ms + scale * t.load_ms,
+            ttft_ms,
+            evidence_ms: ttft_ms - (offset_ms + adjust.calibrated_scale * t.load_ms),
             model_ms: self.base + t.load_ms,
             base_ms: self.base,
             load_ms: t.load_ms,
@@ -413,7 +502,8 @@ pub fn predict(
 ) -> Prediction {
     let model = Model::new(params, request);
     let terms = model.terms(candidate);
-    model.prediction(&terms, model.coefficients(params, calibration, nanos(now)))
+    let (offset, scale) = model.coefficients(params, calibration, nanos(now));
+    model.prediction(&terms, offset, &model.adjust(candidate, scale))
 }
 
 #[cfg(test)]
@@ -660,6 +750,62 @@ mod tests {
         assert!((exact - 160.0).abs() < 1e-9);
         assert!((approx - 160.0 * p.approximate_credit).abs() < 1e-9);
         assert!(none.abs() < 1e-12);
+    }
+
+    #[test]
+    fn requests_still_waiting_past_their_prediction_raise_it() {
+        use crate::input::Evidence;
+        let p = LatencyParams::default();
+        let mut c = idle();
+        c.in_flight = InFlight {
+            requests: 2,
+            decoding: 0,
+            prefill_tokens: 1000,
+            context_tokens: 1000,
+        };
+        let base = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        assert!(base.evidence_ms.abs() < 1e-12);
+        // On time (within the slack): nothing changes.
+        c.evidence = Evidence {
+            oldest_waiting: Duration::from_millis(150),
+            oldest_predicted: Duration::from_millis(100),
+            refused_age: None,
+        };
+        let on_time = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        assert!((on_time.ttft_ms - base.ttft_ms).abs() < 1e-9, "{on_time:?}");
+        // 1.1 s old, predicted 100 ms: at least (1100 − 100) ÷ 100 = 10×
+        // slower than predicted, and no sooner than 1.1 s.
+        c.evidence.oldest_waiting = Duration::from_millis(1100);
+        let overdue = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        assert!((overdue.scale - 10.0).abs() < 1e-9, "{overdue:?}");
+        let want = (base.offset_ms + 10.0 * base.load_ms).max(1100.0);
+        assert!((overdue.ttft_ms - want).abs() < 1e-9, "{overdue:?}");
+        assert!((overdue.evidence_ms - (overdue.ttft_ms - base.ttft_ms)).abs() < 1e-9);
+        // The load part (what calibration learns from) is untouched.
+        assert!((overdue.load_ms - base.load_ms).abs() < 1e-12);
+        // Older still: monotone, up to the cap.
+        c.evidence.oldest_waiting = Duration::from_secs(3600);
+        let stuck = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        assert!((stuck.scale - p.overdue_max_scale).abs() < 1e-9);
+        assert!(stuck.ttft_ms >= 3_600_000.0);
+    }
+
+    #[test]
+    fn a_recent_refusal_adds_a_fading_penalty() {
+        use crate::input::Evidence;
+        let p = LatencyParams::default();
+        let mut c = idle();
+        let base = predict(&p, &req(500), &c, None, Duration::ZERO);
+        let mut at = |age: Duration| {
+            c.evidence = Evidence {
+                refused_age: Some(age),
+                ..Evidence::default()
+            };
+            predict(&p, &req(500), &c, None, Duration::ZERO).ttft_ms - base.ttft_ms
+        };
+        assert!((at(Duration::ZERO) - p.refusal_penalty_millis).abs() < 1e-9);
+        assert!((at(p.metrics_max_age / 2) - p.refusal_penalty_millis / 2.0).abs() < 1e-6);
+        assert!(at(p.metrics_max_age).abs() < 1e-12);
     }
 
     #[test]

@@ -50,6 +50,7 @@
 //!         cached: CachedBlocks { gpu: 180, ..CachedBlocks::default() },
 //!         in_flight: InFlight { requests: 3, decoding: 2, prefill_tokens: 400, context_tokens: 9000 },
 //!         engine: None,
+//!         evidence: kinference_scoring::Evidence::default(),
 //!     },
 //!     Candidate { endpoint: EndpointId(1), ..Candidate::default() },
 //! ];
@@ -102,7 +103,7 @@ pub use crate::approx::{PrefixRecord, RecordMark};
 pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 pub use crate::error::ScoringError;
 pub use crate::input::{
-    CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, InFlight, Request,
+    CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, Evidence, InFlight, Request,
 };
 pub use crate::latency::{Prediction, predict};
 pub use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};

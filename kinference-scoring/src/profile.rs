@@ -121,6 +121,20 @@ pub struct LatencyParams {
     /// off: pure TTFT greed, which under load replicates prefixes until the
     /// caches thrash (see `examples/fleet.rs`).
     pub externality_cap: f64,
+    /// Evidence from requests still waiting (see [`crate::Evidence`]): a
+    /// request older than its prediction by more than this slack shows the
+    /// endpoint slower than its calibration; the load part is scaled by
+    /// `(age − slack) ÷ predicted`. The slack keeps scheduling noise on a
+    /// healthy engine from counting.
+    pub overdue_slack_millis: f64,
+    /// The largest factor that evidence may scale the load part by (the
+    /// calibration's own bound, `scale_bounds`, is smaller: it is a fit,
+    /// this is a lower bound that holds only while the request waits).
+    pub overdue_max_scale: f64,
+    /// Added to the prediction of an endpoint that refused a request with
+    /// 503 (admission control) just now, fading linearly to 0 over
+    /// `metrics_max_age`.
+    pub refusal_penalty_millis: f64,
     /// The online calibrator.
     pub calibration: CalibrationParams,
 }
@@ -195,6 +209,15 @@ const DEFAULT: LatencyParams = LatencyParams {
     // the median TTFT at 250 req/s was 4× worse than with 32, and 32 and
     // uncapped behaved alike; the cap bounds stickiness under overload.
     externality_cap: 32.0,
+    // Heuristic: a few steps of scheduling jitter and one missed decode
+    // round; below this an engine is on time.
+    overdue_slack_millis: 100.0,
+    // Ten times the calibration's bound: a stuck engine's lower bound keeps
+    // growing until its first token, so the cap only bounds arithmetic.
+    overdue_max_scale: 40.0,
+    // An engine at its admission limit refuses again until its queue
+    // drains: about one long prefill, so that any engine with room wins.
+    refusal_penalty_millis: 1_000.0,
     calibration: CalibrationParams {
         forgetting: 0.98,
         offset_prior_sd_millis: 50.0,
@@ -356,6 +379,15 @@ impl LatencyParams {
         non_negative("tieMillis", self.tie_millis)?;
         non_negative("tieFraction", self.tie_fraction)?;
         non_negative("externalityCap", self.externality_cap)?;
+        non_negative("overdueSlackMillis", self.overdue_slack_millis)?;
+        if !(self.overdue_max_scale.is_finite() && self.overdue_max_scale >= 1.0) {
+            return Err(ParamsError {
+                field: "overdueMaxScale",
+                expected: "finite and at least 1",
+                value: self.overdue_max_scale,
+            });
+        }
+        non_negative("refusalPenaltyMillis", self.refusal_penalty_millis)?;
         let c = &self.calibration;
         if !(c.forgetting > 0.0 && c.forgetting <= 1.0) {
             return Err(ParamsError {

@@ -88,6 +88,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                         context_tokens,
                     },
                     engine,
+                    evidence: kinference_scoring::Evidence::default(),
                 }
             },
         )

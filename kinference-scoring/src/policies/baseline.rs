@@ -176,6 +176,7 @@ pub(super) mod test_support {
                 context_tokens: prefill_tokens,
             },
             engine: None,
+            evidence: crate::input::Evidence::default(),
         }
     }
 

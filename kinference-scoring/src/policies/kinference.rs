@@ -137,8 +137,12 @@ impl Kinference {
     /// Predict `candidate`'s TTFT with its calibration, without deciding.
     pub fn predict(&self, request: &Request, candidate: &Candidate, now: Duration) -> Prediction {
         let model = Model::new(&self.params, request);
-        let coefficients = self.coefficients(&model, self.slot(candidate.endpoint), nanos(now));
-        model.prediction(&model.terms(candidate), coefficients)
+        let (offset, scale) = self.coefficients(&model, self.slot(candidate.endpoint), nanos(now));
+        model.prediction(
+            &model.terms(candidate),
+            offset,
+            &model.adjust(candidate, scale),
+        )
     }
 
     fn slot(&self, endpoint: EndpointId) -> &Slot {
@@ -204,7 +208,8 @@ impl Kinference {
         let prune = explain.is_none();
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
-            let coefficients = self.coefficients(&model, slot, now_nanos);
+            let (offset, scale) = self.coefficients(&model, slot, now_nanos);
+            let adjust = model.adjust(c, scale);
             let (cached, uncached) = model.cache_terms(c);
             let warm = model.warm_fraction(cached);
             if prune {
@@ -213,9 +218,9 @@ impl Kinference {
                 // which only falls), cannot be the fastest, and cannot be the
                 // warmest. Its stored score is the bound, also past the limit.
                 let (load_bound, queue_bound, prefill_ms) = model.bounds(c, uncached);
-                let ttft_bound = coefficients.0 + coefficients.1 * load_bound;
+                let ttft_bound = adjust.ttft(offset, load_bound);
                 let score_bound = ttft_bound - tolerance * warm
-                    + self.externality(coefficients.1, prefill_ms, queue_bound);
+                    + self.externality(adjust.scale, prefill_ms, queue_bound);
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
                 if !may_be_warmest && ttft_bound >= fastest.1 && score_bound > prune_limit {
@@ -224,8 +229,8 @@ impl Kinference {
                 }
             }
             let terms = model.terms_given(c, cached, uncached);
-            let ttft = coefficients.0 + coefficients.1 * terms.load_ms;
-            let externality = self.externality(coefficients.1, terms.prefill_ms, terms.queue_ms);
+            let ttft = adjust.ttft(offset, terms.load_ms);
+            let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
             let score = ttft - tolerance * warm + externality;
             *out = score;
             if score < best {
@@ -244,7 +249,7 @@ impl Kinference {
                     .then(|| now_nanos.saturating_sub(slot.last_chosen - 1) as f64 / 1e6);
                 out.push(CandidateExplanation {
                     inputs: *c,
-                    prediction: model.prediction(&terms, coefficients),
+                    prediction: model.prediction(&terms, offset, &adjust),
                     score,
                     detail: ScoreDetail::Kinference {
                         warm_bonus_ms: tolerance * warm,
@@ -305,8 +310,8 @@ impl Kinference {
         let prediction = if let Some(out) = explain.as_deref() {
             out[index].prediction
         } else {
-            let coefficients = self.coefficients(&model, self.slot(chosen.endpoint), now_nanos);
-            model.prediction(&model.terms(chosen), coefficients)
+            let (offset, scale) = self.coefficients(&model, self.slot(chosen.endpoint), now_nanos);
+            model.prediction(&model.terms(chosen), offset, &model.adjust(chosen, scale))
         };
         let margin = params
             .tie_millis
@@ -451,6 +456,7 @@ mod tests {
                 context_tokens: prefill_tokens,
             },
             engine: None,
+            evidence: crate::input::Evidence::default(),
         }
     }
 
@@ -598,6 +604,46 @@ mod tests {
             Some(0)
         );
         assert!(Pick::calibration(&p, EndpointId(1), now).is_some_and(|v| v.samples == 100));
+    }
+
+    #[test]
+    fn an_engine_whose_requests_are_overdue_stops_getting_work_before_any_first_token() {
+        use crate::input::Evidence;
+        // Three engines with the same queue, no first token seen yet
+        // anywhere (calibration at its prior). Engine 0's oldest request has
+        // waited 1.2 s against a 300 ms prediction; the others' are on time.
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        let mut cands = [cand(0, 0, 8000), cand(1, 0, 8000), cand(2, 0, 8000)];
+        for (i, c) in cands.iter_mut().enumerate() {
+            c.in_flight.requests = 4;
+            c.evidence = Evidence {
+                oldest_waiting: Duration::from_millis(if i == 0 { 1200 } else { 250 }),
+                oldest_predicted: Duration::from_millis(300),
+                refused_age: None,
+            };
+        }
+        for t in 0..30 {
+            let now = secs(1) + Duration::from_millis(t * 10);
+            let choice = p.pick(&request(), &cands, now, &mut rng).unwrap();
+            assert_ne!(choice.endpoint, EndpointId(0), "{choice:?}");
+        }
+        let e = p
+            .pick_explained(&request(), &cands, secs(2), &mut rng)
+            .unwrap();
+        let slow = &e.candidates[0].prediction;
+        assert!(slow.scale > 3.0 && slow.evidence_ms > 0.0, "{slow:?}");
+        // Once those requests have answered, the evidence is gone: the
+        // engine gets its share again (calibration decides from then on).
+        cands[0].evidence = Evidence::default();
+        let picked: Vec<_> = (0..6)
+            .map(|t| {
+                p.pick(&request(), &cands, secs(3 + t), &mut rng)
+                    .unwrap()
+                    .endpoint
+            })
+            .collect();
+        assert!(picked.contains(&EndpointId(0)), "{picked:?}");
     }
 
     #[test]
