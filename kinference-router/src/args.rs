@@ -342,14 +342,18 @@ impl ServeArgs {
             max_connections: self.max_connections.max(1),
             debug_headers: self.debug_headers,
             access_log: self.access_log,
-            security: self.security()?,
             ..Config::default()
         })
     }
 }
 
 impl ServeArgs {
-    fn security(&self) -> Result<crate::config::Security, Error> {
+    /// Reads the API keys, the engines' key and the TLS certificate the
+    /// flags name.
+    ///
+    /// # Errors
+    /// A file that cannot be read or parsed.
+    pub fn security(&self) -> Result<crate::config::Security, Error> {
         let usage = |e: &dyn std::fmt::Display| Error::Usage(e.to_string());
         let client_keys = match &self.api_keys_file {
             Some(p) => Some(Arc::new(crate::auth::ClientKeys::load(p).map_err(|e| {
@@ -413,7 +417,10 @@ pub struct Running {
 /// # Errors
 /// Bad flags, ports in use, an unreadable manifests directory, no cluster.
 pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, Error> {
-    let config = args.config()?;
+    let mut config = args.config()?;
+    // Keys and certificates are read when the router starts (the chart
+    // check parses the flags without the files).
+    config.security = args.security()?;
     let pool = PoolRef::parse(args.pool.as_deref().unwrap_or(crate::source::QUICK_POOL))
         .map_err(Error::Usage)?;
     let api = tokio::net::TcpListener::bind(args.listen)
