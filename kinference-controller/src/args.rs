@@ -42,6 +42,20 @@ pub struct Args {
     #[arg(long, env = "KINFERENCE_PROBE_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub probe_timeout: Duration,
 
+    /// The engines' API key (vLLM's and SGLang's `--api-key`), sent with
+    /// every probe (`/v1/models`, `/kv_event_sources`, `/metrics`).
+    #[arg(
+        long,
+        env = "KINFERENCE_ENGINE_API_KEY",
+        hide_env_values = true,
+        conflicts_with = "engine_api_key_file"
+    )]
+    pub engine_api_key: Option<String>,
+
+    /// The same, read from a file (a mounted Secret).
+    #[arg(long, env = "KINFERENCE_ENGINE_API_KEY_FILE")]
+    pub engine_api_key_file: Option<std::path::PathBuf>,
+
     /// Where to serve /metrics, /healthz and /readyz.
     #[arg(long, env = "KINFERENCE_ADMIN_ADDR", default_value = "0.0.0.0:9090")]
     pub admin_addr: SocketAddr,
@@ -108,6 +122,9 @@ pub enum RunError {
     /// The log filter does not parse.
     #[error("invalid log filter {0:?}")]
     LogFilter(String),
+    /// A flag's value is wrong.
+    #[error("{0}")]
+    Usage(String),
     /// Leader election could not start.
     #[error("leader election")]
     Leader(#[source] LeaderError),
@@ -123,6 +140,22 @@ pub enum RunError {
 }
 
 pub use kinference_api::duration::parse_duration;
+
+impl Args {
+    /// The engines' API key, from the flag or its file.
+    ///
+    /// # Errors
+    /// The file cannot be read.
+    pub fn engine_api_key(&self) -> Result<Option<String>, RunError> {
+        match (&self.engine_api_key, &self.engine_api_key_file) {
+            (Some(k), _) => Ok(Some(k.clone())),
+            (None, Some(p)) => std::fs::read_to_string(p).map(Some).map_err(|e| {
+                RunError::Usage(format!("--engine-api-key-file {}: {e}", p.display()))
+            }),
+            (None, None) => Ok(None),
+        }
+    }
+}
 
 /// Resolves when the process is asked to stop (SIGTERM or Ctrl-C).
 async fn stop_signal() {
@@ -220,7 +253,10 @@ impl Args {
             },
             Seams {
                 prober: Arc::new(
-                    HttpProber::new(self.probe_timeout).with_kv_window(self.kv_probe_window),
+                    HttpProber::new(self.probe_timeout)
+                        .with_kv_window(self.kv_probe_window)
+                        .with_api_key(self.engine_api_key()?.as_deref())
+                        .map_err(RunError::Usage)?,
                 ),
                 events,
                 leader: leadership.subscribe(),

@@ -282,6 +282,8 @@ pub struct HttpProber {
     client: Client<HttpConnector, Empty<Bytes>>,
     timeout: Duration,
     kv_window: Duration,
+    /// `Authorization` for engines started with `--api-key`.
+    auth: Option<http::HeaderValue>,
 }
 
 impl HttpProber {
@@ -299,7 +301,26 @@ impl HttpProber {
             client,
             timeout,
             kv_window: DEFAULT_KV_WINDOW,
+            auth: None,
         }
+    }
+
+    /// The same prober sending the engines' API key (`None`: none).
+    ///
+    /// # Errors
+    /// A key that a header cannot carry.
+    pub fn with_api_key(mut self, key: Option<&str>) -> Result<Self, String> {
+        self.auth = match key.map(str::trim).filter(|k| !k.is_empty()) {
+            Some(k) => {
+                let mut v = http::HeaderValue::from_str(&format!("Bearer {k}")).map_err(|_| {
+                    "the engine API key has characters a header cannot carry".to_owned()
+                })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(self)
     }
 
     /// The same prober watching KV events for `window`.
@@ -378,8 +399,12 @@ impl HttpProber {
         let uri: http::Uri = format!("http://{authority}{path}")
             .parse()
             .map_err(|e: http::uri::InvalidUri| ProbeFailure::Connect(e.to_string()))?;
-        let req = http::Request::get(uri)
-            .header(http::header::USER_AGENT, "kinference-controller")
+        let mut req =
+            http::Request::get(uri).header(http::header::USER_AGENT, "kinference-controller");
+        if let Some(a) = &self.auth {
+            req = req.header(http::header::AUTHORIZATION, a.clone());
+        }
+        let req = req
             .body(Empty::new())
             .map_err(|e| ProbeFailure::Connect(e.to_string()))?;
         let resp = self

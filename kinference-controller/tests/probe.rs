@@ -351,3 +351,25 @@ async fn without_kv_event_sources_the_spec_port_is_used() {
     assert_eq!(w.activity, None);
     engine.shutdown().await;
 }
+
+#[tokio::test]
+async fn engines_started_with_an_api_key_are_probed_with_it() {
+    let mut cfg = config("m", "127.0.0.1:0".parse().unwrap(), None, 16);
+    cfg.api_key = Some("engine-secret".into());
+    let engine = start(cfg).await;
+    let addr = engine.http_addr().to_string();
+    // Without the key the engine refuses, as vLLM does (401).
+    assert_eq!(prober().models(&addr).await, Err(ProbeFailure::Status(401)));
+    let keyed = prober().with_api_key(Some("engine-secret")).unwrap();
+    let cards = keyed.models(&addr).await.expect("a model list");
+    assert_eq!(cards[0].id, "m");
+    assert!(keyed.engine_counters(&addr, None).await.is_ok());
+    assert_eq!(
+        prober()
+            .with_api_key(Some("wrong"))
+            .unwrap()
+            .models(&addr)
+            .await,
+        Err(ProbeFailure::Status(401))
+    );
+}

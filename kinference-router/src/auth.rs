@@ -8,8 +8,9 @@
 //!   (Anthropic's). Health checks (`/health`, `/ready`) need no key. The
 //!   client's credentials never reach the engines.
 //! - **The engines' API key** (`--engine-api-key`, vLLM's and SGLang's
-//!   `--api-key`): sent with every request, probe, discovery call and
-//!   tokenization, in place of anything the client sent.
+//!   `--api-key`): sent with every probe, discovery call and tokenization,
+//!   and with requests: in place of the client's key when the router
+//!   checked it, else only where the client sent no `Authorization`.
 //! - **TLS** on the serving port (`--tls-cert-file`, `--tls-key-file`;
 //!   rustls with the same crypto provider as the Kubernetes client), HTTP/2
 //!   and HTTP/1.1 by ALPN.
@@ -166,14 +167,19 @@ pub fn engine_authorization(key: &str) -> Result<HeaderValue, String> {
     Ok(v)
 }
 
-/// Headers as sent to an engine: the client's credentials dropped when the
-/// router checked them, the engines' key set when there is one.
+/// Headers as sent to an engine. When the router checked the client's key,
+/// that key is dropped and the engines' key (if any) sent instead; when it
+/// did not, a client's own `Authorization` passes untouched (clients that
+/// hold the engines' key keep using it) and the engines' key fills in only
+/// where the client sent none.
 pub fn for_engine(headers: &mut HeaderMap, clients_checked: bool, engine: Option<&HeaderValue>) {
     if clients_checked {
         headers.remove(header::AUTHORIZATION);
         headers.remove(&X_API_KEY);
     }
-    if let Some(v) = engine {
+    if let Some(v) = engine
+        && !headers.contains_key(header::AUTHORIZATION)
+    {
         headers.insert(header::AUTHORIZATION, v.clone());
     }
 }
@@ -248,7 +254,10 @@ mod tests {
         assert_eq!(h[header::AUTHORIZATION], "Bearer engine-key");
         assert!(!h.contains_key(&X_API_KEY));
         let mut passed = headers("authorization", "Bearer client");
-        for_engine(&mut passed, false, None);
+        for_engine(&mut passed, false, Some(&engine));
         assert_eq!(passed[header::AUTHORIZATION], "Bearer client");
+        let mut none = HeaderMap::new();
+        for_engine(&mut none, false, Some(&engine));
+        assert_eq!(none[header::AUTHORIZATION], "Bearer engine-key");
     }
 }
