@@ -134,4 +134,32 @@ fn pool_and_profile_crd_shape() {
         *modes,
         serde_json::json!(["local", "engine", "approximate"])
     );
+    // Admission: optional, its bound required when present, each limit
+    // validated by the API server (CEL) with a message.
+    let spec = &schema(&r)["properties"]["spec"];
+    let admission = &spec["properties"]["admission"];
+    assert!(
+        !spec["required"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|v| v == "admission")),
+        "admission is optional: off by default"
+    );
+    assert_eq!(
+        admission["required"],
+        serde_json::json!(["maxPredictedTtftMillis"])
+    );
+    for (field, rule) in [
+        ("maxPredictedTtftMillis", "self > 0.0"),
+        ("maxQueue", "self >= 1 && self <= 100000"),
+        ("maxWaitMillis", "self >= 1 && self <= 600000"),
+    ] {
+        let v = &admission["properties"][field]["x-kubernetes-validations"][0];
+        assert_eq!(v["rule"], rule, "{field}");
+        assert!(
+            v["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with(&format!("admission.{field}"))),
+            "{field}: {v}"
+        );
+    }
 }

@@ -597,6 +597,7 @@ impl InFlight {
                 .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
             l.decoding.fetch_add(1, Ordering::Relaxed);
             self.phase = Phase::Decoding;
+            crate::admit::capacity_freed();
         }
     }
 
@@ -623,6 +624,7 @@ impl Drop for InFlight {
         l.context_tokens
             .fetch_sub(self.context_tokens, Ordering::Relaxed);
         l.requests.fetch_sub(1, Ordering::Relaxed);
+        crate::admit::capacity_freed();
     }
 }
 

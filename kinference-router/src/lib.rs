@@ -10,6 +10,10 @@
 //!    ([`view`]); token ids per the set's profile ([`tokens`]: local
 //!    tokenizer, the engine's `/tokenize`, or approximate text keys) and
 //!    block keys at its `kvBlockSize`.
+//!    Past the knee, [`admit`] holds a request here (a bounded queue per
+//!    worker set, released in priority and fair-share order as capacity
+//!    frees, or answered 429) while every engine is predicted past its
+//!    bound: the profile's `spec.admission` or the request's TTFT target.
 //! 2. [`decide`], per attempt: a synchronous decision over the current
 //!    state (candidates, cached blocks from the KV index and the prefix
 //!    record, load, the policy's proposal). No I/O, no clock read.
@@ -48,6 +52,7 @@
 //!   manifests); nothing in a request chooses an upstream.
 
 pub mod admin;
+pub mod admit;
 pub mod args;
 pub mod auth;
 pub mod catalog;

@@ -83,6 +83,16 @@ pub struct RetryLabels {
     pub reason: &'static str,
 }
 
+/// Labels of a request the admission queue answered 429.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectionLabels {
+    /// `queue_full` or `deadline`.
+    pub reason: &'static str,
+}
+
+/// Every rejection reason.
+pub const REJECTION_REASONS: [&str; 2] = ["queue_full", "deadline"];
+
 /// Buckets of short stage timings (decisions, tokenization), seconds.
 fn stage_buckets() -> impl Iterator<Item = f64> {
     [
@@ -159,6 +169,12 @@ pub struct Metrics {
     pub kv_recovery_requests: Counter,
     /// Upstream attempts retried on another endpoint.
     pub retries: Family<RetryLabels, Counter>,
+    /// Requests held by admission now, per worker set.
+    pub queue_depth: Family<WorkerSetLabels, Gauge>,
+    /// Time requests spent held by admission, seconds.
+    pub queue_wait: Family<WorkerSetLabels, Histogram>,
+    /// Requests answered 429 by admission, by reason.
+    pub rejections: Family<RejectionLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -170,6 +186,10 @@ impl Default for Metrics {
             drop(retries.get_or_create(&RetryLabels {
                 reason: reason.label(),
             }));
+        }
+        let rejections: Family<RejectionLabels, Counter> = Family::default();
+        for reason in REJECTION_REASONS {
+            drop(rejections.get_or_create(&RejectionLabels { reason }));
         }
         Self {
             requests: Family::default(),
@@ -193,6 +213,9 @@ impl Default for Metrics {
             panic_decisions: Counter::default(),
             kv_recovery_requests: Counter::default(),
             retries,
+            queue_depth: Family::default(),
+            queue_wait: Family::new_with_constructor(|| Histogram::new(token_buckets())),
+            rejections,
         }
     }
 }
@@ -308,6 +331,21 @@ impl Metrics {
             "Upstream attempts retried on another endpoint",
             self.retries.clone(),
         );
+        registry.register(
+            "queue_depth",
+            "Requests held by the router's admission queue (every engine predicted past the bound), per worker set",
+            self.queue_depth.clone(),
+        );
+        registry.register(
+            "queue_wait_seconds",
+            "Time requests spent in the admission queue before being sent or answered 429",
+            self.queue_wait.clone(),
+        );
+        registry.register(
+            "rejections",
+            "Requests answered 429 by admission before any engine saw them: queue_full or deadline",
+            self.rejections.clone(),
+        );
     }
 }
 
@@ -342,9 +380,12 @@ impl Metrics {
         ] {
             drop(f.get_or_create(&m));
         }
-        drop(self.ttft_ratio.get_or_create(&WorkerSetLabels {
+        let ws = WorkerSetLabels {
             worker_set: String::new(),
-        }));
+        };
+        drop(self.ttft_ratio.get_or_create(&ws));
+        drop(self.queue_depth.get_or_create(&ws));
+        drop(self.queue_wait.get_or_create(&ws));
         drop(self.decisions.get_or_create(&ReasonLabels {
             policy: "",
             reason: "",
@@ -399,11 +440,16 @@ pub const LABELS: &[(&str, &str)] = &[
     ("panic_decisions", ""),
     ("kv_recovery_requests", ""),
     ("retries", "`reason`"),
+    ("queue_depth", "`worker_set`"),
+    ("queue_wait_seconds", "`worker_set`"),
+    ("rejections", "`reason`"),
     ("kv_index_entries", ""),
     ("kv_index_bytes", ""),
     ("kv_index_max_entries", ""),
     ("kv_index_evicted_entries", ""),
     ("ready", ""),
+    ("peers", ""),
+    ("peers_reporting", ""),
     ("config_problems", ""),
     ("engine_in_flight_requests", "`engine`, `worker_set`"),
     ("engine_prefill_tokens", "`engine`, `worker_set`"),

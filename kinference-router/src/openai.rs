@@ -22,6 +22,8 @@ pub struct ApiError {
     pub param: Option<&'static str>,
     /// `error.code`.
     pub code: Option<&'static str>,
+    /// A `Retry-After` header, seconds (429s from the admission queue).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -33,6 +35,7 @@ impl ApiError {
             message: "Incorrect or missing API key: send it as `Authorization: Bearer KEY`.".into(),
             param: None,
             code: Some("invalid_api_key"),
+            retry_after: None,
         }
     }
 
@@ -44,6 +47,7 @@ impl ApiError {
             message: message.into(),
             param,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -57,6 +61,7 @@ impl ApiError {
             ),
             param: Some("model"),
             code: Some("model_not_found"),
+            retry_after: None,
         }
     }
 
@@ -70,6 +75,7 @@ impl ApiError {
             ),
             param: None,
             code: Some("not_found"),
+            retry_after: None,
         }
     }
 
@@ -81,6 +87,7 @@ impl ApiError {
             message: format!("{method} is not allowed on {path}."),
             param: None,
             code: Some("method_not_allowed"),
+            retry_after: None,
         }
     }
 
@@ -94,6 +101,7 @@ impl ApiError {
             ),
             param: None,
             code: Some("request_too_large"),
+            retry_after: None,
         }
     }
 
@@ -105,6 +113,7 @@ impl ApiError {
             message: format!("The request body did not arrive within {limit:?}."),
             param: None,
             code: Some("request_timeout"),
+            retry_after: None,
         }
     }
 
@@ -116,6 +125,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: Some("no_healthy_endpoint"),
+            retry_after: None,
         }
     }
 
@@ -127,6 +137,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: Some("upstream_error"),
+            retry_after: None,
         }
     }
 
@@ -138,6 +149,26 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: Some("upstream_timeout"),
+            retry_after: None,
+        }
+    }
+
+    /// 429 `rate_limit_exceeded` with `Retry-After`, as OpenAI answers when
+    /// it cannot take a request now: the router's admission queue is full, or
+    /// the request's deadline cannot be met (`code`: `queue_full`,
+    /// `deadline`). No engine has seen the request.
+    pub fn too_many_requests(
+        message: impl Into<String>,
+        code: &'static str,
+        retry_after_secs: u64,
+    ) -> Self {
+        Self {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            kind: "rate_limit_exceeded",
+            message: message.into(),
+            param: None,
+            code: Some(code),
+            retry_after: Some(retry_after_secs.max(1)),
         }
     }
 
@@ -162,6 +193,10 @@ impl ApiError {
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
+        if let Some(secs) = self.retry_after {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
         r
     }
 }

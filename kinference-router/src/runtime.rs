@@ -66,6 +66,10 @@ pub struct WsRuntime {
     pub tokenizer_state: RwLock<TokenizerState>,
     /// Routes of prompts prepared before.
     pub memo: RouteMemo,
+    /// The profile's admission settings (`None`: off).
+    pub admission: Option<crate::admit::Limits>,
+    /// Requests held by admission.
+    pub queue: crate::admit::Queue,
 }
 
 impl WsRuntime {
@@ -88,6 +92,8 @@ impl WsRuntime {
             tokenizer: RwLock::new(None),
             tokenizer_state: RwLock::new(TokenizerState::NotLocal),
             memo: RouteMemo::new(crate::config::defaults::ROUTE_MEMO_BYTES),
+            admission: None,
+            queue: crate::admit::Queue::default(),
         }
     }
 
@@ -203,6 +209,11 @@ impl Runtimes {
             .map_or(TokenizationMode::Engine, |p| p.tokenization.mode);
         let mut rt = WsRuntime::new(params, mode, policy, prefix_ttl);
         rt.key = key;
+        rt.admission = route
+            .profile
+            .as_ref()
+            .and_then(|p| p.admission.as_ref())
+            .map(crate::admit::Limits::from_spec);
         let rt = Arc::new(rt);
         match tokenizer_path(route.profile.as_ref()) {
             None => {}

@@ -436,6 +436,29 @@ async fn route(
             Ok(d) => d,
             Err(e) => return Err(last_error.unwrap_or(e)),
         };
+        // Past the knee: held while every engine is predicted past the
+        // bound, or 429 before any engine sees it (crate::admit).
+        let gate = (attempt_no == 0)
+            .then(|| crate::admit::Gate::new(&view, &prepared, &d, started))
+            .flatten();
+        let (d, now) = match gate {
+            Some(gate) => {
+                let redecide = |at| {
+                    decide::decide(
+                        &view, &shared.kv, &prepared, &excluded, at, &mut rng, explain,
+                    )
+                };
+                let d = gate.hold(shared, d, redecide).await?;
+                (
+                    d,
+                    Now {
+                        instant: Instant::now(),
+                        since_start: shared.now(),
+                    },
+                )
+            }
+            None => (d, now),
+        };
         if attempt_no == 0 {
             shared
                 .metrics

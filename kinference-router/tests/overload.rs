@@ -112,3 +112,162 @@ async fn a_burst_mostly_avoids_an_engine_ten_times_slower_before_its_first_token
     );
     r.shutdown().await;
 }
+
+/// Sums a counter's series in a Prometheus text page.
+fn sum_of(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_before_any_engine() {
+    let sims = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts {
+        profile: "admitted".into(),
+        profile_spec: Some(
+            "  admission: {maxPredictedTtftMillis: 300, maxQueue: 20, maxWaitMillis: 3000}\n"
+                .into(),
+        ),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &[]).await;
+    wait_routable(&r, 2, true).await;
+
+    // Below the knee nothing waits.
+    let t = Instant::now();
+    let (status, _, _) = one(r.api(), 10_000).await;
+    assert_eq!(status, 200);
+    assert!(t.elapsed() < Duration::from_secs(1));
+
+    // 150 distinct 600-token prompts at once: several seconds of work for
+    // two engines.
+    let total = 150usize;
+    let tasks: Vec<_> = (0..total)
+        .map(|k| {
+            let api = r.api();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let resp = post_streaming(
+                    api,
+                    "/v1/chat/completions",
+                    &chat(MODEL, &words(k * 700, 600), true, 8),
+                )
+                .await;
+                let status = resp.status().as_u16();
+                let retry_after = resp
+                    .headers()
+                    .get("retry-after")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<u64>().ok());
+                let mut body = resp.into_body();
+                let mut ttft = None;
+                let mut text = Vec::new();
+                while let Some(Ok(f)) = body.frame().await {
+                    if let Some(d) = f.data_ref() {
+                        if ttft.is_none() && !d.is_empty() {
+                            ttft = Some(started.elapsed().as_secs_f64() * 1000.0);
+                        }
+                        text.extend_from_slice(d);
+                    }
+                }
+                (status, retry_after, ttft, text, started.elapsed())
+            })
+        })
+        .collect();
+    let (mut ok, mut rejected, mut reasons) = (0usize, 0usize, HashMap::<String, usize>::new());
+    let mut ttfts = Vec::new();
+    let mut longest = Duration::ZERO;
+    for t in tasks {
+        let (status, retry_after, ttft, text, took) = t.await.unwrap();
+        longest = longest.max(took);
+        match status {
+            200 => {
+                ok += 1;
+                ttfts.push(ttft.unwrap_or(f64::NAN));
+            }
+            429 => {
+                rejected += 1;
+                let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+                assert_eq!(v["error"]["type"], "rate_limit_exceeded", "{v}");
+                let code = v["error"]["code"].as_str().unwrap().to_owned();
+                assert!(code == "queue_full" || code == "deadline", "{v}");
+                assert!(
+                    retry_after.is_some_and(|s| s >= 1),
+                    "429 without Retry-After"
+                );
+                *reasons.entry(code).or_default() += 1;
+            }
+            s => panic!("unexpected status {s}"),
+        }
+    }
+    let p90 = {
+        ttfts.sort_by(f64::total_cmp);
+        ttfts[ttfts.len() * 9 / 10]
+    };
+    let admin = get(r.admin(), "/metrics").await.text();
+    let mut engine_saw = 0.0;
+    for s in &sims {
+        let m = get(s.http_addr(), "/metrics").await.text();
+        engine_saw += sum_of(&m, "vllm:request_success_total");
+    }
+    eprintln!(
+        "FIGURE admission: {ok}/{total} served (TTFT p90 {p90:.0} ms), {rejected} answered 429 ({reasons:?}); engines served {engine_saw}; slowest answer {:.1} s",
+        longest.as_secs_f64()
+    );
+    assert!(ok > 0 && rejected > 0, "{ok} ok, {rejected} rejected");
+    assert_eq!(ok + rejected, total);
+    assert_eq!(
+        sum_of(&admin, "kinference_router_rejections_total") as usize,
+        rejected
+    );
+    // No engine saw a rejected request: the engines served the 150 − 429s
+    // plus the first one.
+    assert_eq!(engine_saw as usize, ok + 1);
+    // Every request was answered or rejected within its deadline (3 s wait
+    // plus the engine's own time for those sent).
+    assert!(longest < Duration::from_secs(8), "{longest:?}");
+    assert!(sum_of(&admin, "kinference_router_queue_wait_seconds_count") > 0.0);
+    assert!(sum_of(&admin, "kinference_router_queue_depth").abs() < 0.5);
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttft_target_header_bounds_one_request_without_any_profile() {
+    let sims = engines(1, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 1, true).await;
+    let body =
+        bytes::Bytes::from(serde_json::to_vec(&chat(MODEL, &words(0, 600), false, 4)).unwrap());
+    // A generous target: sent at once.
+    let reply = send(
+        r.api(),
+        "POST",
+        "/v1/chat/completions",
+        &[("x-kinference-ttft-target-ms", "5000")],
+        body.clone(),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    // One no engine can meet (even idle, a first token takes more than
+    // 1 ms): 429 at its deadline, the engine never asked.
+    let t = Instant::now();
+    let reply = send(
+        r.api(),
+        "POST",
+        "/v1/chat/completions",
+        &[("x-kinference-ttft-target-ms", "1")],
+        body,
+    )
+    .await;
+    assert_eq!(reply.status, 429, "{}", reply.text());
+    assert!(t.elapsed() < Duration::from_secs(1));
+    assert_eq!(reply.json()["error"]["code"], "deadline");
+    assert!(reply.headers.contains_key("retry-after"));
+    let m = get(sims[0].http_addr(), "/metrics").await.text();
+    assert_eq!(sum_of(&m, "vllm:request_success_total") as u64, 1);
+    r.shutdown().await;
+}

@@ -1,5 +1,10 @@
 //! `RoutingProfile`: a latency model and a tokenization mode, cluster-scoped.
 
+// `Admission`'s fields are the CRD's names (`maxQueue`, `maxWaitMillis`, …):
+// limits read as such. KubeSchema re-emits the struct, so the allow cannot
+// sit on it.
+#![allow(clippy::struct_field_names)]
+
 use kube::{CustomResource, KubeSchema};
 use serde::{Deserialize, Serialize};
 
@@ -41,6 +46,44 @@ pub struct RoutingProfileSpec {
     /// The latency model. Unset fields take the built-in `default` profile's values.
     #[serde(default)]
     pub latency: LatencyModel,
+
+    /// Admission control in the router, past the knee: a request whose
+    /// predicted time to first token exceeds `maxPredictedTtftMillis` on
+    /// every engine waits in the router (not on an engine) until one frees
+    /// up, or is answered 429 with `Retry-After`. Unset: off, every request
+    /// is sent at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admission: Option<Admission>,
+}
+
+/// Admission control: a bounded queue in the router between preparing a
+/// request and choosing its engine.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct Admission {
+    /// Hold a request while every candidate engine's predicted time to first
+    /// token exceeds this, in milliseconds.
+    #[x_kube(validation = Rule::new("self > 0.0").message("admission.maxPredictedTtftMillis must be greater than 0"))]
+    pub max_predicted_ttft_millis: f64,
+
+    /// Requests held at most per worker set; one more is answered 429
+    /// (`queue_full`). Default 512.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 100000").message("admission.maxQueue must be between 1 and 100000"))]
+    pub max_queue: Option<u32>,
+
+    /// Longest a request is held before it is answered 429 (`deadline`), in
+    /// milliseconds. Default 10000.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 600000").message("admission.maxWaitMillis must be between 1 and 600000"))]
+    pub max_wait_millis: Option<u64>,
+}
+
+impl Admission {
+    /// `maxQueue` when unset.
+    pub const DEFAULT_MAX_QUEUE: u32 = 512;
+    /// `maxWaitMillis` when unset.
+    pub const DEFAULT_MAX_WAIT_MILLIS: u64 = 10_000;
 }
 
 /// How prompts become token ids.

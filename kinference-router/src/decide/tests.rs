@@ -350,70 +350,75 @@ fn ejected_endpoints_are_not_candidates() {
 
 #[test]
 fn a_request_overdue_at_an_endpoint_and_a_503_steer_decisions_away_with_no_clock_read() {
-    let f = fixture(&[(
+    let fix = fixture(&[(
         "a",
         &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
         PolicyName::Kinference,
     )]);
-    let p = f.prepared(&prompt(9, 8));
-    let at = |d: Duration| Now {
+    let req = fix.prepared(&prompt(9, 8));
+    let at = |dec: Duration| Now {
         instant: Instant::now(),
-        since_start: d,
+        since_start: dec,
     };
     // One request committed to each endpoint at T (no first token yet).
     let mut sent = Vec::new();
     let mut excluded = Vec::new();
     for _ in 0..3 {
-        let d = f.decide(&p, &excluded, T).unwrap();
-        excluded.push(d.endpoint.id);
-        sent.push((d.endpoint.clone(), commit::commit(&f.view, &p, &d, at(T))));
+        let dec = fix.decide(&req, &excluded, T).unwrap();
+        excluded.push(dec.endpoint.id);
+        sent.push((
+            dec.endpoint.clone(),
+            commit::commit(&fix.view, &req, &dec, at(T)),
+        ));
     }
     let slow = sent[0].0.clone();
     // 2 s later the other two have their first tokens; the first one's
     // request still waits, far past its prediction.
     let later = T + Duration::from_secs(2);
-    for (_, c) in &mut sent[1..] {
-        c.inflight.first_token();
+    for (_, cand) in &mut sent[1..] {
+        cand.inflight.first_token();
     }
-    let d = f.decide(&p, &[], later).unwrap();
-    assert_ne!(d.endpoint.id, slow.id, "{}", d.choice);
-    let e = d.explanation.unwrap();
-    let c = e
+    let dec = fix.decide(&req, &[], later).unwrap();
+    assert_ne!(dec.endpoint.id, slow.id, "{}", dec.choice);
+    let expl = dec.explanation.unwrap();
+    let cand = expl
         .candidates
         .iter()
-        .find(|c| c.inputs.endpoint.0 == slow.id.0)
+        .find(|cand| cand.inputs.endpoint.0 == slow.id.0)
         .unwrap();
-    assert_eq!(c.inputs.evidence.oldest_waiting, Duration::from_secs(2));
-    assert!(c.prediction.ttft_ms >= 2000.0 && c.prediction.evidence_ms > 0.0);
+    assert_eq!(cand.inputs.evidence.oldest_waiting, Duration::from_secs(2));
+    assert!(cand.prediction.ttft_ms >= 2000.0 && cand.prediction.evidence_ms > 0.0);
     // The same state a second later is read at that `now`, not the clock's.
-    let d2 = f.decide(&p, &[], later + Duration::from_secs(1)).unwrap();
+    let d2 = fix
+        .decide(&req, &[], later + Duration::from_secs(1))
+        .unwrap();
     let c2 = d2
         .explanation
         .unwrap()
         .candidates
         .into_iter()
-        .find(|c| c.inputs.endpoint.0 == slow.id.0)
+        .find(|cand| cand.inputs.endpoint.0 == slow.id.0)
         .unwrap();
     assert_eq!(c2.inputs.evidence.oldest_waiting, Duration::from_secs(3));
     // Its first token: the evidence goes.
     sent[0].1.inflight.first_token();
-    let d3 = f.decide(&p, &[], later).unwrap();
+    let d3 = fix.decide(&req, &[], later).unwrap();
     let c3 = d3
         .explanation
         .unwrap()
         .candidates
         .into_iter()
-        .find(|c| c.inputs.endpoint.0 == slow.id.0)
+        .find(|cand| cand.inputs.endpoint.0 == slow.id.0)
         .unwrap();
     assert_eq!(c3.inputs.evidence.oldest_waiting, Duration::ZERO);
     // A 503 from another endpoint just now: it loses to the third.
     drop(sent);
-    let refusing = f.endpoint("10.0.0.2");
+    let refusing = fix.endpoint("10.0.0.2");
     refusing.record_refusal(later);
     for i in 0..6 {
-        let d = f
-            .decide(&p, &[], later + Duration::from_millis(10 * i))
+        let dec = fix
+            .decide(&req, &[], later + Duration::from_millis(10 * i))
             .unwrap();
-        assert_ne!(d.endpoint.id, refusing.id);
+        assert_ne!(dec.endpoint.id, refusing.id);
     }
 }

@@ -1,0 +1,576 @@
+//! Admission, between [`crate::prepare`] and the first [`crate::decide`]:
+//! past the knee, a request whose best predicted time to first token is over
+//! its bound waits here, in a bounded queue per worker set, instead of on an
+//! engine; it is released, in order, as capacity frees (a first token, a
+//! response's end), or answered 429 with `Retry-After` in OpenAI's error
+//! shape when the queue is full or its wait runs out. No engine sees a
+//! rejected request.
+//!
+//! The bound is the worker set's `RoutingProfile.spec.admission`
+//! (`maxPredictedTtftMillis`, `maxQueue`, `maxWaitMillis`) and, per request,
+//! the header [`TTFT_TARGET_HEADER`]: a request with a target waits at most
+//! that long, and only while its remaining budget is below the prediction.
+//! Without either, nothing waits: the gate is a branch on the decision
+//! already taken (no lock, no clock read beyond the one the request path
+//! already does).
+//!
+//! Release order is [`Class`]: strict priority (higher first, aged by
+//! [`AGING`] per priority step so that nothing starves), then between
+//! tenants weighted fair sharing by uncached prefill tokens (the tenant
+//! that has been sent the fewest tokens per weight goes first), then
+//! arrival. Only the queue's head re-decides, on every freed capacity and
+//! at least every [`HEAD_TICK`]; the others sleep until they become head or
+//! their deadline passes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use http::HeaderMap;
+use http::header::HeaderName;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::decide::{Decision, Now};
+use crate::metrics::{RejectionLabels, WorkerSetLabels};
+use crate::openai::ApiError;
+use crate::state::Shared;
+
+/// Request header: the request's time-to-first-token target, milliseconds.
+pub const TTFT_TARGET_HEADER: HeaderName = HeaderName::from_static("x-kinference-ttft-target-ms");
+/// Request header: the tenant the request is accounted to.
+pub const TENANT_HEADER: HeaderName = HeaderName::from_static("x-kinference-tenant");
+/// Request header: the request's priority (an integer, higher first; 0 by
+/// default).
+pub const PRIORITY_HEADER: HeaderName = HeaderName::from_static("x-kinference-priority");
+
+/// How often the queue's head re-decides when no capacity event woke it
+/// (scraped figures, evidence and ejections change predictions too).
+pub const HEAD_TICK: Duration = Duration::from_millis(25);
+
+/// A waiting request gains one priority step per this much wait: a
+/// priority-0 request that has waited 2 s goes before a fresh priority-1
+/// one, so that no class starves.
+pub const AGING: Duration = Duration::from_secs(2);
+
+/// Priorities are clamped to ±this.
+pub const MAX_PRIORITY: i64 = 100;
+
+/// A worker set's admission settings (its profile's `spec.admission`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    /// Hold a request while the best predicted TTFT exceeds this, ms.
+    pub max_predicted_ttft_ms: f64,
+    /// Requests held at most.
+    pub max_queue: usize,
+    /// Longest a request is held.
+    pub max_wait: Duration,
+}
+
+impl Limits {
+    /// From the profile's `spec.admission`.
+    pub fn from_spec(a: &kinference_api::v1alpha1::Admission) -> Self {
+        use kinference_api::v1alpha1::Admission;
+        Self {
+            max_predicted_ttft_ms: a.max_predicted_ttft_millis,
+            max_queue: a.max_queue.unwrap_or(Admission::DEFAULT_MAX_QUEUE) as usize,
+            max_wait: Duration::from_millis(
+                a.max_wait_millis
+                    .unwrap_or(Admission::DEFAULT_MAX_WAIT_MILLIS),
+            ),
+        }
+    }
+}
+
+/// Who a request is, for the release order: its tenant and priority
+/// (headers), and its cost (uncached prefill tokens).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Class {
+    /// The tenant (`x-kinference-tenant`; empty: the default tenant).
+    pub tenant: String,
+    /// The priority (`x-kinference-priority`), higher first.
+    pub priority: i64,
+}
+
+impl Class {
+    /// From the request's headers.
+    pub fn from_headers(h: &HeaderMap) -> Self {
+        let text = |name: &HeaderName| h.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+        Self {
+            tenant: text(&TENANT_HEADER)
+                .map(|t| t.chars().take(64).collect())
+                .unwrap_or_default(),
+            priority: text(&PRIORITY_HEADER)
+                .and_then(|p| p.parse::<i64>().ok())
+                .unwrap_or(0)
+                .clamp(-MAX_PRIORITY, MAX_PRIORITY),
+        }
+    }
+}
+
+/// The request's TTFT target from [`TTFT_TARGET_HEADER`], if valid.
+pub fn target(h: &HeaderMap) -> Option<Duration> {
+    let ms: f64 = h
+        .get(&TTFT_TARGET_HEADER)?
+        .to_str()
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    (ms.is_finite() && ms > 0.0).then(|| Duration::from_secs_f64(ms.min(3_600_000.0) / 1e3))
+}
+
+/// Requests waiting in any queue of this process: capacity events notify
+/// only while there are some.
+static QUEUED: AtomicUsize = AtomicUsize::new(0);
+static FREED: Notify = Notify::const_new();
+
+/// Capacity freed at some endpoint (a first token, a response's end): wakes
+/// the queues' heads. Free when nothing waits.
+pub fn capacity_freed() {
+    if QUEUED.load(Ordering::Relaxed) > 0 {
+        FREED.notify_waiters();
+    }
+}
+
+struct Entry {
+    id: u64,
+    priority: i64,
+    joined: Instant,
+    tenant: String,
+    /// Its cost, uncached prefill tokens (as first decided).
+    cost: u64,
+    /// Its virtual start: the tenant's tokens sent plus those of its
+    /// requests queued ahead of this one. Lower goes first.
+    start: u64,
+    wake: Arc<Notify>,
+}
+
+impl Entry {
+    /// Release order at `now`: aged priority (higher first), then virtual
+    /// start (tenant share), then arrival.
+    fn key(&self, now: Instant) -> (i64, u64, u64) {
+        let aged = i64::try_from(
+            now.saturating_duration_since(self.joined).as_millis() / AGING.as_millis().max(1),
+        )
+        .unwrap_or(i64::MAX);
+        (-(self.priority.saturating_add(aged)), self.start, self.id)
+    }
+}
+
+#[derive(Default)]
+struct Tenant {
+    /// Uncached prefill tokens sent.
+    sent: u64,
+    /// Of its requests waiting.
+    queued: u64,
+    waiting: usize,
+}
+
+#[derive(Default)]
+struct State {
+    entries: Vec<Entry>,
+    tenants: HashMap<String, Tenant>,
+    /// The virtual start of the last request released: a tenant that had
+    /// nothing waiting starts here, so past idleness earns no burst of
+    /// credit and past heaviness no lasting penalty (start-time fair
+    /// queueing).
+    vtime: u64,
+}
+
+/// One worker set's admission queue.
+#[derive(Default)]
+pub struct Queue {
+    depth: AtomicUsize,
+    next_id: AtomicU64,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("depth", &self.depth.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Queue {
+    /// Requests waiting.
+    pub fn depth(&self) -> usize {
+        self.depth.load(Ordering::Relaxed)
+    }
+
+    /// Records `tokens` uncached prefill tokens sent for `tenant` (while
+    /// admission applies to the worker set), for fair sharing.
+    pub fn served(&self, tenant: &str, tokens: u64) {
+        let mut s = self.state.lock();
+        let vtime = s.vtime;
+        let t = s.tenants.entry(tenant.to_owned()).or_default();
+        if t.waiting == 0 {
+            t.sent = t.sent.max(vtime);
+        }
+        t.sent = t.sent.saturating_add(tokens);
+        // Bounded: tenants far behind the virtual time with nothing waiting
+        // are forgotten (they would start at the virtual time anyway).
+        if s.tenants.len() > 4096 {
+            s.tenants.retain(|_, t| t.waiting > 0 || t.sent > vtime);
+        }
+    }
+
+    fn join(
+        &self,
+        class: &Class,
+        cost: u64,
+        now: Instant,
+        max: usize,
+    ) -> Option<(u64, Arc<Notify>)> {
+        let mut s = self.state.lock();
+        if s.entries.len() >= max {
+            return None;
+        }
+        let vtime = s.vtime;
+        let t = s.tenants.entry(class.tenant.clone()).or_default();
+        if t.waiting == 0 {
+            t.sent = t.sent.max(vtime);
+        }
+        let start = t.sent.saturating_add(t.queued);
+        t.queued = t.queued.saturating_add(cost);
+        t.waiting += 1;
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let wake = Arc::new(Notify::new());
+        s.entries.push(Entry {
+            id,
+            priority: class.priority,
+            joined: now,
+            tenant: class.tenant.clone(),
+            cost,
+            start,
+            wake: wake.clone(),
+        });
+        self.depth.store(s.entries.len(), Ordering::Relaxed);
+        QUEUED.fetch_add(1, Ordering::Relaxed);
+        Some((id, wake))
+    }
+
+    fn head(e: &[Entry], now: Instant) -> Option<&Entry> {
+        e.iter().min_by_key(|x| x.key(now))
+    }
+
+    fn is_head(&self, id: u64, now: Instant) -> bool {
+        Self::head(&self.state.lock().entries, now).is_some_and(|h| h.id == id)
+    }
+
+    /// Leaves the queue (`released`: to be sent, which moves the virtual
+    /// time) and wakes the next head.
+    fn leave(&self, id: u64, now: Instant, released: bool) {
+        let mut s = self.state.lock();
+        if let Some(i) = s.entries.iter().position(|x| x.id == id) {
+            let e = s.entries.swap_remove(i);
+            QUEUED.fetch_sub(1, Ordering::Relaxed);
+            if released {
+                s.vtime = s.vtime.max(e.start);
+            }
+            if let Some(t) = s.tenants.get_mut(&e.tenant) {
+                t.queued = t.queued.saturating_sub(e.cost);
+                t.waiting = t.waiting.saturating_sub(1);
+            }
+        }
+        self.depth.store(s.entries.len(), Ordering::Relaxed);
+        if let Some(h) = Self::head(&s.entries, now) {
+            h.wake.notify_one();
+        }
+    }
+}
+
+/// The fastest candidate's predicted TTFT as the decision reports it: the
+/// chosen endpoint's, or, when kinference stayed on a warmer one, the
+/// fastest's. (Baseline policies report the chosen endpoint's uncalibrated
+/// prediction.)
+pub fn fastest_ms(d: &Decision) -> f64 {
+    let p = d.choice.prediction.ttft_ms;
+    match d.choice.reason {
+        kinference_scoring::Reason::StayedWarm { later_ms, .. } => (p - later_ms).max(0.0),
+        _ => p,
+    }
+}
+
+/// One request's admission: its limits (profile and target) and class.
+#[derive(Debug)]
+pub struct Gate {
+    runtime: Arc<crate::runtime::WsRuntime>,
+    worker_set: String,
+    limits: Option<Limits>,
+    target: Option<Duration>,
+    class: Class,
+    arrived: Instant,
+}
+
+impl Gate {
+    /// The gate for a request whose first decision is `d`, or `None` when
+    /// no bound applies (admission off and no target): then nothing waits.
+    pub fn new(
+        view: &crate::view::View,
+        prepared: &crate::prepare::Prepared,
+        d: &Decision,
+        arrived: Instant,
+    ) -> Option<Self> {
+        let route = &prepared.routes[d.route];
+        let ws = &view.worker_sets[route.target.worker_set];
+        let limits = ws.runtime.admission;
+        let target = target(&prepared.headers);
+        if limits.is_none() && target.is_none() {
+            return None;
+        }
+        Some(Self {
+            runtime: ws.runtime.clone(),
+            worker_set: ws.route.name.clone(),
+            limits,
+            target,
+            class: Class::from_headers(&prepared.headers),
+            arrived,
+        })
+    }
+
+    /// The class the request is accounted to.
+    pub fn class(&self) -> &Class {
+        &self.class
+    }
+
+    /// The bound on the best predicted TTFT at `now`, ms: the profile's,
+    /// and the request's remaining target.
+    fn bound(&self, now: Instant) -> f64 {
+        let mut b = self
+            .limits
+            .map_or(f64::INFINITY, |l| l.max_predicted_ttft_ms);
+        if let Some(t) = self.target {
+            let left = t.saturating_sub(now.saturating_duration_since(self.arrived));
+            b = b.min(left.as_secs_f64() * 1e3);
+        }
+        b
+    }
+
+    /// When waiting ends with a 429.
+    fn deadline(&self) -> Instant {
+        let wait = match (self.limits.map(|l| l.max_wait), self.target) {
+            (Some(w), Some(t)) => w.min(t),
+            (Some(w), None) => w,
+            (None, Some(t)) => t,
+            (None, None) => Duration::ZERO,
+        };
+        self.arrived + wait
+    }
+
+    fn max_queue(&self) -> usize {
+        self.limits.map_or(
+            kinference_api::v1alpha1::Admission::DEFAULT_MAX_QUEUE as usize,
+            |l| l.max_queue,
+        )
+    }
+
+    fn labels(&self) -> WorkerSetLabels {
+        WorkerSetLabels {
+            worker_set: self.worker_set.clone(),
+        }
+    }
+
+    fn reject(&self, shared: &Shared, reason: &'static str, fastest: f64, bound: f64) -> ApiError {
+        shared
+            .metrics
+            .rejections
+            .get_or_create(&RejectionLabels { reason })
+            .inc();
+        let over = if bound.is_finite() {
+            (fastest - bound).max(0.0)
+        } else {
+            0.0
+        };
+        let retry = (over / 1e3).ceil().clamp(1.0, 3600.0) as u64;
+        let message = match reason {
+            "queue_full" => format!(
+                "The router's admission queue for this model is full ({} requests wait): the engines are past capacity. Retry after {retry} s.",
+                self.max_queue()
+            ),
+            _ => format!(
+                "No engine can serve this request within its deadline (predicted time to first token {fastest:.0} ms). Retry after {retry} s."
+            ),
+        };
+        ApiError::too_many_requests(message, reason, retry)
+    }
+
+    /// Sends `first` on when its fastest prediction is within the bound and
+    /// nothing waits ahead; else holds the request, re-deciding (`redecide`,
+    /// at the `Now` given) whenever it is the queue's head and capacity
+    /// freed, until a decision is within the bound (returned) or the
+    /// deadline passes (429).
+    ///
+    /// # Errors
+    /// 429 when the queue is full or the deadline passed; what `redecide`
+    /// returns.
+    pub async fn hold(
+        &self,
+        shared: &Shared,
+        first: Decision,
+        mut redecide: impl FnMut(Now) -> Result<Decision, ApiError>,
+    ) -> Result<Decision, ApiError> {
+        let q = &self.runtime.queue;
+        let start = Instant::now();
+        let fastest = fastest_ms(&first);
+        if fastest <= self.bound(start) && q.depth() == 0 {
+            q.served(
+                &self.class.tenant,
+                u64::from(first.choice.uncached_tokens()),
+            );
+            return Ok(first);
+        }
+        let cost = u64::from(first.choice.uncached_tokens());
+        drop(first);
+        let deadline = self.deadline();
+        if start >= deadline {
+            return Err(self.reject(shared, "deadline", fastest, self.bound(start)));
+        }
+        let Some((id, wake)) = q.join(&self.class, cost, start, self.max_queue()) else {
+            return Err(self.reject(shared, "queue_full", fastest, self.bound(start)));
+        };
+        let m = &shared.metrics;
+        m.queue_depth
+            .get_or_create(&self.labels())
+            .set(q.depth() as i64);
+        let done = |at: Instant, released: bool| {
+            q.leave(id, at, released);
+            m.queue_depth
+                .get_or_create(&self.labels())
+                .set(q.depth() as i64);
+            m.queue_wait
+                .get_or_create(&self.labels())
+                .observe(at.saturating_duration_since(start).as_secs_f64());
+        };
+        let mut fastest = fastest;
+        loop {
+            let now = Instant::now();
+            let head = q.is_head(id, now);
+            if head {
+                let d = match redecide(Now {
+                    instant: now,
+                    since_start: shared.now(),
+                }) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        done(now, false);
+                        return Err(e);
+                    }
+                };
+                fastest = fastest_ms(&d);
+                if fastest <= self.bound(now) {
+                    done(now, true);
+                    q.served(&self.class.tenant, u64::from(d.choice.uncached_tokens()));
+                    return Ok(d);
+                }
+            }
+            if now >= deadline {
+                done(now, false);
+                return Err(self.reject(shared, "deadline", fastest, self.bound(now)));
+            }
+            let freed = FREED.notified();
+            let until = if head {
+                deadline.min(now + HEAD_TICK)
+            } else {
+                deadline
+            };
+            tokio::select! {
+                () = freed, if head => {}
+                () = wake.notified() => {}
+                () = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(pairs: &[(&HeaderName, &str)]) -> HeaderMap {
+        let mut m = HeaderMap::new();
+        for (k, v) in pairs {
+            m.insert((*k).clone(), v.parse().unwrap());
+        }
+        m
+    }
+
+    #[test]
+    fn class_and_target_come_from_headers_and_bad_values_are_ignored() {
+        let c = Class::from_headers(&h(&[(&TENANT_HEADER, " acme "), (&PRIORITY_HEADER, "7")]));
+        assert_eq!(c.tenant, "acme");
+        assert_eq!(c.priority, 7);
+        let c = Class::from_headers(&h(&[(&PRIORITY_HEADER, "high")]));
+        assert_eq!((c.tenant.as_str(), c.priority), ("", 0));
+        let c = Class::from_headers(&h(&[(&PRIORITY_HEADER, "-100000")]));
+        assert_eq!(c.priority, -MAX_PRIORITY);
+        assert_eq!(
+            target(&h(&[(&TTFT_TARGET_HEADER, "1500")])),
+            Some(Duration::from_millis(1500))
+        );
+        for bad in ["0", "-5", "NaN", "soon"] {
+            assert_eq!(target(&h(&[(&TTFT_TARGET_HEADER, bad)])), None, "{bad}");
+        }
+        assert_eq!(target(&HeaderMap::new()), None);
+    }
+
+    #[test]
+    fn release_order_is_priority_then_tenant_share_then_arrival_and_waiting_ages() {
+        let q = Queue::default();
+        let t0 = Instant::now();
+        let class = |tenant: &str, priority| Class {
+            tenant: tenant.into(),
+            priority,
+        };
+        // Two tenants queue 1000-token requests: the heavy one first, four
+        // of them; the light one's single request goes second, not fifth.
+        let heavy: Vec<_> = (0..4)
+            .map(|_| q.join(&class("heavy", 0), 1000, t0, 10).unwrap().0)
+            .collect();
+        let (light, _) = q.join(&class("light", 0), 1000, t0, 10).unwrap();
+        let (urgent, _) = q.join(&class("heavy", 1), 1000, t0, 10).unwrap();
+        assert_eq!(q.depth(), 6);
+        assert!(q.is_head(urgent, t0), "strict priority first");
+        q.leave(urgent, t0, true);
+        q.served("heavy", 1000);
+        assert!(q.is_head(heavy[0], t0), "then the lowest virtual start");
+        q.leave(heavy[0], t0, true);
+        q.served("heavy", 1000);
+        assert!(q.is_head(light, t0), "the light tenant's share comes next");
+        q.leave(light, t0, true);
+        assert!(q.is_head(heavy[1], t0));
+        // Aging: a priority-0 request that has waited two AGING steps goes
+        // before a fresh priority-1 one.
+        let later = t0 + AGING * 2;
+        let (fresh, _) = q.join(&class("light", 1), 1000, later, 10).unwrap();
+        assert!(q.is_head(heavy[1], later), "the old request aged past it");
+        assert!(q.is_head(fresh, t0 + AGING / 2), "not yet at half a step");
+        for id in [heavy[1], heavy[2], heavy[3], fresh] {
+            q.leave(id, later, false);
+        }
+        assert_eq!(q.depth(), 0);
+        // Bounded.
+        let ids: Vec<_> = (0..3)
+            .map(|_| q.join(&class("", 0), 1, t0, 3).unwrap().0)
+            .collect();
+        assert!(
+            q.join(&class("", 0), 1, t0, 3).is_none(),
+            "the queue is full"
+        );
+        for id in ids {
+            q.leave(id, t0, false);
+        }
+        // A tenant idle for long starts at the virtual time, not far
+        // behind it with a burst of credit.
+        q.served("idle", 0);
+        let (x, _) = q.join(&class("idle", 0), 1, t0, 10).unwrap();
+        let (y, _) = q.join(&class("heavy", 0), 1, t0, 10).unwrap();
+        let s = q.state.lock();
+        let start = |id| s.entries.iter().find(|e| e.id == id).unwrap().start;
+        assert!(start(x) >= s.vtime && start(y) >= s.vtime);
+    }
+}
