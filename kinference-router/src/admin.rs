@@ -81,6 +81,22 @@ pub fn handle(
             }
         }
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
+        crate::peers::LOAD_PATH => {
+            let token = shared.config.peers.as_ref().and_then(|p| p.token.as_ref());
+            if crate::peers::allowed(token, req.headers()) {
+                text(
+                    StatusCode::OK,
+                    "application/json",
+                    serde_json::to_vec(&crate::peers::report(shared)).unwrap_or_default(),
+                )
+            } else {
+                text(
+                    StatusCode::UNAUTHORIZED,
+                    "text/plain",
+                    "peer token required\n",
+                )
+            }
+        }
         "/readyz" => {
             if shared.is_ready() {
                 text(StatusCode::OK, "text/plain", "ready\n")
@@ -100,6 +116,7 @@ pub fn handle(
             json(&serde_json::json!({
                 "ready": shared.is_ready(),
                 "problems": *shared.runtime.problems(),
+                "peers": shared.runtime.peer_state.read().clone(),
                 "worker_sets": reports::worker_set_reports(&view),
                 "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now()),
                 "kv_index": {
@@ -286,6 +303,33 @@ impl Collector for StateCollector {
             "ready",
             "1 once the pool's objects have all been listed (the admin port's /readyz and the serving port's /ready)",
             if shared.is_ready() { 1.0 } else { 0.0 },
+        )?;
+        let (known, reporting) = {
+            let p = shared.runtime.peer_state.read();
+            let staleness = shared
+                .config
+                .peers
+                .as_ref()
+                .map_or(0, |s| u64::try_from(s.staleness.as_millis()).unwrap_or(u64::MAX));
+            (
+                p.peers.len(),
+                p.peers
+                    .iter()
+                    .filter(|x| x.report_age_ms.is_some_and(|a| a <= staleness))
+                    .count(),
+            )
+        };
+        single_gauge(
+            &mut encoder,
+            "peers",
+            "Other replicas of this router found (--peer-service, --peers)",
+            known as f64,
+        )?;
+        single_gauge(
+            &mut encoder,
+            "peers_reporting",
+            "Peers whose load report is fresh (within --peer-staleness); the others count for nothing",
+            reporting as f64,
         )?;
         single_gauge(
             &mut encoder,

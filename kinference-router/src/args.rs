@@ -195,6 +195,26 @@ pub struct ServeArgs {
     /// as the OpenTelemetry spec says.
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
+    /// Share load with the other replicas of this router: the ready pods of
+    /// this Service (in the router's namespace, `POD_NAMESPACE`), reached
+    /// at this replica's admin port. The chart sets it.
+    #[arg(long, env = "KINFERENCE_PEER_SERVICE", conflicts_with = "peers")]
+    pub peer_service: Option<String>,
+    /// Share load with these replicas' admin addresses (host:port, comma
+    /// separated or repeated), e.g. outside Kubernetes.
+    #[arg(long, env = "KINFERENCE_PEERS", value_delimiter = ',')]
+    pub peers: Vec<String>,
+    /// Between polls of each peer's load (and the longest one may take).
+    #[arg(long, env = "KINFERENCE_PEER_INTERVAL", default_value = "200ms", value_parser = parse_duration)]
+    pub peer_interval: Duration,
+    /// A peer's report older than this counts for nothing.
+    #[arg(long, env = "KINFERENCE_PEER_STALENESS", default_value = "1s", value_parser = parse_duration)]
+    pub peer_staleness: Duration,
+    /// A shared secret (a mounted Secret) that replicas present to each
+    /// other; without it, load reports are served to anyone who reaches
+    /// the admin port.
+    #[arg(long, env = "KINFERENCE_PEER_TOKEN_FILE")]
+    pub peer_token_file: Option<PathBuf>,
     /// Share of traces kept when the client sends none (a sampled client
     /// trace is always followed).
     #[arg(long, env = "OTEL_TRACES_SAMPLER_ARG", default_value_t = 1.0)]
@@ -348,6 +368,39 @@ impl ServeArgs {
 }
 
 impl ServeArgs {
+    fn peer_settings(&self) -> Result<Option<crate::peers::Settings>, Error> {
+        let source = match (&self.peer_service, self.peers.is_empty()) {
+            (Some(name), _) => crate::peers::Source::Service {
+                namespace: std::env::var("POD_NAMESPACE").map_err(|_| {
+                    Error::Usage("--peer-service needs POD_NAMESPACE (the downward API's metadata.namespace)".into())
+                })?,
+                name: name.clone(),
+                admin_port: self.admin_addr.port(),
+            },
+            (None, false) => crate::peers::Source::Fixed(self.peers.clone()),
+            (None, true) => return Ok(None),
+        };
+        let token = match &self.peer_token_file {
+            Some(p) => {
+                let t = std::fs::read_to_string(p)
+                    .map_err(|e| Error::Usage(format!("--peer-token-file {}: {e}", p.display())))?;
+                let mut v =
+                    http::HeaderValue::from_str(&format!("Bearer {}", t.trim())).map_err(|_| {
+                        Error::Usage("the peer token has characters a header cannot carry".into())
+                    })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        Ok(Some(crate::peers::Settings {
+            source,
+            interval: self.peer_interval.max(Duration::from_millis(10)),
+            staleness: self.peer_staleness,
+            token,
+        }))
+    }
+
     /// Reads the API keys, the engines' key and the TLS certificate the
     /// flags name.
     ///
@@ -421,6 +474,7 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
     // Keys and certificates are read when the router starts (the chart
     // check parses the flags without the files).
     config.security = args.security()?;
+    config.peers = args.peer_settings()?;
     let pool = PoolRef::parse(args.pool.as_deref().unwrap_or(crate::source::QUICK_POOL))
         .map_err(Error::Usage)?;
     let api = tokio::net::TcpListener::bind(args.listen)
@@ -451,6 +505,7 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
     if let Some(keys) = &shared.config.security.client_keys {
         keys.watch(stop.clone());
     }
+    let mut kube_client = None;
     if !args.engine.is_empty() {
         let objects = crate::source::quick_objects(&args.engine, args.kv_port, args.kv_block_size)
             .map_err(Error::Usage)?;
@@ -466,6 +521,15 @@ pub async fn start(args: ServeArgs, stop: CancellationToken) -> Result<Running, 
     } else {
         let client = kube::Client::try_default().await.map_err(Error::Kube)?;
         crate::source::watch_kubernetes(&client, &catalog, &stop);
+        kube_client = Some(client);
+    }
+    if let Some(p) = shared.config.peers.clone() {
+        if matches!(p.source, crate::peers::Source::Service { .. }) && kube_client.is_none() {
+            return Err(Error::Usage(
+                "--peer-service needs Kubernetes (use --peers ADDR,... with --manifests or --engine)".into(),
+            ));
+        }
+        crate::peers::spawn(shared.clone(), p, kube_client);
     }
     tokio::spawn(crate::maintain::maintain(shared.clone(), snapshots));
     tokio::spawn(crate::admin::run(shared.clone(), admin));

@@ -157,6 +157,8 @@ pub struct Config {
     pub access_log: bool,
     /// Client keys, the engines' key, TLS ([`crate::auth`]).
     pub security: Security,
+    /// Other router replicas to share load with ([`crate::peers`]).
+    pub peers: Option<crate::peers::Settings>,
 }
 
 /// Who may call the router and how it calls engines.
@@ -204,6 +206,7 @@ impl Default for Config {
             debug_headers: defaults::DEBUG_HEADERS,
             access_log: false,
             security: Security::default(),
+            peers: None,
         }
     }
 }

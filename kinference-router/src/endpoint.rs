@@ -88,6 +88,38 @@ pub struct Load {
     pub decoding: AtomicU32,
     /// Prompt tokens of all requests in flight (their context size).
     pub context_tokens: AtomicU64,
+    /// What the other router replicas report they have in flight here,
+    /// summed over the fresh reports ([`crate::peers`]); 0 without peers.
+    pub peers: PeerLoad,
+}
+
+/// Other replicas' load on an endpoint (the same five figures).
+#[derive(Debug, Default)]
+pub struct PeerLoad {
+    /// Requests in flight.
+    pub requests: AtomicU32,
+    /// Of which before their first token.
+    pub prefilling: AtomicU32,
+    /// Their uncached prompt tokens.
+    pub prefill_tokens: AtomicU64,
+    /// Requests decoding.
+    pub decoding: AtomicU32,
+    /// Prompt tokens of the requests in flight.
+    pub context_tokens: AtomicU64,
+}
+
+impl PeerLoad {
+    /// Sets the figures (`None`: no fresh peer report: zeros).
+    pub fn set(&self, s: Option<LoadSnapshot>) {
+        let s = s.unwrap_or_default();
+        self.requests.store(s.requests, Ordering::Relaxed);
+        self.prefilling.store(s.prefilling, Ordering::Relaxed);
+        self.prefill_tokens
+            .store(s.prefill_tokens, Ordering::Relaxed);
+        self.decoding.store(s.decoding, Ordering::Relaxed);
+        self.context_tokens
+            .store(s.context_tokens, Ordering::Relaxed);
+    }
 }
 
 /// Requests this router tracks per endpoint while they wait for their first
@@ -160,8 +192,45 @@ pub struct LoadSnapshot {
 }
 
 impl Load {
-    /// Reads the counters.
+    /// The load the routers have on the endpoint: this replica's and what
+    /// its peers report (what decisions read).
     pub fn snapshot(&self) -> LoadSnapshot {
+        let own = self.own();
+        let p = &self.peers;
+        LoadSnapshot {
+            requests: own
+                .requests
+                .saturating_add(p.requests.load(Ordering::Relaxed)),
+            prefilling: own
+                .prefilling
+                .saturating_add(p.prefilling.load(Ordering::Relaxed)),
+            prefill_tokens: own
+                .prefill_tokens
+                .saturating_add(p.prefill_tokens.load(Ordering::Relaxed)),
+            decoding: own
+                .decoding
+                .saturating_add(p.decoding.load(Ordering::Relaxed)),
+            context_tokens: own
+                .context_tokens
+                .saturating_add(p.context_tokens.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// The peers' figures alone.
+    pub fn peers_snapshot(&self) -> LoadSnapshot {
+        let p = &self.peers;
+        LoadSnapshot {
+            requests: p.requests.load(Ordering::Relaxed),
+            prefilling: p.prefilling.load(Ordering::Relaxed),
+            prefill_tokens: p.prefill_tokens.load(Ordering::Relaxed),
+            decoding: p.decoding.load(Ordering::Relaxed),
+            context_tokens: p.context_tokens.load(Ordering::Relaxed),
+        }
+    }
+
+    /// This replica's own counters (what it reports to its peers and in
+    /// its metrics).
+    pub fn own(&self) -> LoadSnapshot {
         LoadSnapshot {
             requests: self.requests.load(Ordering::Relaxed),
             prefilling: self.prefilling.load(Ordering::Relaxed),

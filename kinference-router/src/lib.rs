@@ -68,6 +68,7 @@ pub mod maintain;
 pub mod memo;
 pub mod metrics;
 pub mod openai;
+pub mod peers;
 pub mod prepare;
 pub mod probe;
 pub mod proxy;

@@ -102,6 +102,8 @@ pub struct EndpointReport {
     pub failures: u32,
     /// This router's load on it.
     pub load: LoadSnapshot,
+    /// What the other router replicas report they have on it.
+    pub peer_load: LoadSnapshot,
     /// Models it serves.
     pub models: Vec<String>,
     /// The last `/v1/models` error.
@@ -149,7 +151,8 @@ pub fn endpoint_reports(view: &View, kv: &KvPlane, now: Instant) -> Vec<Endpoint
                 worker_sets: vec![ws.route.name.clone()],
                 healthy: e.healthy(now),
                 failures: e.failures(),
-                load: e.load.snapshot(),
+                load: e.load.own(),
+                peer_load: e.load.peers_snapshot(),
                 models: e.models().into_iter().map(|m| m.id).collect(),
                 models_error: e.models_error(),
                 scraped: e.scraped(),

@@ -48,6 +48,10 @@ pub struct Runtime {
     requests: AtomicU64,
     /// Cancelled at shutdown.
     pub stop: CancellationToken,
+    /// This process's replica id (random), in its peer reports.
+    pub replica: String,
+    /// What the peer poller knows ([`crate::peers`]).
+    pub peer_state: parking_lot::RwLock<crate::peers::PeerState>,
 }
 
 impl Runtime {
@@ -138,6 +142,12 @@ impl Shared {
                 models_changed: Notify::new(),
                 requests: AtomicU64::new(0),
                 stop,
+                replica: {
+                    use std::hash::{BuildHasher as _, Hasher as _};
+                    let h = std::collections::hash_map::RandomState::new().build_hasher();
+                    format!("{:016x}", h.finish())
+                },
+                peer_state: parking_lot::RwLock::default(),
             },
             kv: KvPlane::new(config.kv_max_entries),
             explanations: Explanations::new(config.explain_buffer, config.explain_every),

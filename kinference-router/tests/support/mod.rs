@@ -171,29 +171,21 @@ pub async fn router(engines: &[EngineAddr], opts: &WorkerSetOpts, extra_flags: &
 /// Starts `kinference-router serve` with `flags` (after the tests' own
 /// listen addresses, probe intervals and drain); `dir` lives as long as it.
 pub async fn serve(dir: tempfile::TempDir, flags: &[&str]) -> Router {
-    let mut argv: Vec<String> = [
-        "kinference-router",
-        "serve",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-addr",
-        "127.0.0.1:0",
-        "--scrape-interval",
-        "500ms",
-        "--discovery-interval",
-        "1s",
-        "--drain",
-        "2s",
-        "--tokenize-timeout",
-        "2s",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
-    // Tests read decisions from response headers (off by default) unless
-    // they say otherwise.
-    if !flags.contains(&"--debug-headers") {
-        argv.extend(["--debug-headers".to_owned(), "true".to_owned()]);
+    let mut argv: Vec<String> = vec!["kinference-router".into(), "serve".into()];
+    // The tests' defaults, unless the test gives the flag itself. Tests
+    // read decisions from response headers (off by default).
+    for (flag, value) in [
+        ("--listen", "127.0.0.1:0"),
+        ("--admin-addr", "127.0.0.1:0"),
+        ("--scrape-interval", "500ms"),
+        ("--discovery-interval", "1s"),
+        ("--drain", "2s"),
+        ("--tokenize-timeout", "2s"),
+        ("--debug-headers", "true"),
+    ] {
+        if !flags.contains(&flag) {
+            argv.extend([flag.to_owned(), value.to_owned()]);
+        }
     }
     argv.extend(flags.iter().map(|s| (*s).to_owned()));
     let args = Args::try_parse_from(argv).expect("router flags");
@@ -579,4 +571,10 @@ pub async fn openai_python(script: &str, args: &[&str]) -> Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("the client prints JSON")
+}
+
+/// A loopback address with a port free now.
+pub fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    l.local_addr().expect("address").to_string()
 }

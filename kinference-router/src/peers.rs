@@ -1,0 +1,383 @@
+//! Router replicas that see each other's load.
+//!
+//! Each replica keeps its own KV index from the engines' events; what it
+//! cannot see is the work its peers have sent and that has not reached the
+//! engines' own figures yet (scraped every few seconds). So every replica
+//! serves its own per-engine in-flight load on its admin port
+//! (`GET /peer/load`, five counters per engine, tens of bytes each) and
+//! polls its peers' every `--peer-interval` (default 200 ms). Decisions read
+//! this replica's load plus the sum of its peers' fresh reports
+//! ([`crate::endpoint::Load::snapshot`]).
+//!
+//! Peers are the other pods of the router's own Service (`--peer-service`,
+//! its EndpointSlices in the router's namespace, at the admin port), or a
+//! fixed list (`--peers`). With `--peer-token-file`, reports are served
+//! and asked for with that bearer token only.
+//!
+//! It degrades to a lone router, never to worse: a peer that does not
+//! answer within the interval, answers garbage, or whose last report is
+//! older than `--peer-staleness` (1 s) counts for nothing; every figure a
+//! peer reports is capped ([`MAX_REQUESTS`], [`MAX_TOKENS`]); a report is
+//! at most [`MAX_REPORT_BYTES`]; nothing queues (one poll in flight per
+//! peer, dropped at the next tick).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http_body_util::{BodyExt as _, Empty};
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::endpoint::LoadSnapshot;
+use crate::state::Shared;
+
+/// The admin path of a replica's own load.
+pub const LOAD_PATH: &str = "/peer/load";
+/// Largest report read from a peer.
+pub const MAX_REPORT_BYTES: usize = 1 << 20;
+/// Most requests a peer may claim on one engine.
+pub const MAX_REQUESTS: u32 = 100_000;
+/// Most tokens a peer may claim on one engine.
+pub const MAX_TOKENS: u64 = 1 << 32;
+
+/// One replica's load report.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// The replica (random per process): a replica that finds itself in
+    /// its peer list ignores its own report.
+    pub replica: String,
+    /// Per engine (`address:port`): requests, prefilling, prefill tokens,
+    /// decoding, context tokens.
+    pub engines: HashMap<String, [u64; 5]>,
+}
+
+/// This replica's report.
+pub fn report(shared: &Shared) -> Report {
+    let view = shared.view();
+    let mut engines = HashMap::new();
+    for ws in &view.worker_sets {
+        for e in &ws.endpoints {
+            let l = e.load.own();
+            if l.requests == 0 && l.prefilling == 0 {
+                continue;
+            }
+            engines.insert(
+                e.authority.clone(),
+                [
+                    u64::from(l.requests),
+                    u64::from(l.prefilling),
+                    l.prefill_tokens,
+                    u64::from(l.decoding),
+                    l.context_tokens,
+                ],
+            );
+        }
+    }
+    Report {
+        replica: shared.runtime.replica.clone(),
+        engines,
+    }
+}
+
+/// Where the peers are.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// A fixed list of admin addresses.
+    Fixed(Vec<String>),
+    /// The ready addresses of a Service's EndpointSlices, at `admin_port`.
+    Service {
+        /// The router's namespace.
+        namespace: String,
+        /// The router's Service.
+        name: String,
+        /// The peers' admin port (this replica's own).
+        admin_port: u16,
+    },
+}
+
+/// Peer settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Who.
+    pub source: Source,
+    /// Between polls (and the most one poll may take).
+    pub interval: Duration,
+    /// Reports older than this count for nothing.
+    pub staleness: Duration,
+    /// `Authorization` to send and to require.
+    pub token: Option<HeaderValue>,
+}
+
+/// Whether `headers` carry the peer token (always, without one).
+pub fn allowed(token: Option<&HeaderValue>, headers: &http::HeaderMap) -> bool {
+    let Some(t) = token else { return true };
+    headers.get(header::AUTHORIZATION).is_some_and(|v| {
+        let (a, b) = (v.as_bytes(), t.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    })
+}
+
+/// Parses and bounds a peer's report; `None` for anything malformed.
+pub fn parse(body: &[u8]) -> Option<Report> {
+    let mut r: Report = serde_json::from_slice(body).ok()?;
+    for v in r.engines.values_mut() {
+        for (i, x) in v.iter_mut().enumerate() {
+            let cap = if matches!(i, 0 | 1 | 3) {
+                u64::from(MAX_REQUESTS)
+            } else {
+                MAX_TOKENS
+            };
+            *x = (*x).min(cap);
+        }
+    }
+    Some(r)
+}
+
+/// Sums the fresh reports per engine.
+pub fn sum<'a>(reports: impl IntoIterator<Item = &'a Report>) -> HashMap<String, LoadSnapshot> {
+    let mut out: HashMap<String, LoadSnapshot> = HashMap::new();
+    for r in reports {
+        for (engine, v) in &r.engines {
+            let s = out.entry(engine.clone()).or_default();
+            let n = |x: u64| u32::try_from(x).unwrap_or(u32::MAX);
+            s.requests = s.requests.saturating_add(n(v[0]));
+            s.prefilling = s.prefilling.saturating_add(n(v[1]));
+            s.prefill_tokens = s.prefill_tokens.saturating_add(v[2]);
+            s.decoding = s.decoding.saturating_add(n(v[3]));
+            s.context_tokens = s.context_tokens.saturating_add(v[4]);
+        }
+    }
+    out
+}
+
+/// What the poller knows, for `/debug/endpoints`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeerState {
+    /// Per peer address: age of its last good report (ms), or the last
+    /// error.
+    pub peers: Vec<PeerStatus>,
+}
+
+/// One peer.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerStatus {
+    /// Its admin address.
+    pub address: String,
+    /// Milliseconds since its last good report.
+    pub report_age_ms: Option<u64>,
+    /// Why the last poll failed.
+    pub error: Option<String>,
+}
+
+struct Known {
+    report: Option<(Report, Instant)>,
+    error: Option<String>,
+}
+
+/// Starts polling the peers.
+pub fn spawn(shared: Arc<Shared>, settings: Settings, kube: Option<kube::Client>) {
+    let addresses: Arc<RwLock<Vec<String>>> = Arc::new(RwLock::new(match &settings.source {
+        Source::Fixed(v) => v.clone(),
+        Source::Service { .. } => Vec::new(),
+    }));
+    if let (
+        Source::Service {
+            namespace,
+            name,
+            admin_port,
+        },
+        Some(client),
+    ) = (&settings.source, kube)
+    {
+        tokio::spawn(discover(
+            client,
+            namespace.clone(),
+            name.clone(),
+            *admin_port,
+            addresses.clone(),
+            shared.runtime.stop.clone(),
+        ));
+    }
+    tokio::spawn(poll(shared, settings, addresses));
+}
+
+/// Keeps `into` at the ready addresses of the Service's slices.
+async fn discover(
+    client: kube::Client,
+    namespace: String,
+    service: String,
+    admin_port: u16,
+    into: Arc<RwLock<Vec<String>>>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &namespace);
+    let lp =
+        kube::api::ListParams::default().labels(&format!("kubernetes.io/service-name={service}"));
+    let own_ip = std::env::var("POD_IP").ok();
+    loop {
+        match api.list(&lp).await {
+            Ok(list) => {
+                let mut found: Vec<String> = list
+                    .items
+                    .iter()
+                    .flat_map(|s| s.endpoints.iter())
+                    .filter(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true))
+                    .flat_map(|e| e.addresses.iter())
+                    .filter(|a| own_ip.as_deref() != Some(a.as_str()))
+                    .map(|a| {
+                        if a.contains(':') {
+                            format!("[{a}]:{admin_port}")
+                        } else {
+                            format!("{a}:{admin_port}")
+                        }
+                    })
+                    .collect();
+                found.sort();
+                found.dedup();
+                *into.write() = found;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %service, "listing the router's own EndpointSlices for its peers")
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+    }
+}
+
+async fn fetch(
+    client: &crate::probe::ProbeClient,
+    address: &str,
+    token: Option<&HeaderValue>,
+    timeout: Duration,
+) -> Result<Report, String> {
+    let mut req = http::Request::get(format!("http://{address}{LOAD_PATH}"));
+    if let Some(t) = token {
+        req = req.header(header::AUTHORIZATION, t.clone());
+    }
+    let req = req.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
+    let call = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("answered {}", resp.status()));
+        }
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_REPORT_BYTES)
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        parse(&body).ok_or_else(|| "not a load report".to_owned())
+    };
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
+}
+
+async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<RwLock<Vec<String>>>) {
+    let client = shared.runtime.probes.clone();
+    let mut known: HashMap<String, Known> = HashMap::new();
+    let mut tick = tokio::time::interval(settings.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shared.runtime.stop.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let list = addresses.read().clone();
+        known.retain(|a, _| list.contains(a));
+        let polls = list.iter().map(|a| {
+            let client = &client;
+            let token = settings.token.as_ref();
+            async move { (a.clone(), fetch(client, a, token, settings.interval).await) }
+        });
+        let now = Instant::now();
+        for (address, result) in futures::future::join_all(polls).await {
+            let k = known.entry(address).or_insert(Known {
+                report: None,
+                error: None,
+            });
+            match result {
+                Ok(r) if r.replica == shared.runtime.replica => {
+                    k.report = None;
+                    k.error = Some("this replica itself".into());
+                }
+                Ok(r) => {
+                    k.report = Some((r, now));
+                    k.error = None;
+                }
+                Err(e) => k.error = Some(e),
+            }
+        }
+        let fresh = known.values().filter_map(|k| {
+            k.report
+                .as_ref()
+                .filter(|(_, at)| now.saturating_duration_since(*at) <= settings.staleness)
+                .map(|(r, _)| r)
+        });
+        let sums = sum(fresh);
+        let view = shared.view();
+        for ws in &view.worker_sets {
+            for e in &ws.endpoints {
+                e.load.peers.set(sums.get(&e.authority).copied());
+            }
+        }
+        *shared.runtime.peer_state.write() = PeerState {
+            peers: known
+                .iter()
+                .map(|(a, k)| PeerStatus {
+                    address: a.clone(),
+                    report_age_ms: k.report.as_ref().map(|(_, at)| {
+                        u64::try_from(now.saturating_duration_since(*at).as_millis())
+                            .unwrap_or(u64::MAX)
+                    }),
+                    error: k.error.clone(),
+                })
+                .collect(),
+        };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_are_bounded_and_garbage_is_nothing() {
+        assert_eq!(parse(b"not json"), None);
+        assert_eq!(parse(br#"{"replica": 3}"#), None);
+        let r = parse(br#"{"replica":"a","engines":{"10.0.0.1:8000":[1,1,500,0,900]}}"#).unwrap();
+        assert_eq!(r.engines["10.0.0.1:8000"], [1, 1, 500, 0, 900]);
+        let lying = parse(
+            br#"{"replica":"b","engines":{"e":[18446744073709551615,5,18446744073709551615,0,0]}}"#,
+        )
+        .unwrap();
+        assert_eq!(lying.engines["e"][0], u64::from(MAX_REQUESTS));
+        assert_eq!(lying.engines["e"][2], MAX_TOKENS);
+        let s = sum([&r, &lying, &r]);
+        assert_eq!(s["10.0.0.1:8000"].requests, 2);
+        assert_eq!(s["10.0.0.1:8000"].prefill_tokens, 1000);
+        assert_eq!(s["e"].requests, MAX_REQUESTS);
+    }
+
+    #[test]
+    fn the_token_is_required_when_set() {
+        let t = HeaderValue::from_static("Bearer s3cret");
+        let mut h = http::HeaderMap::new();
+        assert!(allowed(None, &h));
+        assert!(!allowed(Some(&t), &h));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer nope!!"),
+        );
+        assert!(!allowed(Some(&t), &h));
+        h.insert(header::AUTHORIZATION, t.clone());
+        assert!(allowed(Some(&t), &h));
+    }
+}
