@@ -41,6 +41,9 @@ pub struct KvReport {
     pub connected: bool,
     /// Batches received.
     pub batches: u64,
+    /// Sequence number of the last batch applied (compare with the
+    /// engine's publisher to see how far behind the index is).
+    pub last_seq: Option<u64>,
     /// Sequence gaps.
     pub gaps: u64,
     /// Replays done.
@@ -68,6 +71,7 @@ impl KvReport {
         Self {
             connected: h.connected,
             batches: h.batches,
+            last_seq: h.last_seq,
             gaps: h.gaps,
             replays: h.replays,
             restarts: h.restarts,

@@ -2,8 +2,8 @@
 //! sleeps until the current step is due, never spins.
 //!
 //! The loop: schedule a step at `start`, sleep until `start + duration ×
-//! slowdown`, apply the step, hand each request its token, publish the
-//! step's events, repeat; with nothing to run, wait for a request. Steps are
+//! slowdown`, apply the step, publish the step's events, hand each request
+//! its token (in vLLM's order, see [`end_step`]), repeat; with nothing to run, wait for a request. Steps are
 //! chained on *planned* end times (a step that starts right after another
 //! starts at the other's planned end, not at the late wake-up), so timer
 //! granularity (≈1 ms) adds jitter to delivery but no drift to the
@@ -20,7 +20,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::Instant;
 
-use crate::engine::{AdmitError, EngineCore, NewRequest, ReqId, StepOut};
+use crate::engine::{AdmitError, EngineCore, NewRequest, ReqId, Scheduled, SimEvent, StepOut};
 use crate::events::Publisher;
 
 /// Late wake-ups up to this long still chain on the planned step end.
@@ -219,25 +219,107 @@ impl Rank {
             {
                 let mut st = self.lock();
                 let t = self.secs(end);
-                let outs = st.core.finish_step(&step, t);
-                for o in outs {
-                    let id = o.id;
-                    let last = o.finished.is_some();
-                    if let Some(sink) = st.sinks.get(&id) {
-                        let _ = sink.send(Out::Step(o));
+                end_step(&mut st, &step, t, |events| {
+                    if let Some(p) = &self.publisher {
+                        p.publish(events);
                     }
-                    if last {
-                        st.sinks.remove(&id);
-                    }
-                }
-                let events = st.core.take_events();
-                if let Some(p) = &self.publisher {
-                    p.publish(events);
-                }
+                });
             }
             planned = Some(end);
         }
         // Whoever still waits gets an abrupt end.
         self.kill_all();
+    }
+}
+
+/// vLLM's `update_from_output()` for a step that has run: the step's
+/// events go to `publish` first, then each request gets its output. vLLM
+/// publishes the step's batch before it returns the step's outputs, so
+/// whoever has seen a token (a client with its response) knows the batch
+/// of that step, e.g. the `BlockRemoved` of a block its last decode step
+/// evicted, is already with the publisher.
+fn end_step(st: &mut RankState, step: &Scheduled, t: f64, publish: impl FnOnce(Vec<SimEvent>)) {
+    let outs = st.core.finish_step(step, t);
+    publish(st.core.take_events());
+    for o in outs {
+        let id = o.id;
+        let last = o.finished.is_some();
+        if let Some(sink) = st.sinks.get(&id) {
+            let _ = sink.send(Out::Step(o));
+        }
+        if last {
+            st.sinks.remove(&id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{EngineConfig, LatencyModel, OutputLen};
+    use crate::mode::EngineMode;
+    use crate::textgen::SimTokenizer;
+
+    /// A request's outputs reach it only after its step's batch went to
+    /// the publisher. Two requests of 2 blocks (and 2 tokens) each on 3
+    /// usable blocks: the second one's decode step evicts a block of the
+    /// first, a batch of one `BlockRemoved` that comes with its last token.
+    /// Handing the token over first let a client (the router test
+    /// `kv_events`) read the router's index before that removal was even
+    /// queued: the index still claimed the block the engine had evicted.
+    #[test]
+    fn a_steps_batch_is_published_before_its_outputs_are_delivered() {
+        let core = EngineCore::new(
+            EngineConfig {
+                num_gpu_blocks: 4,
+                ..EngineConfig::default()
+            },
+            EngineMode::default(),
+            LatencyModel::default(),
+            OutputLen::default(),
+            32_768,
+            42,
+            SimTokenizer::word_level(),
+        );
+        let mut st = RankState {
+            core,
+            sinks: HashMap::new(),
+        };
+        let bs = EngineConfig::default().block_size as u32;
+        let mut last_batch = Vec::new();
+        for n in 0..2u32 {
+            let prompt: Vec<u32> = (0..2 * bs).map(|i| 100 + 1000 * n + i).collect();
+            let req = NewRequest {
+                prompt,
+                max_tokens: Some(2),
+                ..NewRequest::default()
+            };
+            let id = st.core.add_request(req, 0.0).expect("admitted");
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+            st.sinks.insert(id, tx);
+            let mut t = 0.0;
+            let mut finished = false;
+            while !finished {
+                let step = st.core.schedule(t).expect("a step to run");
+                t += step.duration;
+                let mut batch = Vec::new();
+                end_step(&mut st, &step, t, |events| {
+                    assert!(
+                        rx.try_recv().is_err(),
+                        "an output was delivered before its step's batch was published"
+                    );
+                    batch = events;
+                });
+                while let Ok(Out::Step(o)) = rx.try_recv() {
+                    finished |= o.finished.is_some();
+                }
+                last_batch = batch;
+            }
+        }
+        // The batch of the second request's last step: one eviction.
+        assert!(
+            matches!(last_batch.as_slice(), [SimEvent::Removed { .. }]),
+            "{last_batch:?}"
+        );
     }
 }

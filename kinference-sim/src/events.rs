@@ -49,6 +49,10 @@ pub struct PublisherInfo {
     pub replay_addr: Option<SocketAddr>,
     /// The next sequence number.
     pub next_seq: AtomicU64,
+    /// Batches handed to [`Publisher::publish`] that the task has not
+    /// numbered yet (sent, dropped or lost). Zero means `next_seq` counts
+    /// every batch the engine produced so far.
+    pub pending: AtomicU64,
     /// Batches sent on the PUB socket.
     pub sent: AtomicU64,
     /// Batches dropped from the PUB socket (seq used).
@@ -165,6 +169,7 @@ impl Publisher {
             pub_addr,
             replay_addr: replay.as_ref().map(|r| r.addr),
             next_seq: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
             sent: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             lost: AtomicU64::new(0),
@@ -191,7 +196,10 @@ impl Publisher {
     /// Queues one step's events as one batch (in order with earlier calls).
     pub(crate) fn publish(&self, events: Vec<SimEvent>) {
         if !events.is_empty() {
-            let _ = self.tx.send(Cmd::Batch(events));
+            self.info.pending.fetch_add(1, Ordering::AcqRel);
+            if self.tx.send(Cmd::Batch(events)).is_err() {
+                self.info.pending.fetch_sub(1, Ordering::AcqRel);
+            }
         }
     }
 
@@ -309,7 +317,12 @@ impl Task {
             };
             match cmd {
                 None => break,
-                Some(Cmd::Batch(events)) => self.send(events).await,
+                Some(Cmd::Batch(events)) => {
+                    self.send(events).await;
+                    // After its number is taken (`pending` 0 ⇒ `next_seq`
+                    // is final).
+                    self.info.pending.fetch_sub(1, Ordering::AcqRel);
+                }
                 Some(Cmd::Restart { down, done }) => {
                     self.restart(down).await;
                     let _ = done.send(());
@@ -395,7 +408,10 @@ impl Task {
             tokio::select! {
                 () = tokio::time::sleep_until(until) => break,
                 c = self.rx.recv() => match c {
-                    Some(Cmd::Batch(_)) => { self.info.lost.fetch_add(1, Ordering::Relaxed); }
+                    Some(Cmd::Batch(_)) => {
+                        self.info.lost.fetch_add(1, Ordering::Relaxed);
+                        self.info.pending.fetch_sub(1, Ordering::AcqRel);
+                    }
                     Some(Cmd::Restart { done, .. }) => { let _ = done.send(()); }
                     None => return,
                 },

@@ -137,6 +137,9 @@ pub struct PublisherTruth {
     pub replay_endpoint: Option<String>,
     /// Next sequence number.
     pub next_seq: u64,
+    /// Batches the engine handed over that are not numbered yet (0: every
+    /// batch so far is counted in `next_seq`, sent, dropped or lost).
+    pub pending: u64,
     /// Batches sent.
     pub sent: u64,
     /// Batches dropped from PUB (kept for replay).
@@ -234,10 +237,13 @@ impl Shared {
 
 pub(crate) fn publisher_truth(i: &events::PublisherInfo) -> PublisherTruth {
     let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    // First, and acquiring: a 0 read here sees every number taken before.
+    let pending = i.pending.load(Ordering::Acquire);
     PublisherTruth {
         endpoint: endpoint_str(i.pub_addr),
         replay_endpoint: i.replay_addr.map(endpoint_str),
         next_seq: l(&i.next_seq),
+        pending,
         sent: l(&i.sent),
         dropped: l(&i.dropped),
         lost: l(&i.lost),
