@@ -10,8 +10,7 @@
 //! | `vllm-router-cache-aware`, `vllm-router-kv-aware` | `vllm-router --policy …` (PyPI `vllm-router`); `kv_aware` subscribes to the engines' KV events |
 //! | `greedy-truth` | the harness itself: per request the engines' true cached prefix and its own exact queue accounting, greedy minimum of predicted TTFT (see [`super::oracle`]); not a bound |
 //!
-//! Two-replica "as installed" rows wait for router replicas; the hook is
-//! [`Contender::Installed`]'s `replicas` (always 1 today).
+//! | `kinference-x3`, `kinference-x3-blind` | three replicas of the tuned router, clients spread over them request by request (as a Service spreads connections); sharing their load with `--peers` every 200 ms, or each seeing only its own requests |
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -60,6 +59,13 @@ pub(crate) enum Contender {
         /// Router replicas sharing the load (1 until replicas exist).
         replicas: u32,
     },
+    /// Replicas of ours, tuned, sharing their load or not.
+    Replicas {
+        /// How many.
+        n: u32,
+        /// With `--peers`.
+        shared: bool,
+    },
     /// A peer with its policy name as its flags spell it.
     Peer(Peer, &'static str),
     /// The harness with the simulators' truth.
@@ -80,6 +86,8 @@ impl Contender {
     pub(crate) fn all_names() -> Vec<String> {
         let mut v: Vec<String> = PolicyName::ALL.iter().map(ToString::to_string).collect();
         v.insert(1, "kinference-installed".into());
+        v.insert(2, "kinference-x3".into());
+        v.insert(3, "kinference-x3-blind".into());
         v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
         v.push("greedy-truth".into());
         v
@@ -91,6 +99,17 @@ impl Contender {
         }
         if name == "greedy-truth" {
             return Ok(Self::GreedyTruth);
+        }
+        if let Some(rest) = name.strip_prefix("kinference-x") {
+            let (n, shared) = match rest.strip_suffix("-blind") {
+                Some(n) => (n, false),
+                None => (rest, true),
+            };
+            if let Ok(n) = n.parse::<u32>()
+                && (1..=9).contains(&n)
+            {
+                return Ok(Self::Replicas { n, shared });
+            }
         }
         if let Some((_, peer, policy)) = PEERS.iter().find(|(n, _, _)| *n == name) {
             return Ok(Self::Peer(*peer, policy));
@@ -142,11 +161,13 @@ pub(crate) struct Setup<'a> {
     pub tag: &'a str,
 }
 
-/// A started contender: where to send requests, and the process whose CPU
-/// counts (none for the harness).
+/// A started contender: where to send requests, and the processes whose
+/// CPU counts (none for the harness).
 pub(crate) struct Running {
     pub route: Route,
     pub proc: Option<Proc>,
+    /// Further router replicas.
+    pub more: Vec<Proc>,
     /// Our router's admin address, for `/debug/explain`.
     pub admin: Option<String>,
 }
@@ -158,6 +179,7 @@ impl Contender {
             Self::GreedyTruth => Ok(Running {
                 route: Route::Oracle(Arc::new(Oracle::new(s.engines.to_vec(), s.step))),
                 proc: None,
+                more: Vec::new(),
                 admin: None,
             }),
             Self::Router(policy) => {
@@ -198,6 +220,7 @@ impl Contender {
                 ];
                 self.ours(s, &m, &flags, &logs).await
             }
+            Self::Replicas { n, shared } => self.replicas(s, *n, *shared, &logs).await,
             Self::Peer(peer, policy) => {
                 let port = s.listen.rsplit(':').next().unwrap_or("0").to_owned();
                 let prom: u16 = port.parse::<u16>().unwrap_or(0).saturating_add(2);
@@ -271,10 +294,70 @@ impl Contender {
                 Ok(Running {
                     route: Route::Router(format!("http://{}", s.listen), false),
                     proc: Some(proc),
+                    more: Vec::new(),
                     admin: None,
                 })
             }
         }
+    }
+
+    /// `n` tuned routers on ports 10 apart from the setup's.
+    async fn replicas(&self, s: &Setup<'_>, n: u32, shared: bool, logs: &Path) -> Result<Running> {
+        let shift = |addr: &str, by: u16| -> String {
+            let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
+            format!("{host}:{}", port.parse::<u16>().unwrap_or(0) + by)
+        };
+        let listens: Vec<String> = (0..n).map(|i| shift(&s.listen, 10 * i as u16)).collect();
+        let admins: Vec<String> = (0..n).map(|i| shift(&s.admin, 10 * i as u16)).collect();
+        let dir = s.out.join("manifests").join(s.tag);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(dir.join("bench.yaml"), s.tuned.yaml())?;
+        let mut procs = Vec::new();
+        for i in 0..n as usize {
+            let mut flags = vec![
+                "--policy".to_owned(),
+                "kinference".into(),
+                "--scrape-interval".into(),
+                "1s".into(),
+                "--kv-replay-offset".into(),
+                "100".into(),
+            ];
+            if shared {
+                let others: Vec<&str> = admins
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| *j != i)
+                    .map(|(_, a)| a.as_str())
+                    .collect();
+                flags.extend([
+                    "--peers".into(),
+                    others.join(","),
+                    "--peer-interval".into(),
+                    "200ms".into(),
+                ]);
+            }
+            let args = fleet::serve_args(&dir, "bench", &listens[i], &admins[i], &flags);
+            let mut r = fleet::start_router(
+                s.bin,
+                "kinference-router",
+                &args,
+                &[],
+                &logs.join(format!("router-{}-{i}.log", s.tag)),
+            )?;
+            fleet::wait_ready(&admins[i], &mut r).await?;
+            fleet::wait_connected(&admins[i], s.engines.len(), &mut r).await?;
+            procs.push(r);
+        }
+        let mut procs = procs.into_iter();
+        Ok(Running {
+            route: Route::Routers(
+                listens.iter().map(|l| format!("http://{l}")).collect(),
+                Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+            ),
+            proc: procs.next(),
+            more: procs.collect(),
+            admin: Some(admins[0].clone()),
+        })
     }
 
     async fn ours(
@@ -300,6 +383,7 @@ impl Contender {
         Ok(Running {
             route: Route::Router(format!("http://{}", s.listen), s.explain),
             proc: Some(r),
+            more: Vec::new(),
             admin: Some(s.admin.clone()),
         })
     }
@@ -316,6 +400,9 @@ mod tests {
             let back = match &c {
                 Contender::Router(p) => p.to_string(),
                 Contender::Installed { .. } => "kinference-installed".into(),
+                Contender::Replicas { n, shared } => {
+                    format!("kinference-x{n}{}", if *shared { "" } else { "-blind" })
+                }
                 Contender::GreedyTruth => "greedy-truth".into(),
                 Contender::Peer(peer, policy) => PEERS
                     .iter()

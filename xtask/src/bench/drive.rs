@@ -34,6 +34,8 @@ pub(crate) enum Route {
     /// Through the router at this base URL; with `true`, ask for every
     /// decision's explanation.
     Router(String, bool),
+    /// Through router replicas, one after the other per request.
+    Routers(Vec<String>, Arc<std::sync::atomic::AtomicUsize>),
     /// Straight to the engine the oracle picks.
     Oracle(Arc<Oracle>),
 }
@@ -249,6 +251,10 @@ async fn one(
     }
     let (url, ticket, engine) = match route {
         Route::Router(base, _) => (format!("{base}{}", api.path()), None, None),
+        Route::Routers(bases, next) => {
+            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % bases.len().max(1);
+            (format!("{}{}", bases[i], api.path()), None, None)
+        }
         Route::Oracle(o) => {
             let Ok((i, ticket)) = o.decide(api, &json_body).await else {
                 if let Ok(mut s) = slot.lock() {

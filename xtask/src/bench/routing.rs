@@ -588,13 +588,22 @@ async fn one_run(
         tag,
     };
     let running = contender.start(&setup).await?;
-    let pid = running.proc.as_ref().and_then(Proc::pid);
+    let pids: Vec<u32> = running
+        .proc
+        .iter()
+        .chain(&running.more)
+        .filter_map(Proc::pid)
+        .collect();
+    // Every replica's CPU together.
+    let cpu = |pids: &[u32]| -> Option<f64> {
+        pids.iter()
+            .map(|p| cpu_seconds(*p, ticks))
+            .sum::<Option<f64>>()
+            .filter(|_| !pids.is_empty())
+    };
     let (samples, (counters_before, cpu_before)) =
         drive::drive(plan, &running.route, MODEL, opts.drain, || async {
-            (
-                load::prefix_cache_counters(engines).await,
-                pid.and_then(|p| cpu_seconds(p, ticks)),
-            )
+            (load::prefix_cache_counters(engines).await, cpu(&pids))
         })
         .await;
     let counters_after = load::prefix_cache_counters(engines).await;
@@ -604,7 +613,7 @@ async fn one_run(
         .filter_map(|s| serde_json::to_string(s).ok())
         .collect();
     let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
-    let cpu_after = pid.and_then(|p| cpu_seconds(p, ticks));
+    let cpu_after = cpu(&pids);
     if policy == "kinference"
         && let Some(admin) = &running.admin
     {
@@ -614,6 +623,9 @@ async fn one_run(
         }
     }
     if let Some(r) = running.proc {
+        r.stop().await;
+    }
+    for r in running.more {
         r.stop().await;
     }
     for s in sims {
