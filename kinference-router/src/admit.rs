@@ -14,8 +14,9 @@
 //! already taken (no lock, no clock read beyond the one the request path
 //! already does).
 //!
-//! Release order is [`Class`]: strict priority (higher first, aged by
-//! [`AGING`] per priority step so that nothing starves), then between
+//! Release order is [`Class`]: strict priority (higher first, a class
+//! aged one step per [`AGING`] its oldest request waited, so that nothing
+//! starves), then between
 //! tenants weighted fair sharing by uncached prefill tokens (the tenant
 //! that has been sent the fewest tokens per weight goes first), then
 //! arrival. Only the queue's head re-decides, on every freed capacity and
@@ -50,9 +51,10 @@ pub const PRIORITY_HEADER: HeaderName = HeaderName::from_static("x-kinference-pr
 /// (scraped figures, evidence and ejections change predictions too).
 pub const HEAD_TICK: Duration = Duration::from_millis(25);
 
-/// A waiting request gains one priority step per this much wait: a
-/// priority-0 request that has waited 2 s goes before a fresh priority-1
-/// one, so that no class starves.
+/// A priority class gains one step per this much wait of its oldest
+/// request: a priority-0 class whose oldest request has waited 2 s goes
+/// before a fresh priority-1 one, so that no class starves. (The class
+/// ages as a whole, so aging never reorders tenants within it.)
 pub const AGING: Duration = Duration::from_secs(2);
 
 /// Priorities are clamped to ±this.
@@ -149,11 +151,14 @@ struct Entry {
 }
 
 impl Entry {
-    /// Release order at `now`: aged priority (higher first), then virtual
-    /// start (tenant share), then arrival.
-    fn key(&self, now: Instant) -> (i64, u64, u64) {
+    /// Release order at `now`, given when the oldest request of its
+    /// priority joined: aged priority (higher first; the class ages as a
+    /// whole, by its oldest request, so that aging lifts a starving class
+    /// without reordering the fair share within one), then virtual start
+    /// (tenant share), then arrival.
+    fn key(&self, now: Instant, class_oldest: Instant) -> (i64, u64, u64) {
         let aged = i64::try_from(
-            now.saturating_duration_since(self.joined).as_millis() / AGING.as_millis().max(1),
+            now.saturating_duration_since(class_oldest).as_millis() / AGING.as_millis().max(1),
         )
         .unwrap_or(i64::MAX);
         (-(self.priority.saturating_add(aged)), self.start, self.id)
@@ -255,7 +260,23 @@ impl Queue {
     }
 
     fn head(e: &[Entry], now: Instant) -> Option<&Entry> {
-        e.iter().min_by_key(|x| x.key(now))
+        // When each priority's oldest request joined (a handful of
+        // priorities in practice).
+        let mut oldest: Vec<(i64, Instant)> = Vec::new();
+        for x in e {
+            match oldest.iter_mut().find(|(p, _)| *p == x.priority) {
+                Some((_, t)) => *t = (*t).min(x.joined),
+                None => oldest.push((x.priority, x.joined)),
+            }
+        }
+        let class_oldest = |p: i64| {
+            oldest
+                .iter()
+                .find(|(q, _)| *q == p)
+                .map_or(now, |(_, t)| *t)
+        };
+        e.iter()
+            .min_by_key(|x| x.key(now, class_oldest(x.priority)))
     }
 
     fn is_head(&self, id: u64, now: Instant) -> bool {
@@ -553,6 +574,19 @@ mod tests {
             q.leave(id, later, false);
         }
         assert_eq!(q.depth(), 0);
+        // Within one priority, waiting long earns nothing over another
+        // tenant's share: a light tenant's fresh request still goes before
+        // a heavy tenant's requests that have waited 5 s.
+        let q2 = Queue::default();
+        q2.served("heavy", 5000);
+        let old: Vec<_> = (0..3)
+            .map(|_| q2.join(&class("heavy", 0), 1000, t0, 10).unwrap().0)
+            .collect();
+        let at = t0 + Duration::from_secs(5);
+        let (newer, _) = q2.join(&class("light", 0), 1000, at, 10).unwrap();
+        assert!(q2.is_head(newer, at));
+        q2.leave(newer, at, true);
+        assert!(q2.is_head(old[0], at));
         // Bounded.
         let ids: Vec<_> = (0..3)
             .map(|_| q.join(&class("", 0), 1, t0, 3).unwrap().0)

@@ -13,6 +13,9 @@ use kinference_sim::FaultRequest;
 use support::*;
 use tokio::time::Instant;
 
+/// These tests measure times on a small machine: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -49,6 +52,7 @@ async fn one(api: std::net::SocketAddr, k: usize) -> (u16, String, Option<f64>) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_mostly_avoids_an_engine_ten_times_slower_before_its_first_token() {
+    let _serial = SERIAL.lock().await;
     let sims = engines(3, |_| {}).await;
     sims[0]
         .inject(&FaultRequest {
@@ -123,6 +127,7 @@ fn sum_of(text: &str, name: &str) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_before_any_engine() {
+    let _serial = SERIAL.lock().await;
     let sims = engines(2, |_| {}).await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let opts = WorkerSetOpts {
@@ -236,6 +241,7 @@ async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_be
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_ttft_target_header_bounds_one_request_without_any_profile() {
+    let _serial = SERIAL.lock().await;
     let sims = engines(1, |_| {}).await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
@@ -269,5 +275,109 @@ async fn a_ttft_target_header_bounds_one_request_without_any_profile() {
     assert!(reply.headers.contains_key("retry-after"));
     let m = get(sims[0].http_addr(), "/metrics").await.text();
     assert_eq!(sum_of(&m, "vllm:request_success_total") as u64, 1);
+    r.shutdown().await;
+}
+
+/// One streamed request for `tenant`: (status, TTFT ms).
+async fn as_tenant(api: std::net::SocketAddr, k: usize, tenant: &str) -> (u16, Option<f64>) {
+    let started = Instant::now();
+    let body = bytes::Bytes::from(
+        serde_json::to_vec(&chat(MODEL, &words(k * 700, 600), true, 8)).unwrap(),
+    );
+    let req = http::Request::post(format!("http://{api}/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .header("x-kinference-tenant", tenant)
+        .body(http_body_util::Full::new(body))
+        .unwrap();
+    let resp = client().request(req).await.expect("HTTP request");
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut ttft = None;
+    while let Some(Ok(f)) = body.frame().await {
+        if ttft.is_none() && f.data_ref().is_some_and(|d| !d.is_empty()) {
+            ttft = Some(started.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    (status, ttft)
+}
+
+fn p90(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() * 9 / 10).copied().unwrap_or(f64::NAN)
+}
+
+/// `n` requests for `tenant`, one every `every`, from prompt `first` on.
+async fn stream_of(
+    api: std::net::SocketAddr,
+    tenant: &'static str,
+    first: usize,
+    n: usize,
+    every: Duration,
+) -> Vec<(u16, Option<f64>)> {
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        tokio::time::sleep_until(start + every * i as u32).await;
+        tasks.push(tokio::spawn(as_tenant(api, first + i, tenant)));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenant_keeps_its_ttft_while_a_heavy_one_floods_at_ten_times_its_rate() {
+    let _serial = SERIAL.lock().await;
+    let sims = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts {
+        profile: "fair".into(),
+        profile_spec: Some(
+            "  admission: {maxPredictedTtftMillis: 150, maxQueue: 400, maxWaitMillis: 10000}\n"
+                .into(),
+        ),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &[]).await;
+    wait_routable(&r, 2, true).await;
+    let every = Duration::from_millis(200);
+
+    // Alone: 5 requests per second for 4 s.
+    let alone = stream_of(r.api(), "light", 0, 20, every).await;
+    let mut alone_ttft: Vec<f64> = alone.iter().filter_map(|(_, t)| *t).collect();
+    assert!(alone.iter().all(|(s, _)| *s == 200));
+    let alone_p90 = p90(&mut alone_ttft);
+
+    // With a heavy tenant at 10× its rate (50 per second: past the two
+    // engines' capacity of ~35 such prompts per second).
+    let api = r.api();
+    let heavy = tokio::spawn(stream_of(api, "heavy", 1000, 200, every / 10));
+    let light = stream_of(api, "light", 100, 20, every).await;
+    let heavy = heavy.await.unwrap();
+    let mut light_ttft: Vec<f64> = light.iter().filter_map(|(_, t)| *t).collect();
+    let light_ok = light.iter().filter(|(s, _)| *s == 200).count();
+    let light_p90 = p90(&mut light_ttft);
+    let heavy_ok = heavy.iter().filter(|(s, _)| *s == 200).count();
+    let heavy_429 = heavy.iter().filter(|(s, _)| *s == 429).count();
+    let mut heavy_ttft: Vec<f64> = heavy.iter().filter_map(|(_, t)| *t).collect();
+    let heavy_p90 = p90(&mut heavy_ttft);
+    eprintln!(
+        "FIGURE two-tenants: light alone TTFT p90 {alone_p90:.0} ms; with heavy at 10x: light {light_ok}/20 ok, p90 {light_p90:.0} ms ({:.2}x alone); heavy {heavy_ok}/200 ok (p90 {heavy_p90:.0} ms), {heavy_429} answered 429",
+        light_p90 / alone_p90
+    );
+    assert_eq!(light_ok, 20, "the light tenant lost requests");
+    // The light tenant's requests go first in the router's queue; what is
+    // left is the engines' own queue, kept near the bound (the goal
+    // of 1.5x alone is not reached: see docs/admission.md).
+    assert!(
+        light_p90 <= 5.0 * alone_p90.max(50.0),
+        "the light tenant's p90 went from {alone_p90:.0} to {light_p90:.0} ms"
+    );
+    assert!(
+        light_p90 * 4.0 < heavy_p90,
+        "the heavy tenant should wait, not the light one: {light_p90:.0} vs {heavy_p90:.0} ms"
+    );
     r.shutdown().await;
 }
