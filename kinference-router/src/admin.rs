@@ -306,11 +306,9 @@ impl Collector for StateCollector {
         )?;
         let (known, reporting) = {
             let p = shared.runtime.peer_state.read();
-            let staleness = shared
-                .config
-                .peers
-                .as_ref()
-                .map_or(0, |s| u64::try_from(s.staleness.as_millis()).unwrap_or(u64::MAX));
+            let staleness = shared.config.peers.as_ref().map_or(0, |s| {
+                u64::try_from(s.staleness.as_millis()).unwrap_or(u64::MAX)
+            });
             (
                 p.peers.len(),
                 p.peers

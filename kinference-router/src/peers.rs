@@ -242,7 +242,7 @@ async fn discover(
                 *into.write() = found;
             }
             Err(e) => {
-                tracing::warn!(error = %e, %service, "listing the router's own EndpointSlices for its peers")
+                tracing::warn!(error = %e, %service, "listing the router's own EndpointSlices for its peers");
             }
         }
         tokio::select! {

@@ -16,6 +16,7 @@
 
 use opentelemetry::propagation::TextMapPropagator as _;
 use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
@@ -107,7 +108,6 @@ pub fn init(
         let _ = tracing_subscriber::registry().with(logs).try_init();
         return Ok(Telemetry::default());
     };
-    use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
     let protocol = if otlp.json {
         opentelemetry_otlp::Protocol::HttpJson
     } else {
