@@ -91,7 +91,7 @@ impl Admission {
 #[serde(rename_all = "camelCase")]
 #[x_kube(
     validation = Rule::new("self.mode != 'local' || has(self.tokenizer)")
-        .message("tokenization mode 'local' needs a tokenizer: a configMap or a path")
+        .message("tokenization mode 'local' needs a tokenizer: tokenizer.path")
 )]
 pub struct Tokenization {
     /// `local`: in-process tokenizer.json and chat template; `engine`: ask the
@@ -131,16 +131,24 @@ impl TokenizationMode {
     }
 }
 
-/// Where to load a tokenizer from: exactly one of a ConfigMap or a path.
+/// Where to load a tokenizer from: a directory in the router's filesystem.
+///
+/// `configMap` is refused by the API server: a ConfigMap holds at most
+/// 1 MiB, less than most models' `tokenizer.json` (Qwen3's is 11 MB), so a
+/// source that could only ever work for small tokenizers is not offered.
+/// Mount the files instead (a ConfigMap or image volume for small ones, a
+/// PVC or the model's own volume) and give their directory as `path`.
 #[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase")]
 #[x_kube(
-    validation = Rule::new("has(self.configMap) != has(self.path)")
-        .message("give exactly one of tokenizer.configMap and tokenizer.path")
+    validation = Rule::new("!has(self.configMap)")
+        .message("tokenizer.configMap is not supported: a ConfigMap holds at most 1 MiB, less than most tokenizer.json files; mount the files into the router pods (a ConfigMap or image volume, or a PVC) and give their directory as tokenizer.path"),
+    validation = Rule::new("has(self.path)")
+        .message("tokenizer.path is required")
 )]
 pub struct TokenizerSource {
-    /// A ConfigMap holding `tokenizer.json` and `tokenizer_config.json` (as
-    /// `binaryData` or `data`).
+    /// Not supported, refused (kept so that the refusal can say why): a
+    /// ConfigMap holding `tokenizer.json` and `tokenizer_config.json`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub config_map: Option<ConfigMapRef>,
 
