@@ -310,8 +310,11 @@ impl Args {
                 crate::telemetry::Otlp::resolve(a.otlp_endpoint.as_deref(), a.trace_sample_ratio)
                     .map_err(Error::Usage)?;
         }
-        let filter = tracing_subscriber::EnvFilter::try_new(&directives)
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        // Request spans are for the trace exporter only: the log layer never
+        // records them (so that without an exporter they are never built).
+        let off = format!(",{}=off", crate::telemetry::SPAN_TARGET);
+        let filter = tracing_subscriber::EnvFilter::try_new(format!("{directives}{off}"))
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("info{off}")));
         // Flushes the traces when the command returns.
         let _telemetry =
             crate::telemetry::init(self.log_format == LogFormat::Json, filter, otlp.as_ref())

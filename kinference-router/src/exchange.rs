@@ -50,8 +50,13 @@ pub fn request_id(headers: &HeaderMap, n: u64) -> HeaderValue {
             .finish()
     });
     let mut rng = kinference_scoring::SplitMix64::new(key ^ n.wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let id = format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64());
-    HeaderValue::from_str(&id).unwrap_or_else(|_| HeaderValue::from_static("0"))
+    let mut id = [0u8; 32];
+    for (half, word) in id.chunks_mut(16).zip([rng.next_u64(), rng.next_u64()]) {
+        for (i, b) in half.iter_mut().enumerate() {
+            *b = b"0123456789abcdef"[((word >> (60 - 4 * i)) & 0xf) as usize];
+        }
+    }
+    HeaderValue::from_bytes(&id).unwrap_or_else(|_| HeaderValue::from_static("0"))
 }
 
 /// What a request was routed to, once an engine took it.
