@@ -97,17 +97,14 @@ pub fn handle(
                 )
             }
         }
-        "/readyz" => {
-            if shared.is_ready() {
-                text(StatusCode::OK, "text/plain", "ready\n")
-            } else {
-                text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "text/plain",
-                    "not ready: the pool's objects have not all been listed yet\n",
-                )
-            }
-        }
+        "/readyz" => match shared.readiness() {
+            Ok(()) => text(StatusCode::OK, "text/plain", "ready\n"),
+            Err(why) => text(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain",
+                format!("not ready: {why}\n"),
+            ),
+        },
         "/debug/explain" => json(&shared.explanations.all()),
         "/debug/kv" => json(&kv_keys(shared, req.uri().query())),
         "/debug/endpoints" => {
@@ -115,6 +112,7 @@ pub fn handle(
             let stats = shared.kv.index().stats();
             json(&serde_json::json!({
                 "ready": shared.is_ready(),
+                "not_ready_because": shared.readiness().err(),
                 "problems": *shared.runtime.problems(),
                 "peers": shared.runtime.peer_state.read().clone(),
                 "worker_sets": reports::worker_set_reports(&view),
@@ -302,7 +300,7 @@ impl Collector for StateCollector {
             &mut encoder,
             "ready",
             "1 once the pool's objects have all been listed (the admin port's /readyz and the serving port's /ready)",
-            if shared.is_ready() { 1.0 } else { 0.0 },
+            if shared.readiness().is_ok() { 1.0 } else { 0.0 },
         )?;
         let (known, reporting) = {
             let p = shared.runtime.peer_state.read();

@@ -186,16 +186,14 @@ pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Bod
         // (`/health`, as vLLM's), and its view of the pool is loaded
         // (`/ready`, as the admin port's `/readyz`).
         (&Method::GET | &Method::HEAD, "/health") => plain(StatusCode::OK, "ok\n"),
-        (&Method::GET | &Method::HEAD, "/ready") => {
-            if shared.is_ready() {
-                plain(StatusCode::OK, "ready\n")
-            } else {
-                plain(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "not ready: the pool's objects have not all been listed yet\n",
-                )
+        (&Method::GET | &Method::HEAD, "/ready") => match shared.readiness() {
+            Ok(()) => plain(StatusCode::OK, "ready\n"),
+            Err(why) => {
+                let mut r = Response::new(full(Bytes::from(format!("not ready: {why}\n"))));
+                *r.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+                r
             }
-        }
+        },
         (&Method::GET, "/v1/models") => local(&shared, "models", &req, models(&shared)),
         (&Method::GET, p) if p.starts_with("/v1/models/") => {
             let id = percent_decode(&p["/v1/models/".len()..]);

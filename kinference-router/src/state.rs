@@ -43,6 +43,8 @@ pub struct Runtime {
     /// Time zero for scoring.
     pub epoch: Instant,
     ready: AtomicBool,
+    /// When the pool's objects were first all listed.
+    listed_at: std::sync::OnceLock<Instant>,
     problems: ArcSwap<Vec<String>>,
     models_changed: Notify,
     requests: AtomicU64,
@@ -72,6 +74,9 @@ impl Runtime {
 
     /// Records whether the first full sync happened.
     pub fn set_ready(&self, ready: bool) {
+        if ready {
+            let _ = self.listed_at.set(Instant::now());
+        }
         self.ready.store(ready, Ordering::Relaxed);
     }
 
@@ -138,6 +143,7 @@ impl Shared {
                 probes: crate::probe::client(config.connect_timeout),
                 epoch: Instant::now(),
                 ready: AtomicBool::new(false),
+                listed_at: std::sync::OnceLock::new(),
                 problems: ArcSwap::from_pointee(Vec::new()),
                 models_changed: Notify::new(),
                 requests: AtomicU64::new(0),
@@ -170,4 +176,49 @@ impl Shared {
     pub fn is_ready(&self) -> bool {
         self.runtime.is_ready()
     }
+
+    /// Whether this replica should get traffic, and if not, why: the pool's
+    /// objects listed, and every engine's first `/v1/models` answer in
+    /// (or [`READY_GRACE`] passed since the listing: an engine that never
+    /// answers does not keep the router out of service).
+    ///
+    /// # Errors
+    /// What it still waits for.
+    pub fn readiness(&self) -> Result<(), String> {
+        if !self.is_ready() {
+            return Err("the pool's objects have not all been listed yet".into());
+        }
+        let since = self
+            .runtime
+            .listed_at
+            .get()
+            .map_or(Duration::MAX, Instant::elapsed);
+        if since >= READY_GRACE {
+            return Ok(());
+        }
+        let view = self.view();
+        let mut waiting: Vec<&str> = view
+            .worker_sets
+            .iter()
+            .flat_map(|ws| ws.endpoints.iter())
+            .filter(|e| e.models().is_empty() && e.models_error().is_none())
+            .map(|e| e.authority.as_str())
+            .collect();
+        waiting.sort_unstable();
+        waiting.dedup();
+        if waiting.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "waiting (up to {} s after the listing) for the first /v1/models answer of {} engine(s): {}",
+                READY_GRACE.as_secs(),
+                waiting.len(),
+                waiting.join(", ")
+            ))
+        }
+    }
 }
+
+/// How long a listed router waits for its engines' first answers before it
+/// reports ready anyway.
+pub const READY_GRACE: Duration = Duration::from_secs(10);

@@ -290,3 +290,53 @@ async fn the_access_log_has_a_line_per_request_and_no_prompt() {
     assert_eq!(rejected["fields"]["api"], "completions");
     assert_eq!(rejected["fields"]["engine"], "");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_engines_first_answers_and_says_why() {
+    let sims = engines(1, |_| {}).await;
+    // An "engine" that accepts connections and never answers.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    addrs.push(EngineAddr {
+        http: silent.local_addr().unwrap(),
+        kv: None,
+        ready: true,
+        replay: None,
+    });
+    let started = Instant::now();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    let (good, quiet) = (addrs[0].http.to_string(), addrs[1].http.to_string());
+    // Once the real engine answered, only the silent one is waited for.
+    let waiting = eventually(
+        Duration::from_secs(5),
+        "waiting for the silent engine only",
+        || async {
+            let reply = get(r.api(), "/ready").await;
+            let t = reply.text();
+            (reply.status == 503 && t.contains(&quiet) && !t.contains(&good)).then_some(t)
+        },
+    )
+    .await;
+    assert!(waiting.contains("/v1/models"), "{waiting}");
+    let admin = get(r.admin(), "/readyz").await;
+    assert_eq!(admin.status, 503);
+    assert_eq!(admin.text(), waiting);
+    // Its first probe timing out is an answer too: then the router serves
+    // (and at the latest after the grace).
+    eventually(Duration::from_secs(15), "ready", || async {
+        (get(r.api(), "/ready").await.status == 200).then_some(())
+    })
+    .await;
+    assert!(started.elapsed() < kinference_router::state::READY_GRACE + Duration::from_secs(5));
+    let e = endpoints(&r).await;
+    let quiet_report = e["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["endpoint"] == quiet.as_str())
+        .cloned()
+        .unwrap();
+    assert!(quiet_report["models_error"].is_string(), "{quiet_report}");
+    drop(silent);
+    r.shutdown().await;
+}
