@@ -5,6 +5,7 @@
 //! | name | what runs |
 //! |---|---|
 //! | `kinference`, `round-robin`, … (every [`PolicyName`]) | `kinference-router --policy NAME`, tuned: the bench's profile (`local` tokenization, the simulator's step costs), 1 s scrapes, KV replay; `llm-d-blend` scrapes every 50 ms as llm-d does; `sglang-cache-aware` routes on the router's record of prefixes it sent (`approximate` mode: SGLang's tree, grown on route) |
+//! | `kinference-admission` | ours, tuned, with admission on (`spec.admission: {maxPredictedTtftMillis: 1000, maxWaitMillis: 1000}`): past the knee requests wait in the router or get 429 |
 //! | `kinference-installed` | our policy as installed: the built-in `default` profile (`engine` tokenization), 5 s scrapes, no replay, one replica |
 //! | `smg-cache-aware`, `smg-power-of-two`, `smg-round-robin` | `smg launch --policy …` (PyPI `sglang-router`) |
 //! | `vllm-router-cache-aware`, `vllm-router-kv-aware` | `vllm-router --policy …` (PyPI `vllm-router`); `kv_aware` subscribes to the engines' KV events |
@@ -54,6 +55,8 @@ impl Peer {
 pub(crate) enum Contender {
     /// Ours with a policy, tuned.
     Router(PolicyName),
+    /// Ours, tuned, with the profile's admission on.
+    Admission,
     /// Ours as a user gets it.
     Installed {
         /// Router replicas sharing the load (1 until replicas exist).
@@ -85,9 +88,10 @@ impl Contender {
     /// Every row's name, ours first, the greedy reference last.
     pub(crate) fn all_names() -> Vec<String> {
         let mut v: Vec<String> = PolicyName::ALL.iter().map(ToString::to_string).collect();
-        v.insert(1, "kinference-installed".into());
-        v.insert(2, "kinference-x3".into());
-        v.insert(3, "kinference-x3-blind".into());
+        v.insert(1, "kinference-admission".into());
+        v.insert(2, "kinference-installed".into());
+        v.insert(3, "kinference-x3".into());
+        v.insert(4, "kinference-x3-blind".into());
         v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
         v.push("greedy-truth".into());
         v
@@ -96,6 +100,9 @@ impl Contender {
     pub(crate) fn parse(name: &str) -> Result<Self> {
         if name == "kinference-installed" {
             return Ok(Self::Installed { replicas: 1 });
+        }
+        if name == "kinference-admission" {
+            return Ok(Self::Admission);
         }
         if name == "greedy-truth" {
             return Ok(Self::GreedyTruth);
@@ -161,6 +168,12 @@ pub(crate) struct Setup<'a> {
     pub tag: &'a str,
 }
 
+/// The `kinference-admission` row's `spec.admission`: hold a request while
+/// every engine is predicted past 1 s, for at most 1 s (a request that
+/// waited longer would miss the 2 s goodput target anyway: it gets 429).
+pub(crate) const ADMISSION: &str =
+    "  admission: {maxPredictedTtftMillis: 1000, maxQueue: 512, maxWaitMillis: 1000}\n";
+
 /// A started contender: where to send requests, and the processes whose
 /// CPU counts (none for the harness).
 pub(crate) struct Running {
@@ -201,6 +214,22 @@ impl Contender {
                     "--scrape-interval".into(),
                     scrape.into(),
                     // The simulator's replay socket is its KV port + 100.
+                    "--kv-replay-offset".into(),
+                    "100".into(),
+                ];
+                self.ours(s, &m, &flags, &logs).await
+            }
+            Self::Admission => {
+                let mut m = s.tuned.clone();
+                if let Some((name, spec)) = &mut m.profile {
+                    *name = "bench-admission".into();
+                    spec.push_str(ADMISSION);
+                }
+                let flags = vec![
+                    "--policy".to_owned(),
+                    "kinference".into(),
+                    "--scrape-interval".into(),
+                    "1s".into(),
                     "--kv-replay-offset".into(),
                     "100".into(),
                 ];
@@ -400,6 +429,7 @@ mod tests {
             let back = match &c {
                 Contender::Router(p) => p.to_string(),
                 Contender::Installed { .. } => "kinference-installed".into(),
+                Contender::Admission => "kinference-admission".into(),
                 Contender::Replicas { n, shared } => {
                     format!("kinference-x{n}{}", if *shared { "" } else { "-blind" })
                 }

@@ -270,11 +270,27 @@ async fn one(
         }
     };
     let explain = matches!(route, Route::Router(_, true));
-    let result = stream(client, &url, bytes, api, explain, sent, |first| {
-        if first && let Some((o, t)) = &ticket {
-            o.first_token(*t);
+    // The engine is known from the response headers: kept at once, so that
+    // a request still running at the drain deadline counts where it went.
+    let headers_seen = |e: Option<&str>| {
+        if let (Some(e), Ok(mut s)) = (e, slot.lock()) {
+            s.engine = Some(e.to_owned());
         }
-    })
+    };
+    let result = stream(
+        client,
+        &url,
+        bytes,
+        api,
+        explain,
+        sent,
+        headers_seen,
+        |first| {
+            if first && let Some((o, t)) = &ticket {
+                o.first_token(*t);
+            }
+        },
+    )
     .await;
     if let Some((o, t)) = &ticket {
         o.done(*t);
@@ -295,7 +311,7 @@ async fn one(
         s.chunks = result.chunks;
         s.decode = result.decode;
         s.ok = ok;
-        s.engine = engine.or(result.engine);
+        s.engine = engine.or(result.engine).or(s.engine.take());
         s.explain = result.explain;
         s.finished_at = Instant::now().duration_since(start);
     }
@@ -316,8 +332,10 @@ pub(crate) struct Streamed {
     pub explain: Option<Value>,
 }
 
-/// POSTs `body` to `url` and reads the SSE stream; `on_token(true)` at the
-/// first content token.
+/// POSTs `body` to `url` and reads the SSE stream; `on_headers` with the
+/// engine the router names (`x-kinference-endpoint`) when the response
+/// headers arrive, `on_token(true)` at the first content token.
+#[allow(clippy::too_many_arguments)] // two hooks: the headers and each token
 pub(crate) async fn stream(
     client: &HttpClient,
     url: &str,
@@ -325,6 +343,7 @@ pub(crate) async fn stream(
     api: Api,
     explain: bool,
     sent: Instant,
+    on_headers: impl FnOnce(Option<&str>),
     mut on_token: impl FnMut(bool),
 ) -> Streamed {
     let mut out = Streamed::default();
@@ -344,6 +363,7 @@ pub(crate) async fn stream(
         .get("x-kinference-endpoint")
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
+    on_headers(out.engine.as_deref());
     out.explain = resp
         .headers()
         .get("x-kinference-explain")

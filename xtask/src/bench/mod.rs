@@ -140,6 +140,11 @@ pub(crate) struct RoutingArgs {
     /// Tokens per hash id in --trace.
     #[arg(long, default_value_t = trace::MOONCAKE_BLOCK)]
     trace_block: u32,
+    /// Use the kinference-sim and kinference-router binaries in this
+    /// directory instead of building them (e.g. a copy that a concurrent
+    /// build cannot replace mid-run).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
 }
 
 /// `bench micro` flags.
@@ -199,6 +204,7 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
             o.explain = a.explain;
             o.trace = a.trace;
             o.trace_block = a.trace_block.max(1);
+            o.bin_dir = a.bin_dir;
             routing::run(root, &o)
         }
         BenchCommand::Trace {

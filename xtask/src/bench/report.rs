@@ -99,7 +99,20 @@ pub(crate) struct Row {
     /// Hash of every request body sent, in plan order: equal across policies
     /// when they replayed identical streams.
     pub fingerprint: String,
+    /// Measured requests served with a TTFT within [`GOODPUT_TTFT_MS`].
+    #[serde(default)]
+    pub good: usize,
+    /// `good` per second of the measured window (goodput).
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub goodput_per_s: f64,
+    /// The slowest engine's share of the requests, when one is slower
+    /// (slow-burst); NaN otherwise.
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub slow_share: f64,
 }
+
+/// The TTFT target of goodput, ms (the issue's 2 s).
+pub(crate) const GOODPUT_TTFT_MS: f64 = 2000.0;
 
 /// What the harness measured around the window.
 #[derive(Clone, Copy, Debug, Default)]
@@ -163,6 +176,13 @@ pub(crate) fn summarize(
         v.hash(&mut h);
         format!("{:016x}", h.finish())
     };
+    let good = ok
+        .iter()
+        .filter(|s| {
+            s.ttft
+                .is_some_and(|t| t.as_secs_f64() * 1e3 <= GOODPUT_TTFT_MS)
+        })
+        .count();
     let (workload, rate, load, policy, repeat) = key;
     Row {
         workload: workload.to_owned(),
@@ -190,6 +210,9 @@ pub(crate) fn summarize(
         floor_p90_ms: f64::NAN,
         floor_p99_ms: f64::NAN,
         fingerprint,
+        good,
+        goodput_per_s: good as f64 / measure_s.max(1e-9),
+        slow_share: f64::NAN,
     }
 }
 
@@ -200,12 +223,12 @@ fn nan() -> f64 {
 /// The CSV header and one line per row.
 pub(crate) fn csv(rows: &[Row]) -> String {
     let mut s = String::from(
-        "workload,rate,load,policy,repeat,requests,ok,gave_up,late,hit_rate,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,req_per_s,tokens_per_s,router_cpu_us_per_req,imbalance,fingerprint\n",
+        "workload,rate,load,policy,repeat,requests,ok,gave_up,late,hit_rate,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,req_per_s,tokens_per_s,router_cpu_us_per_req,imbalance,fingerprint,good,goodput_per_s,slow_share\n",
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{},{:.3},{:.3},{},{},{},{},{},{},{:.4},{:.1},{:.1},{:.1},{:.2},{:.2},{:.3},{:.1},{:.1},{:.3},{}",
+            "{},{:.3},{:.3},{},{},{},{},{},{},{:.4},{:.1},{:.1},{:.1},{:.2},{:.2},{:.3},{:.1},{:.1},{:.3},{},{},{:.3},{:.4}",
             r.workload,
             r.rate,
             r.load,
@@ -225,7 +248,10 @@ pub(crate) fn csv(rows: &[Row]) -> String {
             r.tokens_per_s,
             r.router_cpu_us_per_req,
             r.imbalance,
-            r.fingerprint
+            r.fingerprint,
+            r.good,
+            r.goodput_per_s,
+            r.slow_share
         );
     }
     s
@@ -276,6 +302,9 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 floor_p90_ms: first.floor_p90_ms,
                 floor_p99_ms: first.floor_p99_ms,
                 fingerprint: first.fingerprint.clone(),
+                good: mu(|r| r.good),
+                goodput_per_s: m(|r| r.goodput_per_s),
+                slow_share: m(|r| r.slow_share),
             }
         })
         .collect()
@@ -299,7 +328,7 @@ pub(crate) fn table(rows: &[Row]) -> String {
         if r.workload != last.0 || (r.rate - last.1).abs() > 1e-9 {
             let _ = writeln!(
                 s,
-                "\n{} at {:.2} req/s ({:.2}× knee); physical floor p50 {:.0} p90 {:.0} p99 {:.0} ms\n{:<24} {:>5} {:>5} {:>6} {:>9} {:>9} {:>9} {:>17} {:>7} {:>7} {:>8} {:>9}",
+                "\n{} at {:.2} req/s ({:.2}× knee); physical floor p50 {:.0} p90 {:.0} p99 {:.0} ms\n{:<24} {:>5} {:>5} {:>5} {:>6} {:>9} {:>9} {:>9} {:>17} {:>7} {:>7} {:>8} {:>9} {:>6}",
                 r.workload,
                 r.rate,
                 r.load,
@@ -309,6 +338,7 @@ pub(crate) fn table(rows: &[Row]) -> String {
                 "policy",
                 "reqs",
                 "ok",
+                "good",
                 "hit %",
                 "TTFT p50",
                 "TTFT p90",
@@ -317,17 +347,19 @@ pub(crate) fn table(rows: &[Row]) -> String {
                 "ITL p50",
                 "req/s",
                 "CPU µs/r",
-                "max/mean"
+                "max/mean",
+                "slow %"
             );
             last = (r.workload.clone(), r.rate);
         }
         let (f50, f90, f99) = floor_ratios(r);
         let _ = writeln!(
             s,
-            "{:<24} {:>5} {:>5} {:>6.1} {:>7.0}ms {:>7.0}ms {:>7.0}ms {:>5.1} {:>5.1} {:>5.1} {:>5.1}ms {:>7.2} {:>8.0} {:>9.2}",
+            "{:<24} {:>5} {:>5} {:>5} {:>6.1} {:>7.0}ms {:>7.0}ms {:>7.0}ms {:>5.1} {:>5.1} {:>5.1} {:>5.1}ms {:>7.2} {:>8.0} {:>9.2} {:>6.1}",
             r.policy,
             r.requests,
             r.ok,
+            r.good,
             r.hit_rate * 100.0,
             r.ttft_p50_ms,
             r.ttft_p90_ms,
@@ -338,7 +370,8 @@ pub(crate) fn table(rows: &[Row]) -> String {
             r.itl_p50_ms,
             r.req_per_s,
             r.router_cpu_us_per_req,
-            r.imbalance
+            r.imbalance,
+            r.slow_share * 100.0
         );
     }
     s
@@ -456,6 +489,73 @@ pub(crate) fn goals(rows: &[Row]) -> String {
             );
         }
     }
+    out.push_str(&past_the_knee(&rows));
+    out
+}
+
+/// Issue 16's goals: goodput at 2 × the knee of the overload ladder
+/// (admission against round robin and the best other row), and the slow
+/// engine's share of the slow burst. Medians over repeats.
+pub(crate) fn past_the_knee(rows: &[Row]) -> String {
+    let verdict = |ok: bool| if ok { "met" } else { "**missed**" };
+    let mut out = String::new();
+    let mut push = |w: &str, goal: &str, figure: String, ok: bool| {
+        if out.is_empty() {
+            out.push_str("\n| workload | goal | measured | |\n|---|---|---|---|\n");
+        }
+        let _ = writeln!(out, "| {w} | {goal} | {figure} | {} |", verdict(ok));
+    };
+    let at2: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.workload == "overload" && (r.load - 2.0).abs() < 0.05)
+        .collect();
+    if let Some(ours) = at2.iter().find(|r| r.policy == "kinference-admission") {
+        if let Some(rr) = at2.iter().find(|r| r.policy == "round-robin") {
+            let x = ours.goodput_per_s / rr.goodput_per_s;
+            push(
+                "overload (2× knee)",
+                "goodput (TTFT ≤ 2 s) ≥ 2 × round robin's",
+                format!(
+                    "{x:.2} × ({:.2} vs {:.2} req/s)",
+                    ours.goodput_per_s, rr.goodput_per_s
+                ),
+                x >= 2.0,
+            );
+        }
+        if let Some(best) = at2
+            .iter()
+            .filter(|r| r.policy != "kinference-admission" && r.policy != "greedy-truth")
+            .max_by(|a, b| a.goodput_per_s.total_cmp(&b.goodput_per_s))
+        {
+            let x = ours.goodput_per_s / best.goodput_per_s;
+            push(
+                "overload (2× knee)",
+                "goodput ≥ 1.3 × the best other policy's",
+                format!(
+                    "{x:.2} × ({:.2} vs {:.2} req/s, {})",
+                    ours.goodput_per_s, best.goodput_per_s, best.policy
+                ),
+                x >= 1.3,
+            );
+        }
+        push(
+            "overload (2× knee)",
+            "no request waits unboundedly (every one answered or rejected)",
+            format!("{} still running at the drain deadline", ours.gave_up),
+            ours.gave_up == 0,
+        );
+    }
+    for r in rows
+        .iter()
+        .filter(|r| r.workload == "slow-burst" && r.policy == "kinference")
+    {
+        push(
+            "slow-burst",
+            "the 10× slower engine gets ≤ 5 % of the burst",
+            format!("{:.1} %", r.slow_share * 100.0),
+            r.slow_share <= 0.05,
+        );
+    }
     out
 }
 
@@ -468,7 +568,7 @@ pub(crate) fn markdown(rows: &[Row]) -> String {
         if r.workload != last.0 || (r.rate - last.1).abs() > 1e-9 {
             let _ = writeln!(
                 s,
-                "\n**{}, {:.2} req/s ({:.2}× knee)**; physical floor TTFT p50 {:.0}, p90 {:.0}, p99 {:.0} ms\n\n| policy | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ÷ floor p50 / p90 / p99 | ITL p50 ms | req/s | router CPU µs/req |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                "\n**{}, {:.2} req/s ({:.2}× knee)**; physical floor TTFT p50 {:.0}, p90 {:.0}, p99 {:.0} ms\n\n| policy | reqs | ok | good (TTFT ≤ 2 s) | hit rate | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | ÷ floor p50 / p90 / p99 | ITL p50 ms | req/s | goodput req/s | router CPU µs/req |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
                 r.workload, r.rate, r.load, r.floor_p50_ms, r.floor_p90_ms, r.floor_p99_ms
             );
             last = (r.workload.clone(), r.rate);
@@ -486,13 +586,17 @@ pub(crate) fn markdown(rows: &[Row]) -> String {
         };
         let _ = writeln!(
             s,
-            "| {name} | {:.1} % | {:.0} | {:.0} | {:.0} | {f50:.1} / {f90:.1} / {f99:.1} | {:.1} | {:.2} | {cpu} |",
+            "| {name} | {} | {} | {} | {:.1} % | {:.0} | {:.0} | {:.0} | {f50:.1} / {f90:.1} / {f99:.1} | {:.1} | {:.2} | {:.2} | {cpu} |",
+            r.requests,
+            r.ok,
+            r.good,
             r.hit_rate * 100.0,
             r.ttft_p50_ms,
             r.ttft_p90_ms,
             r.ttft_p99_ms,
             r.itl_p50_ms,
-            r.req_per_s
+            r.req_per_s,
+            r.goodput_per_s
         );
     }
     s
@@ -773,7 +877,7 @@ mod tests {
         let lines: Vec<&str> = c.lines().collect();
         assert_eq!(lines.len(), 3);
         let columns = lines[0].split(',').count();
-        assert_eq!(columns, 20);
+        assert_eq!(columns, 23);
         assert!(lines[1..].iter().all(|l| l.split(',').count() == columns));
         assert!(lines[1].starts_with("shared-prefix,4.000,0.500,kinference,0,"));
         let json = serde_json::to_string(&rows).expect("serialises");
@@ -811,9 +915,39 @@ mod tests {
         assert!(t.contains("physical floor p50 53 p90 50 p99 111 ms"), "{t}");
         let md = markdown(&rows);
         assert!(
-            md.contains("| **kinference** | 50.0 % | 106 | 250 | 111 | 2.0 / 5.0 / 1.0 | "),
+            md.contains(
+                "| **kinference** | 10 | 10 | 10 | 50.0 % | 106 | 250 | 111 | 2.0 / 5.0 / 1.0 | "
+            ),
             "{md}"
         );
+    }
+
+    #[test]
+    fn past_the_knee_goals_read_goodput_at_twice_the_knee_and_the_slow_share() {
+        let mut rows = vec![
+            row("kinference-admission", 0, 1500.0),
+            row("round-robin", 0, 20_000.0),
+            row("dynamo-cost", 0, 20_000.0),
+        ];
+        for (r, g) in rows.iter_mut().zip([4.0, 1.0, 2.0]) {
+            r.workload = "overload".into();
+            r.load = 2.0;
+            r.goodput_per_s = g;
+        }
+        let mut burst = row("kinference", 0, 900.0);
+        burst.workload = "slow-burst".into();
+        burst.slow_share = 0.079;
+        rows.push(burst);
+        let g = past_the_knee(&rows);
+        assert!(
+            g.contains("| overload (2× knee) | goodput (TTFT ≤ 2 s) ≥ 2 × round robin's | 4.00 × (4.00 vs 1.00 req/s) | met |"),
+            "{g}"
+        );
+        assert!(
+            g.contains("| goodput ≥ 1.3 × the best other policy's | 2.00 × (4.00 vs 2.00 req/s, dynamo-cost) | met |"),
+            "{g}"
+        );
+        assert!(g.contains("| 7.9 % | **missed** |"), "{g}");
     }
 
     #[test]

@@ -265,9 +265,17 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
             | WorkloadKind::LongContext,
             false,
         ) => vec![0.5, 0.75, 1.0],
-        (_, true) => vec![1.0],
+        // Past the knee, quick or not: the ladder.
+        (WorkloadKind::Overload, _) => vec![1.5, 2.0, 3.0],
+        // `--quick`, and the slow burst (its rate is fixed: see
+        // `SLOW_BURST`).
+        (WorkloadKind::SlowBurst, _) | (_, true) => vec![1.0],
     }
 }
+
+/// The slow-burst scenario: this many requests per second for one second,
+/// no warm-up.
+const SLOW_BURST: f64 = 150.0;
 
 /// `utime + stime` of a process, seconds.
 pub(crate) fn cpu_seconds(pid: u32, ticks_per_s: f64) -> Option<f64> {
@@ -404,7 +412,14 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
             None => fleet.workload(kind),
         };
         let knee = fleet.knee(kind, &w);
+        let burst = kind == WorkloadKind::SlowBurst;
+        let (warmup, measure) = if burst {
+            (Duration::ZERO, Duration::from_secs(1))
+        } else {
+            (opts.warmup, opts.measure)
+        };
         let rates: Vec<f64> = match (&opts.rates, &opts.loads) {
+            _ if burst && opts.rates.is_none() => vec![SLOW_BURST],
             (Some(r), _) => r.clone(),
             (None, Some(l)) => l.iter().map(|x| x * knee).collect(),
             (None, None) => default_loads(kind, opts.quick)
@@ -440,15 +455,10 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
         );
         for &rate in &rates {
             let plan = match &trace_rows {
-                Some(rows) => trace::plan(
-                    rows,
-                    opts.trace_block,
-                    fleet.scale,
-                    rate,
-                    opts.warmup,
-                    opts.measure,
-                ),
-                None => workload::plan(&w, fleet.scale, rate, opts.warmup, opts.measure, opts.seed),
+                Some(rows) => {
+                    trace::plan(rows, opts.trace_block, fleet.scale, rate, warmup, measure)
+                }
+                None => workload::plan(&w, fleet.scale, rate, warmup, measure, opts.seed),
             };
             let floor_all = floor::ttfts(&plan, &fleet.step);
             let mut floor_ms: Vec<f64> = plan
@@ -488,10 +498,16 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                     .with_context(|| format!("run {tag}; logs in {}", logs.display()))?;
                     (row.floor_p50_ms, row.floor_p90_ms, row.floor_p99_ms) = floor;
                     println!(
-                        "  {:<20} {rate:>6.2} req/s  reqs {:>4} ok {:>4}  hit {:>5.1}%  TTFT p50 {:>7.0} p90 {:>7.0} p99 {:>7.0} ms  ITL {:>5.1} ms  {:>6.2} req/s  CPU {:>5.0} µs/req  [load {}]",
+                        "  {:<20} {rate:>6.2} req/s  reqs {:>4} ok {:>4} good {:>4}{}  hit {:>5.1}%  TTFT p50 {:>7.0} p90 {:>7.0} p99 {:>7.0} ms  ITL {:>5.1} ms  {:>6.2} req/s  CPU {:>5.0} µs/req  [load {}]",
                         policy,
                         row.requests,
                         row.ok,
+                        row.good,
+                        if row.slow_share.is_nan() {
+                            String::new()
+                        } else {
+                            format!("  slow engine {:.1}%", row.slow_share * 100.0)
+                        },
                         row.hit_rate * 100.0,
                         row.ttft_p50_ms,
                         row.ttft_p90_ms,
@@ -641,12 +657,43 @@ async fn one_run(
         router_cpu_s: cpu_before.zip(cpu_after).map(|(b, a)| a - b),
     };
     let (workload, rate, load, repeat) = key;
-    Ok(report::summarize(
+    let mut row = report::summarize(
         &samples,
         window,
         plan.measure.as_secs_f64(),
         (workload, rate, load, policy, repeat),
-    ))
+    );
+    row.slow_share = slow_share(&samples, &kind.slowdowns(fleet.engines), opts.port_base);
+    Ok(row)
+}
+
+/// The share of the measured requests the slowest engine served, when one
+/// engine is slower than the others and the router names engines
+/// (`x-kinference-endpoint`); NaN otherwise.
+fn slow_share(samples: &[drive::Sample], slowdowns: &[f64], port_base: u16) -> f64 {
+    let Some((i, s)) = slowdowns
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+    else {
+        return f64::NAN;
+    };
+    if *s <= 1.0 || slowdowns.iter().filter(|x| (*x - s).abs() < 1e-9).count() != 1 {
+        return f64::NAN;
+    }
+    let slow = format!("127.0.0.1:{}", http_port(port_base, i));
+    let named: Vec<&drive::Sample> = samples
+        .iter()
+        .filter(|x| x.measured && x.engine.is_some())
+        .collect();
+    if named.is_empty() {
+        return f64::NAN;
+    }
+    named
+        .iter()
+        .filter(|x| x.engine.as_deref() == Some(slow.as_str()))
+        .count() as f64
+        / named.len() as f64
 }
 
 #[cfg(test)]

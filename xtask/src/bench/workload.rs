@@ -56,10 +56,16 @@ pub(crate) enum WorkloadKind {
     /// Long shared documents whose resident set is about 3× the fleet's
     /// KV: heavy eviction.
     LongContext,
+    /// Past the knee: distinct prompts (the knee is the real one) at
+    /// 1.5, 2 and 3 × the knee; goodput (TTFT ≤ 2 s) is the figure.
+    Overload,
+    /// A 150-request burst within a second on a fleet whose last engine
+    /// is 10× slower (the router is not told): the slow engine's share.
+    SlowBurst,
 }
 
 impl WorkloadKind {
-    pub(crate) const ALL: [Self; 7] = [
+    pub(crate) const ALL: [Self; 9] = [
         Self::SharedPrefix,
         Self::MultiTurn,
         Self::NoReuse,
@@ -67,6 +73,8 @@ impl WorkloadKind {
         Self::Agent,
         Self::Bursts,
         Self::LongContext,
+        Self::Overload,
+        Self::SlowBurst,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -78,12 +86,26 @@ impl WorkloadKind {
             Self::Agent => "agent",
             Self::Bursts => "bursts",
             Self::LongContext => "long-context",
+            Self::Overload => "overload",
+            Self::SlowBurst => "slow-burst",
         }
     }
 
     /// Each engine's step-time multiplier (the simulator's `--slowdown`):
-    /// on the two-speed fleets the last quarter (at least one) is 3× slower.
+    /// on the two-speed fleets the last quarter (at least one) is 3× slower;
+    /// on the slow-burst fleet the last engine is 10× slower.
     pub(crate) fn slowdowns(self, engines: usize) -> Vec<f64> {
+        if self == Self::SlowBurst {
+            return (0..engines)
+                .map(|i| {
+                    if engines > 1 && i == engines - 1 {
+                        10.0
+                    } else {
+                        1.0
+                    }
+                })
+                .collect();
+        }
         let slow = match self {
             Self::Heterogeneous | Self::Agent if engines > 1 => (engines / 4).max(1),
             _ => 0,
@@ -174,6 +196,13 @@ impl Workload {
                 output_tokens: 1_000,
             },
             WorkloadKind::Heterogeneous => Self::of(WorkloadKind::SharedPrefix),
+            WorkloadKind::Overload => Self::of(WorkloadKind::NoReuse),
+            // Prompts that one engine prefills in ~0.2 s, short answers: the
+            // burst is about where requests go before any first token.
+            WorkloadKind::SlowBurst => Self::NoReuse {
+                prompt_tokens: 2_000,
+                output_tokens: 200,
+            },
             WorkloadKind::Bursts => Self::Bursts {
                 groups: 150,
                 prompts_per_group: 5,
