@@ -305,6 +305,32 @@ impl Queue {
     }
 }
 
+/// A request's place in a queue: leaves it when dropped (sent, rejected,
+/// or the client gone), waking the next head, and records the wait.
+struct Held<'a> {
+    q: &'a Queue,
+    id: u64,
+    released: bool,
+    start: Instant,
+    metrics: &'a crate::metrics::Metrics,
+    labels: WorkerSetLabels,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let now = Instant::now();
+        self.q.leave(self.id, now, self.released);
+        self.metrics
+            .queue_depth
+            .get_or_create(&self.labels)
+            .set(self.q.depth() as i64);
+        self.metrics
+            .queue_wait
+            .get_or_create(&self.labels)
+            .observe(now.saturating_duration_since(self.start).as_secs_f64());
+    }
+}
+
 /// The fastest candidate's predicted TTFT as the decision reports it: the
 /// chosen endpoint's, or, when kinference stayed on a warmer one, the
 /// fastest's. (Baseline policies report the chosen endpoint's uncalibrated
@@ -454,19 +480,21 @@ impl Gate {
         let Some((id, wake)) = q.join(&self.class, cost, start, self.max_queue()) else {
             return Err(self.reject(shared, "queue_full", fastest, self.bound(start)));
         };
-        let m = &shared.metrics;
-        m.queue_depth
-            .get_or_create(&self.labels())
-            .set(q.depth() as i64);
-        let done = |at: Instant, released: bool| {
-            q.leave(id, at, released);
-            m.queue_depth
-                .get_or_create(&self.labels())
-                .set(q.depth() as i64);
-            m.queue_wait
-                .get_or_create(&self.labels())
-                .observe(at.saturating_duration_since(start).as_secs_f64());
+        // Leaves the queue however the wait ends, the client going away
+        // (this future dropped) included: a request that left must never
+        // stay at the head.
+        let mut held = Held {
+            q,
+            id,
+            released: false,
+            start,
+            metrics: &shared.metrics,
+            labels: self.labels(),
         };
+        held.metrics
+            .queue_depth
+            .get_or_create(&held.labels)
+            .set(q.depth() as i64);
         let mut fastest = fastest;
         loop {
             let now = Instant::now();
@@ -477,20 +505,16 @@ impl Gate {
                     since_start: shared.now(),
                 }) {
                     Ok(d) => d,
-                    Err(e) => {
-                        done(now, false);
-                        return Err(e);
-                    }
+                    Err(e) => return Err(e),
                 };
                 fastest = fastest_ms(&d);
                 if fastest <= self.bound(now) {
-                    done(now, true);
+                    held.released = true;
                     q.served(&self.class.tenant, u64::from(d.choice.uncached_tokens()));
                     return Ok(d);
                 }
             }
             if now >= deadline {
-                done(now, false);
                 return Err(self.reject(shared, "deadline", fastest, self.bound(now)));
             }
             let freed = FREED.notified();

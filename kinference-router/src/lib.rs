@@ -45,7 +45,10 @@
 //!   and per-endpoint load as atomics; every change to the view goes
 //!   through the one maintainer task. The only locks a request takes are
 //!   its worker set's policy and prefix-record locks, each for an in-memory
-//!   computation.
+//!   computation, and, where admission is on, its worker set's queue lock
+//!   (a few entries scanned; never held across an await). A request leaves
+//!   the admission queue on every path, the client going away included, by
+//!   a guard.
 //! - Load accounting is released exactly once per request, on every path
 //!   (response end, upstream error, client gone), by a guard.
 //! - The router only connects to endpoints listed in EndpointSlices (or the

@@ -381,3 +381,50 @@ async fn a_light_tenant_keeps_its_ttft_while_a_heavy_one_floods_at_ten_times_its
     );
     r.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_gives_up_while_held_leaves_the_queue() {
+    let _serial = SERIAL.lock().await;
+    let sims = engines(1, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts {
+        profile: "held".into(),
+        // No engine is ever predicted within 1 ms: every request is held.
+        profile_spec: Some(
+            "  admission: {maxPredictedTtftMillis: 1, maxQueue: 4, maxWaitMillis: 5000}\n".into(),
+        ),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &[]).await;
+    wait_routable(&r, 1, true).await;
+    let depth = || async {
+        sum_of(
+            &get(r.admin(), "/metrics").await.text(),
+            "kinference_router_queue_depth",
+        )
+    };
+    let gone = tokio::time::timeout(Duration::from_millis(300), one(r.api(), 1)).await;
+    assert!(gone.is_err(), "held, not answered");
+    // Well before its 5 s deadline, the abandoned request has left.
+    let t = Instant::now();
+    loop {
+        if depth().await.abs() < 0.5 {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(2),
+            "the abandoned request stayed in the queue"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // And it took no place: four more fit.
+    let held: Vec<_> = (0..4).map(|k| tokio::spawn(one(r.api(), 10 + k))).collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!((depth().await - 4.0).abs() < 0.5);
+    let (status, _, _) = one(r.api(), 20).await;
+    assert_eq!(status, 429, "the fifth finds the queue full");
+    for h in held {
+        h.abort();
+    }
+    r.shutdown().await;
+}
