@@ -144,6 +144,20 @@ impl Contender {
     }
 }
 
+/// Our router's flags for a row: the policy, the scrape interval, and the
+/// replay offset (the simulator's replay socket is its KV port + 100; 0:
+/// none, as installed).
+fn router_flags(policy: &str, scrape: &str, replay_offset: u16) -> Vec<String> {
+    vec![
+        "--policy".to_owned(),
+        policy.to_owned(),
+        "--scrape-interval".into(),
+        scrape.into(),
+        "--kv-replay-offset".into(),
+        replay_offset.to_string(),
+    ]
+}
+
 fn which(tool: &str) -> Option<PathBuf> {
     std::env::var("PATH")
         .unwrap_or_default()
@@ -208,15 +222,7 @@ impl Contender {
                     }
                     _ => {}
                 }
-                let flags = vec![
-                    "--policy".to_owned(),
-                    policy.to_string(),
-                    "--scrape-interval".into(),
-                    scrape.into(),
-                    // The simulator's replay socket is its KV port + 100.
-                    "--kv-replay-offset".into(),
-                    "100".into(),
-                ];
+                let flags = router_flags(&policy.to_string(), scrape, 100);
                 self.ours(s, &m, &flags, &logs).await
             }
             Self::Admission => {
@@ -225,28 +231,14 @@ impl Contender {
                     *name = "bench-admission".into();
                     spec.push_str(ADMISSION);
                 }
-                let flags = vec![
-                    "--policy".to_owned(),
-                    "kinference".into(),
-                    "--scrape-interval".into(),
-                    "1s".into(),
-                    "--kv-replay-offset".into(),
-                    "100".into(),
-                ];
+                let flags = router_flags("kinference", "1s", 100);
                 self.ours(s, &m, &flags, &logs).await
             }
             Self::Installed { replicas } => {
                 debug_assert_eq!(*replicas, 1, "router replicas do not exist yet");
                 let mut m = s.tuned.clone();
                 m.profile = None;
-                let flags = vec![
-                    "--policy".to_owned(),
-                    "kinference".into(),
-                    "--scrape-interval".into(),
-                    "5s".into(),
-                    "--kv-replay-offset".into(),
-                    "0".into(),
-                ];
+                let flags = router_flags("kinference", "5s", 0);
                 self.ours(s, &m, &flags, &logs).await
             }
             Self::Replicas { n, shared } => self.replicas(s, *n, *shared, &logs).await,
@@ -343,14 +335,7 @@ impl Contender {
         std::fs::write(dir.join("bench.yaml"), s.tuned.yaml())?;
         let mut procs = Vec::new();
         for i in 0..n as usize {
-            let mut flags = vec![
-                "--policy".to_owned(),
-                "kinference".into(),
-                "--scrape-interval".into(),
-                "1s".into(),
-                "--kv-replay-offset".into(),
-                "100".into(),
-            ];
+            let mut flags = router_flags("kinference", "1s", 100);
             if shared {
                 let others: Vec<&str> = admins
                     .iter()
