@@ -126,12 +126,17 @@ impl PeerLoad {
 /// token (the oldest of them is the evidence; see [`Waiting`]).
 pub const WAITING_SLOTS: usize = 32;
 
+const PREDICTED_BITS: u32 = 24;
+const PREDICTED_MASK: u64 = (1 << PREDICTED_BITS) - 1;
+const SENT_MAX: u64 = (1 << (64 - PREDICTED_BITS)) - 2;
+
 /// The router's requests at an endpoint that have no first token yet: when
 /// each was sent and what was predicted for it, so that decisions can read
 /// the oldest one's age as evidence about the engine now
 /// ([`kinference_scoring::Evidence`]). Lock-free: a fixed set of slots, each
-/// one atomic word (sent, ms since the router started, + 1; predicted TTFT,
-/// ms), claimed at send and cleared at the first token or the end. When
+/// one atomic word (sent, ms since the router started, + 1, in 40 bits;
+/// predicted TTFT, ms, in 24), claimed at send and cleared at the first
+/// token or the end. When
 /// every slot is taken a new request goes untracked: the oldest ones, which
 /// are what counts, already hold slots.
 #[derive(Debug, Default)]
@@ -141,14 +146,16 @@ pub struct Waiting {
 
 impl Waiting {
     fn claim(&self, sent: Duration, predicted: Duration) -> Option<usize> {
+        // 40 bits of send time (34 years of uptime), 24 of prediction
+        // (4.6 hours, clamped).
         let sent_ms = u64::try_from(sent.as_millis())
             .unwrap_or(u64::MAX)
-            .min(u64::from(u32::MAX - 1))
+            .min(SENT_MAX)
             + 1;
         let predicted_ms = u64::try_from(predicted.as_millis())
             .unwrap_or(u64::MAX)
-            .min(u64::from(u32::MAX));
-        let word = (sent_ms << 32) | predicted_ms;
+            .min(PREDICTED_MASK);
+        let word = (sent_ms << PREDICTED_BITS) | predicted_ms;
         self.slots.iter().position(|s| {
             s.compare_exchange(0, word, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
@@ -170,8 +177,8 @@ impl Waiting {
             .map(|s| s.load(Ordering::Relaxed))
             .filter(|&w| w != 0)
             .min()?;
-        let sent = Duration::from_millis((word >> 32) - 1);
-        let predicted = Duration::from_millis(word & u64::from(u32::MAX));
+        let sent = Duration::from_millis((word >> PREDICTED_BITS) - 1);
+        let predicted = Duration::from_millis(word & PREDICTED_MASK);
         Some((now.saturating_sub(sent), predicted))
     }
 }
@@ -857,6 +864,16 @@ mod tests {
         held.clear();
         assert_eq!(e.waiting.oldest(ms(3000)), None);
         assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+        // After 60 days of uptime ages are still right (a 32-bit send
+        // time would have clamped at 49.7 days).
+        let day = Duration::from_secs(86_400);
+        let mut late = e.begin(1, 1);
+        late.waiting_since(day * 60, ms(300));
+        assert_eq!(
+            e.waiting.oldest(day * 60 + ms(250)),
+            Some((ms(250), ms(300)))
+        );
+        drop(late);
         // Refusals.
         assert_eq!(e.refused_age(ms(10)), None);
         e.record_refusal(ms(100));
