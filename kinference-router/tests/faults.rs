@@ -16,7 +16,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::BodyExt;
 use kinference_kvindex::{BlockKeyer, ExtraKeys, key};
 use kinference_router::metrics::RetryLabels;
 use kinference_sim::{FaultRequest, SimHandle};
@@ -629,27 +628,10 @@ async fn an_engine_ten_times_slower() {
         let permit = sem.clone().acquire_owned().await.unwrap();
         let (api, tx) = (r.api(), tx.clone());
         tokio::spawn(async move {
-            let started = Instant::now();
-            let resp = post_streaming(
-                api,
-                "/v1/chat/completions",
-                &chat(MODEL, &words(k as usize * 700, 600), true, 8),
-            )
-            .await;
-            let status = resp.status().as_u16();
-            let ep = resp.headers()["x-kinference-endpoint"]
-                .to_str()
-                .unwrap_or("")
-                .to_owned();
-            let mut body = resp.into_body();
-            let mut ttft = None;
-            while let Some(Ok(f)) = body.frame().await {
-                if ttft.is_none() && f.data_ref().is_some_and(|d| !d.is_empty()) {
-                    ttft = Some(started.elapsed());
-                }
-            }
+            let chat = chat(MODEL, &words(k as usize * 700, 600), true, 8);
+            let t = stream_timed(api, "/v1/chat/completions", &chat, &[]).await;
             drop(permit);
-            let _ = tx.send((k, status, ep, ttft));
+            let _ = tx.send((k, t.status, t.endpoint(), t.ttft));
         });
     }
     drop(tx);

@@ -8,7 +8,6 @@ mod support;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use http_body_util::BodyExt;
 use kinference_sim::FaultRequest;
 use support::*;
 use tokio::time::Instant;
@@ -16,38 +15,11 @@ use tokio::time::Instant;
 /// These tests measure times on a small machine: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-fn median(v: &mut [f64]) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// One streamed request: (status, endpoint, TTFT ms, headers).
+/// One streamed request: (status, endpoint, TTFT ms).
 async fn one(api: std::net::SocketAddr, k: usize) -> (u16, String, Option<f64>) {
-    let started = Instant::now();
-    let resp = post_streaming(
-        api,
-        "/v1/chat/completions",
-        &chat(MODEL, &words(k * 700, 600), true, 8),
-    )
-    .await;
-    let status = resp.status().as_u16();
-    let ep = resp
-        .headers()
-        .get("x-kinference-endpoint")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
-    let mut body = resp.into_body();
-    let mut ttft = None;
-    while let Some(Ok(f)) = body.frame().await {
-        if ttft.is_none() && f.data_ref().is_some_and(|d| !d.is_empty()) {
-            ttft = Some(started.elapsed().as_secs_f64() * 1000.0);
-        }
-    }
-    (status, ep, ttft)
+    let chat = chat(MODEL, &words(k * 700, 600), true, 8);
+    let t = stream_timed(api, "/v1/chat/completions", &chat, &[]).await;
+    (t.status, t.endpoint(), t.ttft_ms())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,31 +126,14 @@ async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_be
         .map(|k| {
             let api = r.api();
             tokio::spawn(async move {
-                let started = Instant::now();
-                let resp = post_streaming(
-                    api,
-                    "/v1/chat/completions",
-                    &chat(MODEL, &words(k * 700, 600), true, 8),
-                )
-                .await;
-                let status = resp.status().as_u16();
-                let retry_after = resp
-                    .headers()
+                let chat = chat(MODEL, &words(k * 700, 600), true, 8);
+                let t = stream_timed(api, "/v1/chat/completions", &chat, &[]).await;
+                let retry_after = t
+                    .headers
                     .get("retry-after")
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.parse::<u64>().ok());
-                let mut body = resp.into_body();
-                let mut ttft = None;
-                let mut text = Vec::new();
-                while let Some(Ok(f)) = body.frame().await {
-                    if let Some(d) = f.data_ref() {
-                        if ttft.is_none() && !d.is_empty() {
-                            ttft = Some(started.elapsed().as_secs_f64() * 1000.0);
-                        }
-                        text.extend_from_slice(d);
-                    }
-                }
-                (status, retry_after, ttft, text, started.elapsed())
+                (t.status, retry_after, t.ttft_ms(), t.body, t.took)
             })
         })
         .collect();
@@ -280,25 +235,15 @@ async fn a_ttft_target_header_bounds_one_request_without_any_profile() {
 
 /// One streamed request for `tenant`: (status, TTFT ms).
 async fn as_tenant(api: std::net::SocketAddr, k: usize, tenant: &str) -> (u16, Option<f64>) {
-    let started = Instant::now();
-    let body = bytes::Bytes::from(
-        serde_json::to_vec(&chat(MODEL, &words(k * 700, 600), true, 8)).unwrap(),
-    );
-    let req = http::Request::post(format!("http://{api}/v1/chat/completions"))
-        .header("content-type", "application/json")
-        .header("x-kinference-tenant", tenant)
-        .body(http_body_util::Full::new(body))
-        .unwrap();
-    let resp = client().request(req).await.expect("HTTP request");
-    let status = resp.status().as_u16();
-    let mut body = resp.into_body();
-    let mut ttft = None;
-    while let Some(Ok(f)) = body.frame().await {
-        if ttft.is_none() && f.data_ref().is_some_and(|d| !d.is_empty()) {
-            ttft = Some(started.elapsed().as_secs_f64() * 1000.0);
-        }
-    }
-    (status, ttft)
+    let chat = chat(MODEL, &words(k * 700, 600), true, 8);
+    let t = stream_timed(
+        api,
+        "/v1/chat/completions",
+        &chat,
+        &[("x-kinference-tenant", tenant)],
+    )
+    .await;
+    (t.status, t.ttft_ms())
 }
 
 fn p90(v: &mut [f64]) -> f64 {

@@ -578,3 +578,70 @@ pub fn free_addr() -> String {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
     l.local_addr().expect("address").to_string()
 }
+
+/// A streamed response read to its end, timed from the moment it was sent.
+#[derive(Debug)]
+pub struct Timed {
+    pub status: u16,
+    pub headers: http::HeaderMap,
+    /// Sending to the first non-empty data.
+    pub ttft: Option<Duration>,
+    /// Every byte of the body.
+    pub body: Vec<u8>,
+    /// Sending to the end of the body.
+    pub took: Duration,
+}
+
+impl Timed {
+    /// The engine that served it (`x-kinference-endpoint`), or "".
+    pub fn endpoint(&self) -> String {
+        self.headers
+            .get("x-kinference-endpoint")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned()
+    }
+
+    /// TTFT in milliseconds.
+    pub fn ttft_ms(&self) -> Option<f64> {
+        self.ttft.map(|d| d.as_secs_f64() * 1000.0)
+    }
+}
+
+/// POSTs `body` with `headers` and reads the (streamed) answer to its end,
+/// noting when its first data came.
+pub async fn stream_timed(
+    addr: SocketAddr,
+    path: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> Timed {
+    let started = tokio::time::Instant::now();
+    let mut req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(serde_json::to_vec(body).unwrap())))
+        .unwrap();
+    let resp = client().request(req).await.expect("HTTP request");
+    let (status, headers) = (resp.status().as_u16(), resp.headers().clone());
+    let mut stream = resp.into_body();
+    let (mut ttft, mut out) = (None, Vec::new());
+    while let Some(Ok(f)) = stream.frame().await {
+        if let Some(d) = f.data_ref() {
+            if ttft.is_none() && !d.is_empty() {
+                ttft = Some(started.elapsed());
+            }
+            out.extend_from_slice(d);
+        }
+    }
+    Timed {
+        status,
+        headers,
+        ttft,
+        body: out,
+        took: started.elapsed(),
+    }
+}
