@@ -109,6 +109,17 @@ pub struct PeerLoad {
 }
 
 impl PeerLoad {
+    /// Reads the figures.
+    pub fn snapshot(&self) -> LoadSnapshot {
+        LoadSnapshot {
+            requests: self.requests.load(Ordering::Relaxed),
+            prefilling: self.prefilling.load(Ordering::Relaxed),
+            prefill_tokens: self.prefill_tokens.load(Ordering::Relaxed),
+            decoding: self.decoding.load(Ordering::Relaxed),
+            context_tokens: self.context_tokens.load(Ordering::Relaxed),
+        }
+    }
+
     /// Sets the figures (`None`: no fresh peer report: zeros).
     pub fn set(&self, s: Option<LoadSnapshot>) {
         let s = s.unwrap_or_default();
@@ -202,37 +213,12 @@ impl Load {
     /// The load the routers have on the endpoint: this replica's and what
     /// its peers report (what decisions read).
     pub fn snapshot(&self) -> LoadSnapshot {
-        let own = self.own();
-        let p = &self.peers;
-        LoadSnapshot {
-            requests: own
-                .requests
-                .saturating_add(p.requests.load(Ordering::Relaxed)),
-            prefilling: own
-                .prefilling
-                .saturating_add(p.prefilling.load(Ordering::Relaxed)),
-            prefill_tokens: own
-                .prefill_tokens
-                .saturating_add(p.prefill_tokens.load(Ordering::Relaxed)),
-            decoding: own
-                .decoding
-                .saturating_add(p.decoding.load(Ordering::Relaxed)),
-            context_tokens: own
-                .context_tokens
-                .saturating_add(p.context_tokens.load(Ordering::Relaxed)),
-        }
+        self.own().plus(self.peers.snapshot())
     }
 
     /// The peers' figures alone.
     pub fn peers_snapshot(&self) -> LoadSnapshot {
-        let p = &self.peers;
-        LoadSnapshot {
-            requests: p.requests.load(Ordering::Relaxed),
-            prefilling: p.prefilling.load(Ordering::Relaxed),
-            prefill_tokens: p.prefill_tokens.load(Ordering::Relaxed),
-            decoding: p.decoding.load(Ordering::Relaxed),
-            context_tokens: p.context_tokens.load(Ordering::Relaxed),
-        }
+        self.peers.snapshot()
     }
 
     /// This replica's own counters (what it reports to its peers and in
@@ -244,6 +230,20 @@ impl Load {
             prefill_tokens: self.prefill_tokens.load(Ordering::Relaxed),
             decoding: self.decoding.load(Ordering::Relaxed),
             context_tokens: self.context_tokens.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl LoadSnapshot {
+    /// Both together (saturating).
+    #[must_use]
+    pub fn plus(self, o: Self) -> Self {
+        Self {
+            requests: self.requests.saturating_add(o.requests),
+            prefilling: self.prefilling.saturating_add(o.prefilling),
+            prefill_tokens: self.prefill_tokens.saturating_add(o.prefill_tokens),
+            decoding: self.decoding.saturating_add(o.decoding),
+            context_tokens: self.context_tokens.saturating_add(o.context_tokens),
         }
     }
 }

@@ -142,13 +142,16 @@ pub fn sum<'a>(reports: impl IntoIterator<Item = &'a Report>) -> HashMap<String,
     let mut out: HashMap<String, LoadSnapshot> = HashMap::new();
     for r in reports {
         for (engine, v) in &r.engines {
-            let s = out.entry(engine.clone()).or_default();
             let n = |x: u64| u32::try_from(x).unwrap_or(u32::MAX);
-            s.requests = s.requests.saturating_add(n(v[0]));
-            s.prefilling = s.prefilling.saturating_add(n(v[1]));
-            s.prefill_tokens = s.prefill_tokens.saturating_add(v[2]);
-            s.decoding = s.decoding.saturating_add(n(v[3]));
-            s.context_tokens = s.context_tokens.saturating_add(v[4]);
+            let row = LoadSnapshot {
+                requests: n(v[0]),
+                prefilling: n(v[1]),
+                prefill_tokens: v[2],
+                decoding: n(v[3]),
+                context_tokens: v[4],
+            };
+            let s = out.entry(engine.clone()).or_default();
+            *s = s.plus(row);
         }
     }
     out
