@@ -507,6 +507,17 @@ impl Endpoint {
         self.models.read().clone()
     }
 
+    /// Whether its last successful `/v1/models` listed any model (no copy).
+    pub fn has_models(&self) -> bool {
+        !self.models.read().is_empty()
+    }
+
+    /// Whether a `/v1/models` call has come back at all (models or an
+    /// error).
+    pub fn discovery_answered(&self) -> bool {
+        self.has_models() || self.models_error.read().is_some()
+    }
+
     /// Whether this endpoint serves `model` (per its last `/v1/models`).
     pub fn serves(&self, model: &str) -> bool {
         self.models.read().iter().any(|m| m.id == model)

@@ -219,7 +219,7 @@ impl Exchange {
             self.usage_completion = Some(n);
         }
         if self.stream {
-            self.events += count(data, b"data: {") as u64;
+            self.events += text_events(data) as u64;
             if let Some(prev) = self.last_data
                 && let Some(h) = self.routed.as_ref().and_then(|r| r.itl.as_ref())
             {
@@ -312,15 +312,26 @@ impl Drop for Exchange {
     }
 }
 
-/// Occurrences of `pat` in `data`.
-fn count(data: &[u8], pat: &[u8]) -> usize {
-    data.windows(pat.len()).filter(|w| *w == pat).count()
+/// Stream events that carry generated text (`"content":"…"`,
+/// `"reasoning_content":"…"`, `"text":"…"` not empty): what a stream
+/// without `usage` is counted by. vLLM's chat streams open with a role chunk
+/// of empty content and may end with an empty finishing chunk; neither is a
+/// token.
+fn text_events(data: &[u8]) -> usize {
+    [&b"content\":\""[..], &b"\"text\":\""[..]]
+        .iter()
+        .map(|pat| {
+            memchr::memmem::find_iter(data, pat)
+                .filter(|at| data.get(at + pat.len()).is_some_and(|b| *b != b'"'))
+                .count()
+        })
+        .sum()
 }
 
 /// The last `"completion_tokens": N` in `data` (an OpenAI `usage` object).
 fn completion_tokens(data: &[u8]) -> Option<u64> {
     const KEY: &[u8] = b"\"completion_tokens\"";
-    let at = data.windows(KEY.len()).rposition(|w| w == KEY)?;
+    let at = memchr::memmem::rfind(data, KEY)?;
     let rest = data[at + KEY.len()..].trim_ascii_start();
     let rest = rest.strip_prefix(b":")?.trim_ascii_start();
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
@@ -342,12 +353,18 @@ mod tests {
             completion_tokens(b"data: {\"choices\":[{\"text\":\"hi\"}]}\n\n"),
             None
         );
+        // A vLLM chat stream: the role chunk, two tokens, an empty finish.
+        let chat = concat!(
+            "data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"Hel\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"reasoning_content\":\"lo\"}}]}\n\n",
+            "data: {\"choices\":[{\"delta\":{\"content\":\"\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: [DONE]\n\n",
+        );
+        assert_eq!(text_events(chat.as_bytes()), 2);
         assert_eq!(
-            count(
-                b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\ndata: [DONE]\n\n",
-                b"data: {"
-            ),
-            2
+            text_events(b"data: {\"choices\":[{\"text\":\" w1\"}]}\n\n"),
+            1
         );
     }
 

@@ -148,7 +148,7 @@ pub struct Metrics {
     pub prompt_tokens: Family<ModelLabels, Counter>,
     /// Prompt tokens the engine chosen was predicted to hold.
     pub cached_prompt_tokens: Family<ModelLabels, Counter>,
-    /// Completion tokens (the engine's `usage`, else stream events).
+    /// Completion tokens (the engine's `usage`, else the stream's text events).
     pub completion_tokens: Family<ModelLabels, Counter>,
     /// Cached ÷ prompt tokens at routing time.
     pub cached_fraction: Family<ModelLabels, Histogram>,
@@ -283,7 +283,7 @@ impl Metrics {
         );
         registry.register(
             "completion_tokens",
-            "Completion tokens (the engine's usage figures; stream events when a stream carries none)",
+            "Completion tokens (the engine's usage figures; the stream's text-carrying events when it carries none)",
             self.completion_tokens.clone(),
         );
         registry.register(

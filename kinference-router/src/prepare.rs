@@ -262,7 +262,7 @@ async fn route(
     // has no load either, and every request would wait for it).
     let ask = endpoints
         .iter()
-        .min_by_key(|e| (e.models().is_empty(), e.load.snapshot().requests));
+        .min_by_key(|e| (!e.has_models(), e.load.snapshot().requests));
     let (ids, source) = tokens::ids(shared, rt, api, fields, body_len, ask, &target.model).await;
     if let Some(ids) = ids {
         let keyer = BlockKeyer::new(block_size, lora.as_deref());

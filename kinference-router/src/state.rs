@@ -201,7 +201,7 @@ impl Shared {
             .worker_sets
             .iter()
             .flat_map(|ws| ws.endpoints.iter())
-            .filter(|e| e.models().is_empty() && e.models_error().is_none())
+            .filter(|e| !e.discovery_answered())
             .map(|e| e.authority.as_str())
             .collect();
         waiting.sort_unstable();
