@@ -6,7 +6,7 @@
 //! |---|---|
 //! | `kinference`, `round-robin`, … (every [`PolicyName`]) | `kinference-router --policy NAME`, tuned: the bench's profile (`local` tokenization, the simulator's step costs), 1 s scrapes, KV replay; `llm-d-blend` scrapes every 50 ms as llm-d does; `sglang-cache-aware` routes on the router's record of prefixes it sent (`approximate` mode: SGLang's tree, grown on route) |
 //! | `kinference-admission` | ours, tuned, with admission on (`spec.admission: {maxPredictedTtftMillis: 1000, maxWaitMillis: 1000}`): past the knee requests wait in the router or get 429 |
-//! | `kinference-installed` | our policy as installed: the built-in `default` profile (`engine` tokenization), 5 s scrapes, no replay, one replica |
+//! | `kinference-installed` | our policy as installed by the chart: the built-in `default` profile (`engine` tokenization), 5 s scrapes, no replay, two replicas sharing their load (`--peers` at the default interval, as the chart's `sharedLoad`), clients spread over them |
 //! | `smg-cache-aware`, `smg-power-of-two`, `smg-round-robin` | `smg launch --policy …` (PyPI `sglang-router`) |
 //! | `vllm-router-cache-aware`, `vllm-router-kv-aware` | `vllm-router --policy …` (PyPI `vllm-router`); `kv_aware` subscribes to the engines' KV events |
 //! | `greedy-truth` | the harness itself: per request the engines' true cached prefix and its own exact queue accounting, greedy minimum of predicted TTFT (see [`super::oracle`]); not a bound |
@@ -59,7 +59,7 @@ pub(crate) enum Contender {
     Admission,
     /// Ours as a user gets it.
     Installed {
-        /// Router replicas sharing the load (1 until replicas exist).
+        /// Router replicas sharing the load (the chart's default: 2).
         replicas: u32,
     },
     /// Replicas of ours, tuned, sharing their load or not.
@@ -74,6 +74,9 @@ pub(crate) enum Contender {
     /// The harness with the simulators' truth.
     GreedyTruth,
 }
+
+/// Router replicas the chart runs by default (`router.replicas`).
+pub(crate) const INSTALLED_REPLICAS: u32 = 2;
 
 /// The peers' rows: (name, peer, policy flag).
 const PEERS: [(&str, Peer, &str); 5] = [
@@ -99,7 +102,9 @@ impl Contender {
 
     pub(crate) fn parse(name: &str) -> Result<Self> {
         if name == "kinference-installed" {
-            return Ok(Self::Installed { replicas: 1 });
+            return Ok(Self::Installed {
+                replicas: INSTALLED_REPLICAS,
+            });
         }
         if name == "kinference-admission" {
             return Ok(Self::Admission);
@@ -235,13 +240,23 @@ impl Contender {
                 self.ours(s, &m, &flags, &logs).await
             }
             Self::Installed { replicas } => {
-                debug_assert_eq!(*replicas, 1, "router replicas do not exist yet");
                 let mut m = s.tuned.clone();
                 m.profile = None;
                 let flags = router_flags("kinference", "5s", 0);
-                self.ours(s, &m, &flags, &logs).await
+                if *replicas <= 1 {
+                    return self.ours(s, &m, &flags, &logs).await;
+                }
+                // The chart's shared load: peers at the router's default
+                // interval, no flag beyond the peer list.
+                self.replicas(s, &m, &flags, *replicas, Some(""), &logs)
+                    .await
             }
-            Self::Replicas { n, shared } => self.replicas(s, *n, *shared, &logs).await,
+            Self::Replicas { n, shared } => {
+                let flags = router_flags("kinference", "1s", 100);
+                let interval = shared.then_some("200ms");
+                self.replicas(s, s.tuned, &flags, *n, interval, &logs)
+                    .await
+            }
             Self::Peer(peer, policy) => {
                 let port = s.listen.rsplit(':').next().unwrap_or("0").to_owned();
                 let prom: u16 = port.parse::<u16>().unwrap_or(0).saturating_add(2);
@@ -322,8 +337,19 @@ impl Contender {
         }
     }
 
-    /// `n` tuned routers on ports 10 apart from the setup's.
-    async fn replicas(&self, s: &Setup<'_>, n: u32, shared: bool, logs: &Path) -> Result<Running> {
+    /// `n` routers on `m` with `flags`, on ports 10 apart from the setup's;
+    /// `peers`: sharing their load (`--peers`), at this `--peer-interval`
+    /// (`Some("")`: the router's default) or not at all (`None` for a
+    /// `-blind` row).
+    async fn replicas(
+        &self,
+        s: &Setup<'_>,
+        m: &Manifests,
+        flags: &[String],
+        n: u32,
+        peers: Option<&str>,
+        logs: &Path,
+    ) -> Result<Running> {
         let shift = |addr: &str, by: u16| -> String {
             let (host, port) = addr.rsplit_once(':').unwrap_or((addr, "0"));
             format!("{host}:{}", port.parse::<u16>().unwrap_or(0) + by)
@@ -332,23 +358,21 @@ impl Contender {
         let admins: Vec<String> = (0..n).map(|i| shift(&s.admin, 10 * i as u16)).collect();
         let dir = s.out.join("manifests").join(s.tag);
         std::fs::create_dir_all(&dir)?;
-        std::fs::write(dir.join("bench.yaml"), s.tuned.yaml())?;
+        std::fs::write(dir.join("bench.yaml"), m.yaml())?;
         let mut procs = Vec::new();
         for i in 0..n as usize {
-            let mut flags = router_flags("kinference", "1s", 100);
-            if shared {
+            let mut flags = flags.to_vec();
+            if let Some(interval) = peers {
                 let others: Vec<&str> = admins
                     .iter()
                     .enumerate()
                     .filter(|(j, _)| *j != i)
                     .map(|(_, a)| a.as_str())
                     .collect();
-                flags.extend([
-                    "--peers".into(),
-                    others.join(","),
-                    "--peer-interval".into(),
-                    "200ms".into(),
-                ]);
+                flags.extend(["--peers".into(), others.join(",")]);
+                if !interval.is_empty() {
+                    flags.extend(["--peer-interval".into(), interval.into()]);
+                }
             }
             let args = fleet::serve_args(&dir, "bench", &listens[i], &admins[i], &flags);
             let mut r = fleet::start_router(
