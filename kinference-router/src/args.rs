@@ -413,7 +413,10 @@ impl ServeArgs {
         let usage = |e: &dyn std::fmt::Display| Error::Usage(e.to_string());
         let client_keys = match &self.api_keys_file {
             Some(p) => Some(Arc::new(crate::auth::ClientKeys::load(p).map_err(|e| {
-                Error::Usage(format!("--api-keys-file: {}", error_chain(&e)))
+                Error::Usage(format!(
+                    "--api-keys-file: {}",
+                    crate::probe::error_chain(&e)
+                ))
             })?)),
             None => None,
         };
@@ -429,9 +432,10 @@ impl ServeArgs {
             None => None,
         };
         let tls = match (&self.tls_cert_file, &self.tls_key_file) {
-            (Some(c), Some(k)) => {
-                Some(crate::auth::tls_acceptor(c, k).map_err(|e| Error::Usage(error_chain(&e)))?)
-            }
+            (Some(c), Some(k)) => Some(
+                crate::auth::tls_acceptor(c, k)
+                    .map_err(|e| Error::Usage(crate::probe::error_chain(&e)))?,
+            ),
             _ => None,
         };
         Ok(crate::config::Security {
@@ -440,16 +444,6 @@ impl ServeArgs {
             tls,
         })
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(x) = src {
-        s = format!("{s}: {x}");
-        src = x.source();
-    }
-    s
 }
 
 /// A router started in this process.

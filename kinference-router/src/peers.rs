@@ -255,32 +255,55 @@ async fn discover(
     }
 }
 
+/// Why a poll got no report.
+struct PollError {
+    why: String,
+    /// No connection could be made (refused, unreachable): nothing serves
+    /// there, so nothing routed through it is in flight any more (the
+    /// engines cancel what a dead replica sent when its connections close).
+    gone: bool,
+}
+
+impl PollError {
+    fn other(why: impl Into<String>) -> Self {
+        Self {
+            why: why.into(),
+            gone: false,
+        }
+    }
+}
+
 async fn fetch(
     client: &crate::probe::ProbeClient,
     address: &str,
     token: Option<&HeaderValue>,
     timeout: Duration,
-) -> Result<Report, String> {
+) -> Result<Report, PollError> {
     let mut req = http::Request::get(format!("http://{address}{LOAD_PATH}"));
     if let Some(t) = token {
         req = req.header(header::AUTHORIZATION, t.clone());
     }
-    let req = req.body(Empty::<Bytes>::new()).map_err(|e| e.to_string())?;
+    let req = req
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| PollError::other(e.to_string()))?;
     let call = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = client.request(req).await.map_err(|e| PollError {
+            gone: e.is_connect(),
+            why: crate::probe::error_chain(&e),
+        })?;
         if !resp.status().is_success() {
-            return Err(format!("answered {}", resp.status()));
+            return Err(PollError::other(format!("answered {}", resp.status())));
         }
         let body = http_body_util::Limited::new(resp.into_body(), MAX_REPORT_BYTES)
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| PollError::other(e.to_string()))?
             .to_bytes();
-        parse(&body).ok_or_else(|| "not a load report".to_owned())
+        parse(&body).ok_or_else(|| PollError::other("not a load report"))
     };
     tokio::time::timeout(timeout, call)
         .await
-        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
+        .unwrap_or_else(|_| Err(PollError::other(format!("no answer within {timeout:?}"))))
 }
 
 async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<RwLock<Vec<String>>>) {
@@ -315,7 +338,16 @@ async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<RwLock<Vec
                     k.report = Some((r, now));
                     k.error = None;
                 }
-                Err(e) => k.error = Some(e),
+                // A peer that cannot be reached at all holds nothing: its
+                // load leaves at once instead of after the staleness bound.
+                // A slow or garbled answer keeps the last report until it
+                // is stale (the peer may still be serving).
+                Err(e) => {
+                    if e.gone {
+                        k.report = None;
+                    }
+                    k.error = Some(e.why);
+                }
             }
         }
         let fresh = known.values().filter_map(|k| {

@@ -26,6 +26,18 @@ pub const MAX_PROBE_BODY: usize = 1 << 20;
 /// The HTTP client for probes (small bodies, no streaming).
 pub type ProbeClient = Client<HttpConnector, Empty<Bytes>>;
 
+/// An error with its sources, `outer: inner: …` (hyper's client errors say
+/// "client error (Connect)" and keep the cause in their source).
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(x) = src {
+        s = format!("{s}: {x}");
+        src = x.source();
+    }
+    s
+}
+
 /// A probe client with a connect timeout.
 pub fn client(connect_timeout: Duration) -> ProbeClient {
     let mut http = HttpConnector::new();

@@ -12,6 +12,7 @@
 //! | `greedy-truth` | the harness itself: per request the engines' true cached prefix and its own exact queue accounting, greedy minimum of predicted TTFT (see [`super::oracle`]); not a bound |
 //!
 //! | `kinference-x3`, `kinference-x3-blind` | three replicas of the tuned router, clients spread over them request by request (as a Service spreads connections); sharing their load with `--peers` every 200 ms, or each seeing only its own requests |
+//! | `kinference-x3-kill` | `kinference-x3`, the third replica killed (SIGKILL) halfway through the measured window; the client leaves out a replica it cannot reach and sends a request that got no response to the next one (as the OpenAI SDK retries a connection error) |
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use kinference_scoring::PolicyName;
 
-use super::drive::Route;
+use super::drive::{Replicas, Route};
 use super::oracle::Oracle;
 use crate::fleet::{self, Manifests};
 use crate::procs::Proc;
@@ -68,6 +69,9 @@ pub(crate) enum Contender {
         n: u32,
         /// With `--peers`.
         shared: bool,
+        /// The last replica is killed (SIGKILL) halfway through the
+        /// measured window.
+        kill: bool,
     },
     /// A peer with its policy name as its flags spell it.
     Peer(Peer, &'static str),
@@ -95,6 +99,7 @@ impl Contender {
         v.insert(2, "kinference-installed".into());
         v.insert(3, "kinference-x3".into());
         v.insert(4, "kinference-x3-blind".into());
+        v.insert(5, "kinference-x3-kill".into());
         v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
         v.push("greedy-truth".into());
         v
@@ -113,14 +118,19 @@ impl Contender {
             return Ok(Self::GreedyTruth);
         }
         if let Some(rest) = name.strip_prefix("kinference-x") {
+            let (rest, kill) = match rest.strip_suffix("-kill") {
+                Some(r) => (r, true),
+                None => (rest, false),
+            };
             let (n, shared) = match rest.strip_suffix("-blind") {
                 Some(n) => (n, false),
                 None => (rest, true),
             };
             if let Ok(n) = n.parse::<u32>()
                 && (1..=9).contains(&n)
+                && (n > 1 || !kill)
             {
-                return Ok(Self::Replicas { n, shared });
+                return Ok(Self::Replicas { n, shared, kill });
             }
         }
         if let Some((_, peer, policy)) = PEERS.iter().find(|(n, _, _)| *n == name) {
@@ -202,6 +212,8 @@ pub(crate) struct Running {
     pub more: Vec<Proc>,
     /// Our router's admin address, for `/debug/explain`.
     pub admin: Option<String>,
+    /// Every replica's admin address, `proc` first, then `more`'s.
+    pub admins: Vec<String>,
 }
 
 impl Contender {
@@ -213,6 +225,7 @@ impl Contender {
                 proc: None,
                 more: Vec::new(),
                 admin: None,
+                admins: Vec::new(),
             }),
             Self::Router(policy) => {
                 let mut m = s.tuned.clone();
@@ -251,11 +264,10 @@ impl Contender {
                 self.replicas(s, &m, &flags, *replicas, Some(""), &logs)
                     .await
             }
-            Self::Replicas { n, shared } => {
+            Self::Replicas { n, shared, .. } => {
                 let flags = router_flags("kinference", "1s", 100);
                 let interval = shared.then_some("200ms");
-                self.replicas(s, s.tuned, &flags, *n, interval, &logs)
-                    .await
+                self.replicas(s, s.tuned, &flags, *n, interval, &logs).await
             }
             Self::Peer(peer, policy) => {
                 let port = s.listen.rsplit(':').next().unwrap_or("0").to_owned();
@@ -332,6 +344,7 @@ impl Contender {
                     proc: Some(proc),
                     more: Vec::new(),
                     admin: None,
+                    admins: Vec::new(),
                 })
             }
         }
@@ -388,13 +401,13 @@ impl Contender {
         }
         let mut procs = procs.into_iter();
         Ok(Running {
-            route: Route::Routers(
+            route: Route::Routers(Arc::new(Replicas::new(
                 listens.iter().map(|l| format!("http://{l}")).collect(),
-                Arc::new(std::sync::atomic::AtomicUsize::new(0)),
-            ),
+            ))),
             proc: procs.next(),
             more: procs.collect(),
             admin: Some(admins[0].clone()),
+            admins,
         })
     }
 
@@ -423,6 +436,7 @@ impl Contender {
             proc: Some(r),
             more: Vec::new(),
             admin: Some(s.admin.clone()),
+            admins: vec![s.admin.clone()],
         })
     }
 }
@@ -439,9 +453,11 @@ mod tests {
                 Contender::Router(p) => p.to_string(),
                 Contender::Installed { .. } => "kinference-installed".into(),
                 Contender::Admission => "kinference-admission".into(),
-                Contender::Replicas { n, shared } => {
-                    format!("kinference-x{n}{}", if *shared { "" } else { "-blind" })
-                }
+                Contender::Replicas { n, shared, kill } => format!(
+                    "kinference-x{n}{}{}",
+                    if *shared { "" } else { "-blind" },
+                    if *kill { "-kill" } else { "" }
+                ),
                 Contender::GreedyTruth => "greedy-truth".into(),
                 Contender::Peer(peer, policy) => PEERS
                     .iter()

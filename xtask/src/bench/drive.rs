@@ -5,6 +5,7 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -35,9 +36,44 @@ pub(crate) enum Route {
     /// decision's explanation.
     Router(String, bool),
     /// Through router replicas, one after the other per request.
-    Routers(Vec<String>, Arc<std::sync::atomic::AtomicUsize>),
+    Routers(Arc<Replicas>),
     /// Straight to the engine the oracle picks.
     Oracle(Arc<Oracle>),
+}
+
+/// Router replicas behind one name, as a Service spreads connections:
+/// one after the other per request. A replica that cannot be reached is
+/// left out from then on (its endpoint leaves the Service), and the request
+/// goes to the next one, as the OpenAI SDK retries a connection error.
+#[derive(Debug)]
+pub(crate) struct Replicas {
+    bases: Vec<String>,
+    next: AtomicUsize,
+    down: Vec<AtomicBool>,
+}
+
+impl Replicas {
+    pub(crate) fn new(bases: Vec<String>) -> Self {
+        Self {
+            down: bases.iter().map(|_| AtomicBool::new(false)).collect(),
+            bases,
+            next: AtomicUsize::new(0),
+        }
+    }
+
+    /// The next replica not known to be down (any, when all are).
+    fn pick(&self) -> usize {
+        let n = self.bases.len().max(1);
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..n)
+            .map(|k| (start + k) % n)
+            .find(|i| !self.down[*i].load(Ordering::Relaxed))
+            .unwrap_or(start % n)
+    }
+
+    fn mark_down(&self, i: usize) {
+        self.down[i].store(true, Ordering::Relaxed);
+    }
 }
 
 /// The OpenAI API a body uses.
@@ -249,11 +285,13 @@ async fn one(
         s.late = late;
         s.body_hash = body_hash;
     }
+    let mut replica = None;
     let (url, ticket, engine) = match route {
         Route::Router(base, _) => (format!("{base}{}", api.path()), None, None),
-        Route::Routers(bases, next) => {
-            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % bases.len().max(1);
-            (format!("{}{}", bases[i], api.path()), None, None)
+        Route::Routers(r) => {
+            let i = r.pick();
+            replica = Some(i);
+            (format!("{}{}", r.bases[i], api.path()), None, None)
         }
         Route::Oracle(o) => {
             let Ok((i, ticket)) = o.decide(api, &json_body).await else {
@@ -277,10 +315,10 @@ async fn one(
             s.engine = Some(e.to_owned());
         }
     };
-    let result = stream(
+    let mut result = stream(
         client,
         &url,
-        bytes,
+        bytes.clone(),
         api,
         explain,
         sent,
@@ -292,6 +330,29 @@ async fn one(
         },
     )
     .await;
+    // A replica that could not be reached (or dropped the connection before
+    // any response): the next one, as a client's retry would.
+    if let (Route::Routers(r), Some(mut i)) = (route, replica) {
+        for _ in 1..r.bases.len() {
+            if !result.unanswered {
+                break;
+            }
+            r.mark_down(i);
+            i = r.pick();
+            let url = format!("{}{}", r.bases[i], api.path());
+            result = stream(
+                client,
+                &url,
+                bytes.clone(),
+                api,
+                false,
+                sent,
+                headers_seen,
+                |_| {},
+            )
+            .await;
+        }
+    }
     if let Some((o, t)) = &ticket {
         o.done(*t);
     }
@@ -330,6 +391,9 @@ pub(crate) struct Streamed {
     pub engine: Option<String>,
     /// `x-kinference-explain`, when asked for.
     pub explain: Option<Value>,
+    /// No response at all: the connection failed or closed before any
+    /// header (nothing was streamed; a client may send it again).
+    pub unanswered: bool,
 }
 
 /// POSTs `body` to `url` and reads the SSE stream; `on_headers` with the
@@ -356,6 +420,7 @@ pub(crate) async fn stream(
     };
     let Ok(resp) = client.request(req).await else {
         out.latency = sent.elapsed();
+        out.unanswered = true;
         return out;
     };
     out.engine = resp

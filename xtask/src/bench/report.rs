@@ -109,6 +109,18 @@ pub(crate) struct Row {
     /// (slow-burst); NaN otherwise.
     #[serde(default = "nan", deserialize_with = "f64_or_nan")]
     pub slow_share: f64,
+    /// Measured requests that ended in an error: no first token (`lost`)
+    /// or cut after it (`cut`); a request still running at the drain
+    /// deadline is neither.
+    #[serde(default)]
+    pub lost: usize,
+    #[serde(default)]
+    pub cut: usize,
+    /// A kill row's: from the kill until every surviving replica stopped
+    /// counting the killed one's load (`kinference_router_peers_reporting`),
+    /// ms; NaN elsewhere.
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub absorb_ms: f64,
 }
 
 /// The TTFT target of goodput, ms (the 2 s).
@@ -213,6 +225,15 @@ pub(crate) fn summarize(
         good,
         goodput_per_s: good as f64 / measure_s.max(1e-9),
         slow_share: f64::NAN,
+        lost: measured
+            .iter()
+            .filter(|s| !s.ok && !s.gave_up && s.ttft.is_none())
+            .count(),
+        cut: measured
+            .iter()
+            .filter(|s| !s.ok && !s.gave_up && s.ttft.is_some())
+            .count(),
+        absorb_ms: f64::NAN,
     }
 }
 
@@ -305,6 +326,9 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 good: mu(|r| r.good),
                 goodput_per_s: m(|r| r.goodput_per_s),
                 slow_share: m(|r| r.slow_share),
+                lost: mu(|r| r.lost),
+                cut: mu(|r| r.cut),
+                absorb_ms: m(|r| r.absorb_ms),
             }
         })
         .collect()

@@ -517,6 +517,12 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                         row.router_cpu_us_per_req,
                         loadavg()
                     );
+                    if !row.absorb_ms.is_nan() || row.lost + row.cut > 0 {
+                        println!(
+                            "  {:<20} lost (no first token) {}, cut mid-stream {}, killed replica's load out of its peers' view after {:.0} ms",
+                            "", row.lost, row.cut, row.absorb_ms
+                        );
+                    }
                     rows.push(row);
                     meta["load_average_after"] = json!(loadavg());
                     report::write_all(&opts.out, &meta, &rows)?;
@@ -604,6 +610,15 @@ async fn one_run(
         tag,
     };
     let running = contender.start(&setup).await?;
+    // A kill row: its last replica dies halfway through the measured window.
+    let killer = match (contender, running.more.last().and_then(Proc::pid)) {
+        (Contender::Replicas { kill: true, .. }, Some(pid)) => {
+            let survivors = running.admins[..running.admins.len() - 1].to_vec();
+            let at = plan.warmup + plan.measure / 2;
+            Some(tokio::spawn(kill_and_watch(pid, survivors, at)))
+        }
+        _ => None,
+    };
     let pids: Vec<u32> = running
         .proc
         .iter()
@@ -623,6 +638,10 @@ async fn one_run(
         })
         .await;
     let counters_after = load::prefix_cache_counters(engines).await;
+    let absorbed = match killer {
+        Some(k) => k.await.ok().flatten(),
+        None => None,
+    };
     // Every request's outcome, one JSON object a line, for analysis.
     let lines: Vec<String> = samples
         .iter()
@@ -664,7 +683,49 @@ async fn one_run(
         (workload, rate, load, policy, repeat),
     );
     row.slow_share = slow_share(&samples, &kind.slowdowns(fleet.engines), opts.port_base);
+    row.absorb_ms = absorbed.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
     Ok(row)
+}
+
+/// Kills router `pid` (SIGKILL, as a node failure or an OOM kill does) after
+/// `at`, then watches the survivors' `kinference_router_peers_reporting`:
+/// the time until every survivor stopped counting the killed replica's load
+/// (each then hears only from the other survivors), or `None` if that took
+/// over 10 s.
+async fn kill_and_watch(pid: u32, survivors: Vec<String>, at: Duration) -> Option<Duration> {
+    tokio::time::sleep(at).await;
+    let killed = tokio::time::Instant::now();
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .ok()?;
+    if !status.success() {
+        return None;
+    }
+    let others = (survivors.len().saturating_sub(1)) as f64;
+    while killed.elapsed() < Duration::from_secs(10) {
+        let mut all = true;
+        for a in &survivors {
+            let reporting = match load::get(&format!("http://{a}/metrics")).await {
+                Ok((200, body)) => peers_reporting(&String::from_utf8_lossy(&body)),
+                _ => None,
+            };
+            all &= reporting.is_some_and(|r| r <= others);
+        }
+        if all {
+            return Some(killed.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
+
+/// `kinference_router_peers_reporting` from a metrics page.
+fn peers_reporting(metrics: &str) -> Option<f64> {
+    metrics.lines().find_map(|l| {
+        l.strip_prefix("kinference_router_peers_reporting ")
+            .and_then(|v| v.trim().parse().ok())
+    })
 }
 
 /// The share of the measured requests the slowest engine served, when one
