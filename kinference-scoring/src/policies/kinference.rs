@@ -70,7 +70,8 @@ impl Slot {
 ///
 /// ```text
 /// score = TTFT − tolerance × warm fraction
-///       + scale × own prefill × min(queue ahead ÷ mean prefill, externality_cap)
+///       + scale × own prefill × (min(queue ahead ÷ mean prefill, externality_cap)
+///                                 + decoding there × decode_externality)
 /// ```
 ///
 /// The lowest score wins.
@@ -160,16 +161,18 @@ impl Kinference {
         self.slots.get_mut(i)
     }
 
-    /// The delay a choice's prefill imposes on requests that will queue
-    /// behind it: `scale × prefill × min(queue ÷ mean prefill, cap)`, in
-    /// calibrated ms. For an M/M/1 queue ρ/(1−ρ) = queue wait ÷ mean service,
-    /// and a job of size s delays later arrivals by s·ρ/(1−ρ) in total.
+    /// The delay a choice's prefill imposes on others, in calibrated ms:
+    /// on requests that will queue behind it, `scale × prefill × min(queue ÷
+    /// mean prefill, cap)` (for an M/M/1 queue ρ/(1−ρ) = queue wait ÷ mean
+    /// service, and a job of size s delays later arrivals by s·ρ/(1−ρ) in
+    /// total), plus on the streams decoding there, `scale × prefill ×
+    /// decoding × decode_externality` (the prefill shares their steps).
     #[inline]
-    fn externality(&self, scale: f64, prefill_ms: f64, queue_ms: f64) -> f64 {
+    fn externality(&self, scale: f64, prefill_ms: f64, queue_ms: f64, decoding: f64) -> f64 {
         let multiplier = queue_ms * self.inv_mean_prefill_ms;
         let cap = self.params.externality_cap;
         let multiplier = if multiplier < cap { multiplier } else { cap };
-        scale * prefill_ms * multiplier
+        scale * prefill_ms * (multiplier + decoding * self.params.decode_externality)
     }
 
     #[inline]
@@ -220,7 +223,12 @@ impl Kinference {
                 let (load_bound, queue_bound, prefill_ms) = model.bounds(c, uncached);
                 let ttft_bound = adjust.ttft(offset, load_bound);
                 let score_bound = ttft_bound - tolerance * warm
-                    + self.externality(adjust.scale, prefill_ms, queue_bound);
+                    + self.externality(
+                        adjust.scale,
+                        prefill_ms,
+                        queue_bound,
+                        f64::from(c.in_flight.decoding),
+                    );
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
                 if !may_be_warmest && ttft_bound >= fastest.1 && score_bound > prune_limit {
@@ -230,7 +238,12 @@ impl Kinference {
             }
             let terms = model.terms_given(c, cached, uncached);
             let ttft = adjust.ttft(offset, terms.load_ms);
-            let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
+            let externality = self.externality(
+                adjust.scale,
+                terms.prefill_ms,
+                terms.queue_ms,
+                terms.decoding,
+            );
             let score = ttft - tolerance * warm + externality;
             *out = score;
             if score < best {
@@ -535,6 +548,43 @@ mod tests {
         });
         let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
         assert_eq!(choice.endpoint, EndpointId(1));
+    }
+
+    #[test]
+    fn recomputing_on_an_engine_full_of_decodes_is_charged_for_slowing_them() {
+        // Warm but behind 8000 queued tokens; cold with nothing queued but
+        // 24 streams decoding, whose steps the whole 4000-token prefill
+        // would share.
+        let warm = cand(0, 250, 8000);
+        let mut cold = cand(1, 0, 0);
+        cold.in_flight.requests = 24;
+        cold.in_flight.decoding = 24;
+        cold.in_flight.context_tokens = 24 * 1000;
+        let cands = [warm, cold];
+        let mut rng = SplitMix64::new(1);
+        let ttft_only = LatencyParams {
+            decode_externality: 0.0,
+            ..LatencyParams::default()
+        };
+        let mut p = Kinference::new(ttft_only);
+        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
+        assert_eq!(choice.endpoint, EndpointId(1), "TTFT alone goes cold");
+        let mut p = Kinference::new(LatencyParams::default());
+        let explained = p
+            .pick_explained(&request(), &cands, secs(1), &mut rng)
+            .unwrap();
+        assert_eq!(explained.choice.endpoint, EndpointId(0), "{explained:#?}");
+        // The charge is the prefill time × the decoding streams × the weight.
+        let c = &explained.candidates[1];
+        let ScoreDetail::Kinference { externality_ms, .. } = c.detail else {
+            panic!("{c:?}");
+        };
+        let weight = LatencyParams::default().decode_externality;
+        let expected = c.prediction.scale * c.prediction.prefill_ms * 24.0 * weight;
+        assert!(
+            (externality_ms - expected).abs() < 1e-6 * expected,
+            "{externality_ms} vs {expected}"
+        );
     }
 
     #[test]
