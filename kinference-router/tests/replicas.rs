@@ -213,6 +213,78 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     blind.shutdown().await;
 }
 
+/// A peer that stops listening (killed: it never reported its requests
+/// ending) counts for nothing from the next poll, long before its last
+/// report would be stale (60 s here); while it answers, it counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_cannot_be_reached_counts_for_nothing_at_once() {
+    let sims = engines(1, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let engine = addrs[0].http.to_string();
+    // The peer: answers every poll with 3 requests on the engine.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = listener.local_addr().unwrap().to_string();
+    let body =
+        serde_json::json!({"replica": "killed-peer", "engines": {&engine: [3, 0, 0, 3, 300]}})
+            .to_string();
+    let serving = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        while let Ok((mut s, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(reply.as_bytes()).await;
+        }
+    });
+    let r = router(
+        &addrs,
+        &WorkerSetOpts::default(),
+        &[
+            "--peers",
+            &peer,
+            "--peer-interval",
+            "100ms",
+            "--peer-staleness",
+            "60s",
+            "--scrape-interval",
+            "60s",
+        ],
+    )
+    .await;
+    wait_routable(&r, 1, true).await;
+    eventually(Duration::from_secs(5), "the peer's load counts", || async {
+        (total(&endpoints(&r).await, "peer_load", Some(&engine)) == 3).then_some(())
+    })
+    .await;
+    // Killed: nothing listens there any more.
+    serving.abort();
+    let _ = serving.await;
+    eventually(
+        Duration::from_secs(5),
+        "an unreachable peer's load is dropped before it is stale",
+        || async { (total(&endpoints(&r).await, "peer_load", None) == 0).then_some(()) },
+    )
+    .await;
+    // `/debug/endpoints` says why: no report, and the connection error.
+    let e = endpoints(&r).await;
+    let status = e["peers"]["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["address"] == peer.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert!(status["report_age_ms"].is_null(), "{e}");
+    assert!(
+        status["error"].as_str().is_some_and(|x| !x.is_empty()),
+        "{e}"
+    );
+    r.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_token_keeps_load_reports_between_replicas() {
     let sims = engines(1, |_| {}).await;
