@@ -140,6 +140,11 @@ pub(crate) struct RoutingArgs {
     /// Tokens per hash id in --trace.
     #[arg(long, default_value_t = trace::MOONCAKE_BLOCK)]
     trace_block: u32,
+    /// Extra fields of the tuned profile's `latency:` block, as
+    /// `field=value` pairs (e.g. `toleranceMillis=150`): for trying a
+    /// setting on every tuned row without editing the bench.
+    #[arg(long, value_delimiter = ',')]
+    tuned_latency: Vec<String>,
     /// Use the kinference-sim and kinference-router binaries in this
     /// directory instead of building them (e.g. a copy that a concurrent
     /// build cannot replace mid-run).
@@ -195,6 +200,13 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
             }
             o.drain = Duration::from_secs_f64(a.drain.max(0.0));
             o.repeat = a.repeat.max(1);
+            for kv in &a.tuned_latency {
+                let Some((k, v)) = kv.split_once('=') else {
+                    bail!("--tuned-latency takes field=value pairs, got {kv:?}");
+                };
+                o.tuned_latency
+                    .push((k.trim().to_owned(), v.trim().to_owned()));
+            }
             o.seed = a.seed;
             if let Some(out) = a.out {
                 o.out = out;

@@ -70,6 +70,8 @@ pub(crate) struct RoutingOptions {
     pub explain: bool,
     /// Use the binaries in this directory instead of building them.
     pub bin_dir: Option<PathBuf>,
+    /// Extra `latency:` fields of the tuned profile (`--tuned-latency`).
+    pub tuned_latency: Vec<(String, String)>,
     /// The agent workload's Mooncake-format trace (default: a synthetic one
     /// from the seed).
     pub trace: Option<PathBuf>,
@@ -98,6 +100,7 @@ impl RoutingOptions {
             quick: false,
             explain: false,
             bin_dir: None,
+            tuned_latency: Vec::new(),
             trace: None,
             trace_block: super::trace::MOONCAKE_BLOCK,
         }
@@ -239,6 +242,17 @@ impl Fleet {
     }
 }
 
+/// Adds `field: value` lines to the tuned profile's `latency:` block (the
+/// last block of its spec).
+fn add_latency_fields(m: &mut Manifests, fields: &[(String, String)]) {
+    use std::fmt::Write as _;
+    if let Some((_, spec)) = &mut m.profile {
+        for (k, v) in fields {
+            let _ = writeln!(spec, "    {k}: {v}");
+        }
+    }
+}
+
 fn http_port(base: u16, i: usize) -> u16 {
     base + i as u16
 }
@@ -353,7 +367,8 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
     std::fs::create_dir_all(&opts.out)?;
     let logs = opts.out.join("logs");
     std::fs::create_dir_all(&logs)?;
-    let manifests = fleet.manifests(root, opts.port_base);
+    let mut manifests = fleet.manifests(root, opts.port_base);
+    add_latency_fields(&mut manifests, &opts.tuned_latency);
     let ticks = clock_ticks();
     let engines: Vec<String> = (0..opts.engines)
         .map(|i| format!("http://127.0.0.1:{}", http_port(opts.port_base, i)))
@@ -888,6 +903,21 @@ mod tests {
             })
             .count();
         assert_eq!(samples, 2);
+    }
+
+    #[test]
+    fn extra_latency_fields_land_in_the_latency_block() {
+        let f = Fleet::new(2, 10, 5);
+        let mut m = f.manifests(Path::new("/repo"), 19000);
+        add_latency_fields(&mut m, &[("toleranceMillis".into(), "150".into())]);
+        let y = m.yaml();
+        let latency = y.split("  latency:\n").nth(1).expect("a latency block");
+        let block: Vec<&str> = latency
+            .lines()
+            .take_while(|l| l.starts_with("    "))
+            .collect();
+        assert!(block.contains(&"    toleranceMillis: 150"), "{y}");
+        assert!(block.contains(&"    calibrate: true"), "{y}");
     }
 
     #[test]
