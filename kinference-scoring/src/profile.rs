@@ -122,11 +122,12 @@ pub struct LatencyParams {
     /// caches thrash (see `examples/fleet.rs`).
     pub externality_cap: f64,
     /// Weight of the decode part of [`crate::Kinference`]'s externality: a
-    /// choice is also charged its prefill time × the sequences decoding on
-    /// that engine × this weight. A prefill shares engine steps with every
-    /// running decode (chunked prefill), so each of them is delayed by about
-    /// the prefill's compute time; going cold to recompute a long history
-    /// on a busy engine slows every stream there. 0: TTFT only.
+    /// choice is also charged the prefill time it spends beyond the warmest
+    /// candidate's × the sequences decoding on that engine × this weight. A
+    /// prefill shares engine steps with every running decode (chunked
+    /// prefill), so each of them is delayed by about its compute time;
+    /// recomputing a history another engine holds on a busy engine slows
+    /// every stream there. 0: no such charge.
     pub decode_externality: f64,
     /// Evidence from requests still waiting (see [`crate::Evidence`]): a
     /// request older than its prediction by more than this slack shows the

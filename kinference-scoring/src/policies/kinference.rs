@@ -70,8 +70,8 @@ impl Slot {
 ///
 /// ```text
 /// score = TTFT − tolerance × warm fraction
-///       + scale × own prefill × (min(queue ahead ÷ mean prefill, externality_cap)
-///                                 + decoding there × decode_externality)
+///       + scale × own prefill × min(queue ahead ÷ mean prefill, externality_cap)
+///       + scale × recompute beyond the warmest × decoding there × decode_externality
 /// ```
 ///
 /// The lowest score wins.
@@ -165,14 +165,24 @@ impl Kinference {
     /// on requests that will queue behind it, `scale × prefill × min(queue ÷
     /// mean prefill, cap)` (for an M/M/1 queue ρ/(1−ρ) = queue wait ÷ mean
     /// service, and a job of size s delays later arrivals by s·ρ/(1−ρ) in
-    /// total), plus on the streams decoding there, `scale × prefill ×
-    /// decoding × decode_externality` (the prefill shares their steps).
+    /// total), plus on the streams decoding there, `scale × recompute ×
+    /// decoding × decode_externality`, where `recompute` is the prefill
+    /// time beyond the warmest candidate's (the prefill shares their steps;
+    /// a prompt no engine holds must be computed somewhere, so only what a
+    /// warmer engine would have saved is charged).
     #[inline]
-    fn externality(&self, scale: f64, prefill_ms: f64, queue_ms: f64, decoding: f64) -> f64 {
+    fn externality(
+        &self,
+        scale: f64,
+        prefill_ms: f64,
+        queue_ms: f64,
+        decoding: f64,
+        recompute_ms: f64,
+    ) -> f64 {
         let multiplier = queue_ms * self.inv_mean_prefill_ms;
         let cap = self.params.externality_cap;
         let multiplier = if multiplier < cap { multiplier } else { cap };
-        scale * prefill_ms * (multiplier + decoding * self.params.decode_externality)
+        scale * (prefill_ms * multiplier + recompute_ms * decoding * self.params.decode_externality)
     }
 
     #[inline]
@@ -209,6 +219,14 @@ impl Kinference {
         // (index, warm fraction, ttft) of the warmest; ties go to the faster.
         let mut warmest = (0usize, f64::NEG_INFINITY, f64::INFINITY);
         let prune = explain.is_none();
+        // The warmest candidate's uncached tokens: recomputing more than that
+        // is what the decode part of the externality charges.
+        let least_uncached = candidates
+            .iter()
+            .map(|c| model.cache_terms(c).1)
+            .fold(f64::INFINITY, f64::min);
+        let recompute =
+            |prefill_ms: f64, uncached: f64| prefill_ms * (1.0 - least_uncached / uncached);
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
             let (offset, scale) = self.coefficients(&model, slot, now_nanos);
@@ -228,6 +246,7 @@ impl Kinference {
                         prefill_ms,
                         queue_bound,
                         f64::from(c.in_flight.decoding),
+                        recompute(prefill_ms, uncached),
                     );
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
@@ -243,6 +262,7 @@ impl Kinference {
                 terms.prefill_ms,
                 terms.queue_ms,
                 terms.decoding,
+                recompute(terms.prefill_ms, terms.uncached),
             );
             let score = ttft - tolerance * warm + externality;
             *out = score;
@@ -574,17 +594,41 @@ mod tests {
             .pick_explained(&request(), &cands, secs(1), &mut rng)
             .unwrap();
         assert_eq!(explained.choice.endpoint, EndpointId(0), "{explained:#?}");
-        // The charge is the prefill time × the decoding streams × the weight.
+        // The charge is the prefill time beyond the warm one's × the decoding
+        // streams × the weight.
         let c = &explained.candidates[1];
         let ScoreDetail::Kinference { externality_ms, .. } = c.detail else {
             panic!("{c:?}");
         };
         let weight = LatencyParams::default().decode_externality;
-        let expected = c.prediction.scale * c.prediction.prefill_ms * 24.0 * weight;
+        let warm_uncached = explained.candidates[0].prediction.uncached_tokens;
+        let p = &c.prediction;
+        let beyond = p.prefill_ms * (1.0 - f64::from(warm_uncached) / f64::from(p.uncached_tokens));
+        let expected = p.scale * beyond * 24.0 * weight;
         assert!(
             (externality_ms - expected).abs() < 1e-6 * expected,
             "{externality_ms} vs {expected}"
         );
+    }
+
+    #[test]
+    fn a_prompt_no_engine_holds_is_not_charged_for_the_decodes() {
+        // Cold everywhere: the prefill must run somewhere, so the busy
+        // engine with streams but no queue still beats the one with a queue.
+        let mut decoding = cand(0, 0, 0);
+        decoding.in_flight.requests = 24;
+        decoding.in_flight.decoding = 24;
+        let queued = cand(1, 0, 8000);
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut rng = SplitMix64::new(1);
+        let explained = p
+            .pick_explained(&request(), &[decoding, queued], secs(1), &mut rng)
+            .unwrap();
+        let ScoreDetail::Kinference { externality_ms, .. } = explained.candidates[0].detail else {
+            panic!("{explained:?}");
+        };
+        assert!(externality_ms.abs() < 1e-9, "{explained:#?}");
+        assert_eq!(explained.choice.endpoint, EndpointId(0), "{explained:#?}");
     }
 
     #[test]
