@@ -96,6 +96,14 @@ impl Proc {
         Ok(())
     }
 
+    /// Kills the process (SIGKILL) without waiting for it: until
+    /// [`Proc::stop`] reaps it, its `/proc/PID/stat` (CPU time) stays
+    /// readable.
+    pub(crate) fn kill(&mut self) -> Result<()> {
+        self.child.start_kill()?;
+        Ok(())
+    }
+
     /// Stops the process and waits for it.
     pub(crate) async fn stop(mut self) {
         let _ = self.child.start_kill();

@@ -58,11 +58,9 @@ pub(crate) enum Contender {
     Router(PolicyName),
     /// Ours, tuned, with the profile's admission on.
     Admission,
-    /// Ours as a user gets it.
-    Installed {
-        /// Router replicas sharing the load (the chart's default: 2).
-        replicas: u32,
-    },
+    /// Ours as a user gets it from the chart: [`INSTALLED_REPLICAS`]
+    /// replicas sharing their load.
+    Installed,
     /// Replicas of ours, tuned, sharing their load or not.
     Replicas {
         /// How many.
@@ -70,7 +68,8 @@ pub(crate) enum Contender {
         /// With `--peers`.
         shared: bool,
         /// The last replica is killed (SIGKILL) halfway through the
-        /// measured window.
+        /// measured window (only with `shared`: the figure is how soon
+        /// its peers stop counting it).
         kill: bool,
     },
     /// A peer with its policy name as its flags spell it.
@@ -81,6 +80,16 @@ pub(crate) enum Contender {
 
 /// Router replicas the chart runs by default (`router.replicas`).
 pub(crate) const INSTALLED_REPLICAS: u32 = 2;
+
+/// Whether router replicas share their load.
+#[derive(Clone, Copy, Debug)]
+enum Sharing {
+    /// Each sees only its own requests.
+    Blind,
+    /// `--peers` with each other, at this `--peer-interval` (`None`: the
+    /// router's default).
+    Peers { interval: Option<&'static str> },
+}
 
 /// The peers' rows: (name, peer, policy flag).
 const PEERS: [(&str, Peer, &str); 5] = [
@@ -107,9 +116,7 @@ impl Contender {
 
     pub(crate) fn parse(name: &str) -> Result<Self> {
         if name == "kinference-installed" {
-            return Ok(Self::Installed {
-                replicas: INSTALLED_REPLICAS,
-            });
+            return Ok(Self::Installed);
         }
         if name == "kinference-admission" {
             return Ok(Self::Admission);
@@ -128,7 +135,7 @@ impl Contender {
             };
             if let Ok(n) = n.parse::<u32>()
                 && (1..=9).contains(&n)
-                && (n > 1 || !kill)
+                && (!kill || (shared && n > 1))
             {
                 return Ok(Self::Replicas { n, shared, kill });
             }
@@ -210,9 +217,8 @@ pub(crate) struct Running {
     pub proc: Option<Proc>,
     /// Further router replicas.
     pub more: Vec<Proc>,
-    /// Our router's admin address, for `/debug/explain`.
-    pub admin: Option<String>,
-    /// Every replica's admin address, `proc` first, then `more`'s.
+    /// Our routers' admin addresses, `proc`'s first (for `/debug/explain`),
+    /// then `more`'s; none for a peer or the harness.
     pub admins: Vec<String>,
 }
 
@@ -224,7 +230,6 @@ impl Contender {
                 route: Route::Oracle(Arc::new(Oracle::new(s.engines.to_vec(), s.step))),
                 proc: None,
                 more: Vec::new(),
-                admin: None,
                 admins: Vec::new(),
             }),
             Self::Router(policy) => {
@@ -252,22 +257,26 @@ impl Contender {
                 let flags = router_flags("kinference", "1s", 100);
                 self.ours(s, &m, &flags, &logs).await
             }
-            Self::Installed { replicas } => {
+            Self::Installed => {
                 let mut m = s.tuned.clone();
                 m.profile = None;
                 let flags = router_flags("kinference", "5s", 0);
-                if *replicas <= 1 {
-                    return self.ours(s, &m, &flags, &logs).await;
-                }
                 // The chart's shared load: peers at the router's default
-                // interval, no flag beyond the peer list.
-                self.replicas(s, &m, &flags, *replicas, Some(""), &logs)
+                // interval.
+                let sharing = Sharing::Peers { interval: None };
+                self.replicas(s, &m, &flags, INSTALLED_REPLICAS, sharing, &logs)
                     .await
             }
             Self::Replicas { n, shared, .. } => {
                 let flags = router_flags("kinference", "1s", 100);
-                let interval = shared.then_some("200ms");
-                self.replicas(s, s.tuned, &flags, *n, interval, &logs).await
+                let sharing = if *shared {
+                    Sharing::Peers {
+                        interval: Some("200ms"),
+                    }
+                } else {
+                    Sharing::Blind
+                };
+                self.replicas(s, s.tuned, &flags, *n, sharing, &logs).await
             }
             Self::Peer(peer, policy) => {
                 let port = s.listen.rsplit(':').next().unwrap_or("0").to_owned();
@@ -343,24 +352,21 @@ impl Contender {
                     route: Route::Router(format!("http://{}", s.listen), false),
                     proc: Some(proc),
                     more: Vec::new(),
-                    admin: None,
                     admins: Vec::new(),
                 })
             }
         }
     }
 
-    /// `n` routers on `m` with `flags`, on ports 10 apart from the setup's;
-    /// `peers`: sharing their load (`--peers`), at this `--peer-interval`
-    /// (`Some("")`: the router's default) or not at all (`None` for a
-    /// `-blind` row).
+    /// `n` routers on `m` with `flags`, on ports 10 apart from the setup's,
+    /// sharing their load or not.
     async fn replicas(
         &self,
         s: &Setup<'_>,
         m: &Manifests,
         flags: &[String],
         n: u32,
-        peers: Option<&str>,
+        sharing: Sharing,
         logs: &Path,
     ) -> Result<Running> {
         let shift = |addr: &str, by: u16| -> String {
@@ -375,7 +381,7 @@ impl Contender {
         let mut procs = Vec::new();
         for i in 0..n as usize {
             let mut flags = flags.to_vec();
-            if let Some(interval) = peers {
+            if let Sharing::Peers { interval } = sharing {
                 let others: Vec<&str> = admins
                     .iter()
                     .enumerate()
@@ -383,7 +389,7 @@ impl Contender {
                     .map(|(_, a)| a.as_str())
                     .collect();
                 flags.extend(["--peers".into(), others.join(",")]);
-                if !interval.is_empty() {
+                if let Some(interval) = interval {
                     flags.extend(["--peer-interval".into(), interval.into()]);
                 }
             }
@@ -406,7 +412,6 @@ impl Contender {
             ))),
             proc: procs.next(),
             more: procs.collect(),
-            admin: Some(admins[0].clone()),
             admins,
         })
     }
@@ -435,7 +440,6 @@ impl Contender {
             route: Route::Router(format!("http://{}", s.listen), s.explain),
             proc: Some(r),
             more: Vec::new(),
-            admin: Some(s.admin.clone()),
             admins: vec![s.admin.clone()],
         })
     }
@@ -451,7 +455,7 @@ mod tests {
             let c = Contender::parse(&n).expect("known");
             let back = match &c {
                 Contender::Router(p) => p.to_string(),
-                Contender::Installed { .. } => "kinference-installed".into(),
+                Contender::Installed => "kinference-installed".into(),
                 Contender::Admission => "kinference-admission".into(),
                 Contender::Replicas { n, shared, kill } => format!(
                     "kinference-x{n}{}{}",
@@ -468,5 +472,21 @@ mod tests {
             assert_eq!(back, n);
         }
         assert!(Contender::parse("oracle").is_err());
+    }
+
+    #[test]
+    fn a_kill_row_needs_replicas_that_share_their_load() {
+        assert!(matches!(
+            Contender::parse("kinference-x3-kill"),
+            Ok(Contender::Replicas {
+                n: 3,
+                shared: true,
+                kill: true
+            })
+        ));
+        // Blind replicas report no peers, so there is nothing to watch;
+        // one replica leaves nobody to take over.
+        assert!(Contender::parse("kinference-x3-blind-kill").is_err());
+        assert!(Contender::parse("kinference-x1-kill").is_err());
     }
 }

@@ -275,10 +275,10 @@ async fn one(
     };
     let sent = Instant::now();
     let late = sent.saturating_duration_since(due);
-    let bytes = serde_json::to_vec(&json_body).unwrap_or_default();
+    let bytes = Bytes::from(serde_json::to_vec(&json_body).unwrap_or_default());
     let body_hash = {
         let mut h = DefaultHasher::new();
-        bytes.hash(&mut h);
+        bytes.as_ref().hash(&mut h);
         h.finish()
     };
     if let Ok(mut s) = slot.lock() {
@@ -403,7 +403,7 @@ pub(crate) struct Streamed {
 pub(crate) async fn stream(
     client: &HttpClient,
     url: &str,
-    body: Vec<u8>,
+    body: Bytes,
     api: Api,
     explain: bool,
     sent: Instant,
@@ -415,7 +415,7 @@ pub(crate) async fn stream(
     if explain {
         req = req.header("x-kinference-debug", "1");
     }
-    let Ok(req) = req.body(Full::new(Bytes::from(body))) else {
+    let Ok(req) = req.body(Full::new(body)) else {
         return out;
     };
     let Ok(resp) = client.request(req).await else {

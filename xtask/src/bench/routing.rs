@@ -624,22 +624,22 @@ async fn one_run(
         explain: opts.explain,
         tag,
     };
-    let running = contender.start(&setup).await?;
-    // A kill row: its last replica dies halfway through the measured window.
-    let killer = match (contender, running.more.last().and_then(Proc::pid)) {
-        (Contender::Replicas { kill: true, .. }, Some(pid)) => {
-            let survivors = running.admins[..running.admins.len() - 1].to_vec();
-            let at = plan.warmup + plan.measure / 2;
-            Some(tokio::spawn(kill_and_watch(pid, survivors, at)))
-        }
-        _ => None,
-    };
+    let mut running = contender.start(&setup).await?;
     let pids: Vec<u32> = running
         .proc
         .iter()
         .chain(&running.more)
         .filter_map(Proc::pid)
         .collect();
+    // A kill row: its last replica dies halfway through the measured window.
+    let killer = match contender {
+        Contender::Replicas { kill: true, .. } => running.more.pop().map(|victim| {
+            let survivors = running.admins[..running.admins.len() - 1].to_vec();
+            let at = plan.warmup + plan.measure / 2;
+            tokio::spawn(kill_and_watch(victim, survivors, at))
+        }),
+        _ => None,
+    };
     // Every replica's CPU together.
     let cpu = |pids: &[u32]| -> Option<f64> {
         pids.iter()
@@ -653,10 +653,13 @@ async fn one_run(
         })
         .await;
     let counters_after = load::prefix_cache_counters(engines).await;
-    let absorbed = match killer {
-        Some(k) => k.await.ok().flatten(),
-        None => None,
-    };
+    let mut absorbed = None;
+    if let Some(k) = killer
+        && let Ok((victim, a)) = k.await
+    {
+        absorbed = a;
+        running.more.push(victim);
+    }
     // Every request's outcome, one JSON object a line, for analysis.
     let lines: Vec<String> = samples
         .iter()
@@ -665,7 +668,7 @@ async fn one_run(
     let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
     let cpu_after = cpu(&pids);
     if policy == "kinference"
-        && let Some(admin) = &running.admin
+        && let Some(admin) = running.admins.first()
     {
         // Keep the last decisions for looking into predictions afterwards.
         if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/explain")).await {
@@ -702,20 +705,21 @@ async fn one_run(
     Ok(row)
 }
 
-/// Kills router `pid` (SIGKILL, as a node failure or an OOM kill does) after
-/// `at`, then watches the survivors' `kinference_router_peers_reporting`:
-/// the time until every survivor stopped counting the killed replica's load
-/// (each then hears only from the other survivors), or `None` if that took
-/// over 10 s.
-async fn kill_and_watch(pid: u32, survivors: Vec<String>, at: Duration) -> Option<Duration> {
+/// Kills router `victim` (SIGKILL, as an OOM kill does: its port refuses
+/// connections at once) after `at`, then watches the survivors'
+/// `kinference_router_peers_reporting`: the time until every survivor
+/// stopped counting the killed replica's load (each then hears only from
+/// the other survivors), or `None` if that took over 10 s. Gives the
+/// process back, to be reaped with the others.
+async fn kill_and_watch(
+    mut victim: Proc,
+    survivors: Vec<String>,
+    at: Duration,
+) -> (Proc, Option<Duration>) {
     tokio::time::sleep(at).await;
     let killed = tokio::time::Instant::now();
-    let status = std::process::Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .ok()?;
-    if !status.success() {
-        return None;
+    if victim.kill().is_err() {
+        return (victim, None);
     }
     let others = (survivors.len().saturating_sub(1)) as f64;
     while killed.elapsed() < Duration::from_secs(10) {
@@ -728,19 +732,18 @@ async fn kill_and_watch(pid: u32, survivors: Vec<String>, at: Duration) -> Optio
             all &= reporting.is_some_and(|r| r <= others);
         }
         if all {
-            return Some(killed.elapsed());
+            return (victim, Some(killed.elapsed()));
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    None
+    (victim, None)
 }
 
 /// `kinference_router_peers_reporting` from a metrics page.
 fn peers_reporting(metrics: &str) -> Option<f64> {
-    metrics.lines().find_map(|l| {
-        l.strip_prefix("kinference_router_peers_reporting ")
-            .and_then(|v| v.trim().parse().ok())
-    })
+    kinference_api::engine::prometheus::samples(metrics)
+        .find(|s| s.name == "kinference_router_peers_reporting")
+        .map(|s| s.value)
 }
 
 /// The share of the measured requests the slowest engine served, when one
@@ -903,6 +906,13 @@ mod tests {
             })
             .count();
         assert_eq!(samples, 2);
+    }
+
+    #[test]
+    fn peers_reporting_reads_the_gauge_and_nothing_like_it() {
+        let page = "# HELP kinference_router_peers Other replicas\n# TYPE kinference_router_peers gauge\nkinference_router_peers 2\n# TYPE kinference_router_peers_reporting gauge\nkinference_router_peers_reporting 1\n";
+        assert_eq!(peers_reporting(page), Some(1.0));
+        assert_eq!(peers_reporting("kinference_router_peers 2\n"), None);
     }
 
     #[test]
