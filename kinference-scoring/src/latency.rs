@@ -215,8 +215,6 @@ pub(crate) struct Terms {
     pub uncached: f64,
     pub pending: f64,
     pub sharing: f64,
-    /// Sequences decoding there (own and, from fresh scrapes, others').
-    pub decoding: f64,
     pub steps: f64,
     pub queue_ms: f64,
     pub prefill_ms: f64,
@@ -365,7 +363,6 @@ impl Model {
             uncached,
             pending,
             sharing,
-            decoding,
             steps,
             queue_ms,
             prefill_ms,

@@ -121,14 +121,6 @@ pub struct LatencyParams {
     /// off: pure TTFT greed, which under load replicates prefixes until the
     /// caches thrash (see `examples/fleet.rs`).
     pub externality_cap: f64,
-    /// Weight of the decode part of [`crate::Kinference`]'s externality: a
-    /// choice is also charged the prefill time it spends beyond the warmest
-    /// candidate's × the sequences decoding on that engine × this weight. A
-    /// prefill shares engine steps with every running decode (chunked
-    /// prefill), so each of them is delayed by about its compute time;
-    /// recomputing a history another engine holds on a busy engine slows
-    /// every stream there. 0: no such charge.
-    pub decode_externality: f64,
     /// Evidence from requests still waiting (see [`crate::Evidence`]): a
     /// request older than its prediction by more than this slack shows the
     /// endpoint slower than its calibration; the load part is scaled by
@@ -150,10 +142,6 @@ pub struct LatencyParams {
 /// The reference engine of the built-in `default` profile: vLLM (V1 engine,
 /// OpenAI server) serving a dense 8B-class model (e.g. Llama-3.1-8B, bf16) on
 /// one H100 SXM 80 GB. Calibration corrects the rest online.
-/// Default [`LatencyParams::decode_externality`]. Measured with `cargo xtask
-/// bench routing` at the knee (docs/benchmarks.md).
-const DECODE_EXTERNALITY: f64 = 0.25;
-
 const DEFAULT: LatencyParams = LatencyParams {
     // Compute-bound estimate: 2 × 8.0e9 FLOPs per prompt token = 16 GFLOP;
     // H100 SXM dense bf16 peak 989 TFLOPS (NVIDIA H100 datasheet) at ~40 %
@@ -221,7 +209,6 @@ const DEFAULT: LatencyParams = LatencyParams {
     // the median TTFT at 250 req/s was 4× worse than with 32, and 32 and
     // uncapped behaved alike; the cap bounds stickiness under overload.
     externality_cap: 32.0,
-    decode_externality: DECODE_EXTERNALITY,
     // Heuristic: a few steps of scheduling jitter and one missed decode
     // round; below this an engine is on time.
     overdue_slack_millis: 100.0,
@@ -392,7 +379,6 @@ impl LatencyParams {
         non_negative("tieMillis", self.tie_millis)?;
         non_negative("tieFraction", self.tie_fraction)?;
         non_negative("externalityCap", self.externality_cap)?;
-        non_negative("decodeExternality", self.decode_externality)?;
         non_negative("overdueSlackMillis", self.overdue_slack_millis)?;
         if !(self.overdue_max_scale.is_finite() && self.overdue_max_scale >= 1.0) {
             return Err(ParamsError {

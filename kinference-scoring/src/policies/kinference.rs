@@ -71,7 +71,6 @@ impl Slot {
 /// ```text
 /// score = TTFT − tolerance × warm fraction
 ///       + scale × own prefill × min(queue ahead ÷ mean prefill, externality_cap)
-///       + scale × recompute beyond the warmest × decoding there × decode_externality
 /// ```
 ///
 /// The lowest score wins.
@@ -161,28 +160,16 @@ impl Kinference {
         self.slots.get_mut(i)
     }
 
-    /// The delay a choice's prefill imposes on others, in calibrated ms:
-    /// on requests that will queue behind it, `scale × prefill × min(queue ÷
-    /// mean prefill, cap)` (for an M/M/1 queue ρ/(1−ρ) = queue wait ÷ mean
-    /// service, and a job of size s delays later arrivals by s·ρ/(1−ρ) in
-    /// total), plus on the streams decoding there, `scale × recompute ×
-    /// decoding × decode_externality`, where `recompute` is the prefill
-    /// time beyond the warmest candidate's (the prefill shares their steps;
-    /// a prompt no engine holds must be computed somewhere, so only what a
-    /// warmer engine would have saved is charged).
+    /// The delay a choice's prefill imposes on requests that will queue
+    /// behind it: `scale × prefill × min(queue ÷ mean prefill, cap)`, in
+    /// calibrated ms. For an M/M/1 queue ρ/(1−ρ) = queue wait ÷ mean service,
+    /// and a job of size s delays later arrivals by s·ρ/(1−ρ) in total.
     #[inline]
-    fn externality(
-        &self,
-        scale: f64,
-        prefill_ms: f64,
-        queue_ms: f64,
-        decoding: f64,
-        recompute_ms: f64,
-    ) -> f64 {
+    fn externality(&self, scale: f64, prefill_ms: f64, queue_ms: f64) -> f64 {
         let multiplier = queue_ms * self.inv_mean_prefill_ms;
         let cap = self.params.externality_cap;
         let multiplier = if multiplier < cap { multiplier } else { cap };
-        scale * (prefill_ms * multiplier + recompute_ms * decoding * self.params.decode_externality)
+        scale * prefill_ms * multiplier
     }
 
     #[inline]
@@ -219,14 +206,6 @@ impl Kinference {
         // (index, warm fraction, ttft) of the warmest; ties go to the faster.
         let mut warmest = (0usize, f64::NEG_INFINITY, f64::INFINITY);
         let prune = explain.is_none();
-        // The warmest candidate's uncached tokens: recomputing more than that
-        // is what the decode part of the externality charges.
-        let least_uncached = candidates
-            .iter()
-            .map(|c| model.cache_terms(c).1)
-            .fold(f64::INFINITY, f64::min);
-        let recompute =
-            |prefill_ms: f64, uncached: f64| prefill_ms * (1.0 - least_uncached / uncached);
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
             let (offset, scale) = self.coefficients(&model, slot, now_nanos);
@@ -241,13 +220,7 @@ impl Kinference {
                 let (load_bound, queue_bound, prefill_ms) = model.bounds(c, uncached);
                 let ttft_bound = adjust.ttft(offset, load_bound);
                 let score_bound = ttft_bound - tolerance * warm
-                    + self.externality(
-                        adjust.scale,
-                        prefill_ms,
-                        queue_bound,
-                        f64::from(c.in_flight.decoding),
-                        recompute(prefill_ms, uncached),
-                    );
+                    + self.externality(adjust.scale, prefill_ms, queue_bound);
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
                 if !may_be_warmest && ttft_bound >= fastest.1 && score_bound > prune_limit {
@@ -257,13 +230,7 @@ impl Kinference {
             }
             let terms = model.terms_given(c, cached, uncached);
             let ttft = adjust.ttft(offset, terms.load_ms);
-            let externality = self.externality(
-                adjust.scale,
-                terms.prefill_ms,
-                terms.queue_ms,
-                terms.decoding,
-                recompute(terms.prefill_ms, terms.uncached),
-            );
+            let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
             let score = ttft - tolerance * warm + externality;
             *out = score;
             if score < best {
@@ -568,67 +535,6 @@ mod tests {
         });
         let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
         assert_eq!(choice.endpoint, EndpointId(1));
-    }
-
-    #[test]
-    fn recomputing_on_an_engine_full_of_decodes_is_charged_for_slowing_them() {
-        // Warm but behind 8000 queued tokens; cold with nothing queued but
-        // 24 streams decoding, whose steps the whole 4000-token prefill
-        // would share.
-        let warm = cand(0, 250, 8000);
-        let mut cold = cand(1, 0, 0);
-        cold.in_flight.requests = 24;
-        cold.in_flight.decoding = 24;
-        cold.in_flight.context_tokens = 24 * 1000;
-        let cands = [warm, cold];
-        let mut rng = SplitMix64::new(1);
-        let ttft_only = LatencyParams {
-            decode_externality: 0.0,
-            ..LatencyParams::default()
-        };
-        let mut p = Kinference::new(ttft_only);
-        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
-        assert_eq!(choice.endpoint, EndpointId(1), "TTFT alone goes cold");
-        let mut p = Kinference::new(LatencyParams::default());
-        let explained = p
-            .pick_explained(&request(), &cands, secs(1), &mut rng)
-            .unwrap();
-        assert_eq!(explained.choice.endpoint, EndpointId(0), "{explained:#?}");
-        // The charge is the prefill time beyond the warm one's × the decoding
-        // streams × the weight.
-        let c = &explained.candidates[1];
-        let ScoreDetail::Kinference { externality_ms, .. } = c.detail else {
-            panic!("{c:?}");
-        };
-        let weight = LatencyParams::default().decode_externality;
-        let warm_uncached = explained.candidates[0].prediction.uncached_tokens;
-        let p = &c.prediction;
-        let beyond = p.prefill_ms * (1.0 - f64::from(warm_uncached) / f64::from(p.uncached_tokens));
-        let expected = p.scale * beyond * 24.0 * weight;
-        assert!(
-            (externality_ms - expected).abs() < 1e-6 * expected,
-            "{externality_ms} vs {expected}"
-        );
-    }
-
-    #[test]
-    fn a_prompt_no_engine_holds_is_not_charged_for_the_decodes() {
-        // Cold everywhere: the prefill must run somewhere, so the busy
-        // engine with streams but no queue still beats the one with a queue.
-        let mut decoding = cand(0, 0, 0);
-        decoding.in_flight.requests = 24;
-        decoding.in_flight.decoding = 24;
-        let queued = cand(1, 0, 8000);
-        let mut p = Kinference::new(LatencyParams::default());
-        let mut rng = SplitMix64::new(1);
-        let explained = p
-            .pick_explained(&request(), &[decoding, queued], secs(1), &mut rng)
-            .unwrap();
-        let ScoreDetail::Kinference { externality_ms, .. } = explained.candidates[0].detail else {
-            panic!("{explained:?}");
-        };
-        assert!(externality_ms.abs() < 1e-9, "{explained:#?}");
-        assert_eq!(explained.choice.endpoint, EndpointId(0), "{explained:#?}");
     }
 
     #[test]
