@@ -6,13 +6,14 @@
 //! `fancy-regex`, whose backtracking VM is needed only for one alternative,
 //! `\s+(?!\S)`. On an 8K-token prompt that is most of the time spent. For
 //! text that contains no added token, this module does the same work
-//! directly: the normalizer (only when it is absent, or NFC on text that is
-//! already in NFC, checked with the same Unicode tables `tokenizers` uses,
-//! so NFC is the identity), the split with the `regex` crate, the GPT-2
-//! byte-to-character mapping, and the tokenizer's own BPE model on each
-//! piece. Anything else (another normalizer or pre-tokenizer, text not in
-//! NFC under an NFC normalizer, a BPE with dropout) is not handled here and
-//! goes through the pipeline.
+//! directly: the normalizer (none, or NFC, applied with the same crate and
+//! tables `tokenizers` uses, and skipped when the text is already in NFC),
+//! the split with the `regex` crate, and the merges of each piece on its
+//! raw bytes ([`crate::bpe`], which stands in for the GPT-2
+//! byte-to-character mapping and the tokenizer's BPE model; a model it does
+//! not match exactly keeps the mapping and `tokenizers`' model). Anything
+//! else (another normalizer or pre-tokenizer, a BPE with dropout) is not
+//! handled here and goes through the pipeline.
 //!
 //! # The lookahead
 //!
@@ -31,9 +32,13 @@
 //! pipeline on random text.
 
 use regex::Regex;
+use regex_automata::{Anchored, Input, meta};
 use serde::Deserialize;
 use serde_json::Value as Json;
 use tokenizers::{Model, ModelWrapper};
+use unicode_normalization_alignments::UnicodeNormalization;
+
+use crate::bpe::{Bpe, ModelJson, Scratch};
 
 /// The lookahead tail this module knows how to emulate.
 const LOOKAHEAD_TAIL: &str = r"|\s+(?!\S)|\s+";
@@ -70,22 +75,41 @@ pub(crate) struct FastPath {
     nfc: bool,
     /// `P|\s+`.
     split: Regex,
+    /// `P|\s+` again, for searches anchored where the last piece ended
+    /// (every character starts a match of the patterns in use, so this is
+    /// the usual case; the `regex` crate's `find_at` would also run a
+    /// reverse scan to find where the match starts).
+    anchored: meta::Regex,
     /// `\A(?:P)`.
     prefix: Regex,
     /// GPT-2's byte → character table.
     bytes_char: [char; 256],
+    /// The merges on raw bytes, when the model is one `Bpe` matches
+    /// exactly; else each piece goes through the `tokenizers` model.
+    bpe: Option<Bpe>,
+}
+
+/// The model section again, this time with its vocabulary and merges.
+#[derive(Deserialize)]
+struct WithModel<'a> {
+    #[serde(borrow)]
+    model: ModelJson<'a>,
 }
 
 impl FastPath {
     /// Recognises the pipeline from the bytes of `tokenizer.json`.
     pub(crate) fn from_tokenizer_bytes(bytes: &[u8]) -> Option<Self> {
         let shape: Shape = serde_json::from_slice(bytes).ok()?;
-        Self::from_tokenizer_json(&serde_json::json!({
+        let mut fast = Self::from_tokenizer_json(&serde_json::json!({
             "normalizer": shape.normalizer,
             "pre_tokenizer": shape.pre_tokenizer,
             "model": {"type": shape.model.kind, "dropout": shape.model.dropout},
             "added_tokens": shape.added_tokens,
-        }))
+        }))?;
+        fast.bpe = serde_json::from_slice::<WithModel<'_>>(bytes)
+            .ok()
+            .and_then(|m| Bpe::from_model_json(&m.model, &fast.bytes_char));
+        Some(fast)
     }
 
     /// Recognises the pipeline from `tokenizer.json`: no normalizer or NFC;
@@ -145,24 +169,40 @@ impl FastPath {
         Some(FastPath {
             nfc,
             split: Regex::new(&format!(r"{prefix}|\s+")).ok()?,
+            anchored: meta::Regex::new(&format!(r"{prefix}|\s+")).ok()?,
             prefix: Regex::new(&format!(r"\A(?:{prefix})")).ok()?,
             bytes_char: bytes_char(),
+            bpe: None,
         })
     }
 
     /// Appends the ids of `text`, which must contain no added token, to
-    /// `out`. Returns `None` (and leaves `out` alone) when this text is not
-    /// handled here.
+    /// `out` (left as it was on an error of the `tokenizers` model).
     pub(crate) fn encode_plain(
         &self,
         model: &ModelWrapper,
         text: &str,
         out: &mut Vec<u32>,
-    ) -> Option<tokenizers::Result<()>> {
-        if self.nfc && !text.is_ascii() && !unicode_normalization_alignments::is_nfc(text) {
-            return None;
-        }
+    ) -> tokenizers::Result<()> {
+        // The NFC normalizer runs on the whole plain text before the split,
+        // with the same crate `tokenizers` uses.
+        let normalized: String;
+        let text =
+            if self.nfc && !text.is_ascii() && !unicode_normalization_alignments::is_nfc(text) {
+                normalized = text.nfc().map(|(c, _)| c).collect();
+                normalized.as_str()
+            } else {
+                text
+            };
         let before = out.len();
+        if let Some(bpe) = &self.bpe {
+            let mut scratch = Scratch::default();
+            let result = self.for_each_piece(text, |piece| {
+                bpe.encode(piece.as_bytes(), &mut scratch, out);
+                Ok(())
+            });
+            return result;
+        }
         let mut mapped = String::new();
         let result = self.for_each_piece(text, |piece| {
             mapped.clear();
@@ -174,7 +214,7 @@ impl FastPath {
         if result.is_err() {
             out.truncate(before);
         }
-        Some(result)
+        result
     }
 
     /// Calls `f` on each pre-token of `text`, as the Split pre-tokenizer
@@ -186,23 +226,27 @@ impl FastPath {
     ) -> tokenizers::Result<()> {
         let mut pos = 0;
         while pos < text.len() {
-            let Some(m) = self.split.find_at(text, pos) else {
-                return f(&text[pos..]);
+            let input = Input::new(text).range(pos..).anchored(Anchored::Yes);
+            let (start, mut end) = match self.anchored.find(input) {
+                Some(m) => (m.start(), m.end()),
+                None => match self.split.find_at(text, pos) {
+                    Some(m) => (m.start(), m.end()),
+                    None => return f(&text[pos..]),
+                },
             };
-            if m.start() > pos {
-                f(&text[pos..m.start()])?;
+            if start > pos {
+                f(&text[pos..start])?;
             }
-            let mut end = m.end();
-            let matched = m.as_str();
+            let matched = &text[start..end];
             if end < text.len()
                 && matched.chars().nth(1).is_some()
                 && matched.chars().all(char::is_whitespace)
-                && !self.prefix.is_match(&text[m.start()..])
+                && !self.prefix.is_match(&text[start..])
             {
                 // `\s+(?!\S)`: give the run's last character back.
                 end -= matched.chars().next_back().map_or(0, char::len_utf8);
             }
-            f(&text[m.start()..end])?;
+            f(&text[start..end])?;
             pos = end;
         }
         Ok(())
@@ -225,7 +269,7 @@ impl FastPath {
 }
 
 /// GPT-2's reversible byte → printable character table.
-fn bytes_char() -> [char; 256] {
+pub(crate) fn bytes_char() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut next = 256u32;
     for b in 0..=255u8 {
@@ -303,5 +347,18 @@ mod tests {
         all.sort_unstable();
         all.dedup();
         assert_eq!(all.len(), 256);
+    }
+
+    #[test]
+    fn the_real_tokenizers_merge_on_bytes() {
+        for model in ["qwen3", "mistral-nemo-instruct-2407", "gpt2"] {
+            let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../testdata/tokenizers")
+                .join(model)
+                .join("tokenizer.json");
+            let bytes = std::fs::read(&path).unwrap();
+            let fast = FastPath::from_tokenizer_bytes(&bytes).expect(model);
+            assert!(fast.bpe.is_some(), "{model}");
+        }
     }
 }

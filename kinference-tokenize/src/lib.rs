@@ -117,6 +117,7 @@
 //! truncation to the engine's context length (only an explicit positive
 //! `truncate_prompt_tokens` is applied).
 
+mod bpe;
 mod cache;
 mod chat;
 mod error;

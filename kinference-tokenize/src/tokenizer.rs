@@ -456,11 +456,12 @@ impl ModelTokenizer {
             if let Some((id, _)) = segment.lead {
                 out.push(id);
             }
-            match fast.encode_plain(self.inner.get_model(), &piece[lead..], out) {
-                Some(Ok(())) => return Ok(()),
-                Some(Err(e)) => return Err(Error::Tokenizer(e.to_string())),
-                None => out.truncate(before),
-            }
+            return fast
+                .encode_plain(self.inner.get_model(), &piece[lead..], out)
+                .map_err(|e| {
+                    out.truncate(before);
+                    Error::Tokenizer(e.to_string())
+                });
         }
         let encoding = self
             .inner

@@ -75,4 +75,27 @@ proptest! {
             prop_assert_eq!(tok.encode(&text, false).unwrap(), tok.encode_uncached(&text, false).unwrap(), "{} {:?}", name, text);
         }
     }
+
+    /// Text made of random tokens of the model's vocabulary (what the
+    /// router's cold-chat bench sends): long pieces, byte tokens that
+    /// decode to replacement characters, text out of NFC.
+    #[test]
+    fn fast_route_equals_pipeline_on_random_tokens(seed in any::<u64>(), len in 1usize..400) {
+        for (name, tok) in MODELS.iter() {
+            let vocab = u64::try_from(tok.vocab_size()).unwrap();
+            let mut x = seed;
+            let ids: Vec<u32> = (0..len)
+                .map(|_| {
+                    // SplitMix64.
+                    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let mut z = x;
+                    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    u32::try_from((z ^ (z >> 31)) % vocab).unwrap()
+                })
+                .collect();
+            let text = tok.decode(&ids).unwrap();
+            prop_assert_eq!(tok.encode(&text, false).unwrap(), tok.encode_uncached(&text, false).unwrap(), "{} {:?}", name, text);
+        }
+    }
 }
