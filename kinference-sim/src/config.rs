@@ -344,6 +344,109 @@ pub struct AdmissionLimits {
     pub max_num_queued_tokens: Option<usize>,
 }
 
+/// One LoRA adapter served next to the base model, as vLLM's
+/// `--lora-modules name=path` loads it at start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LoraModule {
+    /// What clients send as `model`: the adapter card's `id`, the
+    /// `lora_name` of its blocks' `BlockStored` events.
+    pub name: String,
+    /// Where the adapter lives: the card's `root`; from vLLM 0.31 also part
+    /// of its blocks' hashes (the tagged extra key `("lora", name, path)`).
+    pub path: String,
+}
+
+impl LoraModule {
+    /// An adapter `name` at `path`.
+    pub fn new(name: impl Into<String>, path: impl Into<String>) -> Self {
+        LoraModule {
+            name: name.into(),
+            path: path.into(),
+        }
+    }
+
+    /// An adapter given by name only: its path is `/adapters/<name>`.
+    pub fn named(name: impl Into<String>) -> Self {
+        let name = name.into();
+        let path = format!("/adapters/{name}");
+        LoraModule { name, path }
+    }
+}
+
+impl std::str::FromStr for LoraModule {
+    type Err = String;
+
+    /// `name=path`, or a bare `name` (path `/adapters/<name>`).
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let m = match s.split_once('=') {
+            Some((name, path)) => LoraModule::new(name.trim(), path.trim()),
+            None => LoraModule::named(s),
+        };
+        if m.name.is_empty() {
+            return Err(format!(
+                "`{s}` names no LoRA adapter: use name=path or a bare name"
+            ));
+        }
+        if m.path.is_empty() {
+            return Err(format!(
+                "LoRA adapter `{}` has an empty path: use name=path or a bare name",
+                m.name
+            ));
+        }
+        Ok(m)
+    }
+}
+
+/// LoRA adapters (vLLM's `--lora-modules`, `--max-loras`): requests whose
+/// `model` is an adapter's name run as that adapter, with a prefix cache
+/// of their own, at most `max_loras` distinct adapters per running batch.
+/// None by default.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraConfig {
+    /// The adapters, in `--lora-modules` order; adapter i (from 0) has
+    /// vLLM's integer id `i + 1` (the events' `lora_id`).
+    pub modules: Vec<LoraModule>,
+    /// `--max-loras`: distinct adapters one running batch may hold, and the
+    /// GPU slots they are loaded into (vLLM's default 1). Base-model
+    /// requests never count.
+    pub max_loras: usize,
+    /// Time a step spends loading each adapter that is not in one of the
+    /// `max_loras` GPU slots (least recently used slot evicted), ms.
+    pub load_ms: f64,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        LoraConfig {
+            modules: Vec::new(),
+            max_loras: 1,
+            load_ms: 25.0,
+        }
+    }
+}
+
+impl LoraConfig {
+    /// Whether any adapter is served.
+    pub fn enabled(&self) -> bool {
+        !self.modules.is_empty()
+    }
+
+    /// vLLM's integer id of the adapter `name` (1-based, in
+    /// [`LoraConfig::modules`] order).
+    pub fn id_of(&self, name: &str) -> Option<u32> {
+        self.modules
+            .iter()
+            .position(|m| m.name == name)
+            .map(|i| i as u32 + 1)
+    }
+
+    /// The adapter with integer id `id`.
+    pub fn module(&self, id: u32) -> Option<&LoraModule> {
+        self.modules.get((id as usize).checked_sub(1)?)
+    }
+}
+
 /// Everything one simulated engine (one HTTP server, `dp_size` engine
 /// cores) needs. `SimConfig::default()` is a small, fast vLLM 0.33 engine
 /// on ephemeral loopback ports with the word-level tokenizer, publishing KV
@@ -389,6 +492,8 @@ pub struct SimConfig {
     pub api_key_scope: ApiKeyScope,
     /// vLLM's admission control; none by default, as in vLLM.
     pub admission: AdmissionLimits,
+    /// LoRA adapters served next to the base model; none by default.
+    pub lora: LoraConfig,
 }
 
 impl Default for SimConfig {
@@ -412,6 +517,7 @@ impl Default for SimConfig {
             api_key: None,
             api_key_scope: ApiKeyScope::EngineDefault,
             admission: AdmissionLimits::default(),
+            lora: LoraConfig::default(),
         }
     }
 }
@@ -471,6 +577,45 @@ impl SimConfig {
         if self.api_key.as_deref() == Some("") {
             return bad("api_key must not be empty");
         }
+        self.validate_lora()
+    }
+
+    /// The adapters: named, distinct, not named like the base model.
+    fn validate_lora(&self) -> Result<(), crate::SimError> {
+        let bad = |m: String| Err(crate::SimError::Config(m));
+        let l = &self.lora;
+        if l.max_loras == 0 {
+            return bad("max_loras must be at least 1".to_owned());
+        }
+        if !(l.load_ms.is_finite() && l.load_ms >= 0.0) {
+            return bad("lora_load_ms must be finite and non-negative".to_owned());
+        }
+        for (i, m) in l.modules.iter().enumerate() {
+            if m.name.trim().is_empty() {
+                return bad(format!("LoRA adapter {} has an empty name", i + 1));
+            }
+            if m.name.contains(',') {
+                return bad(format!(
+                    "LoRA adapter name `{}` contains a comma (vllm:lora_requests_info lists adapters comma-separated)",
+                    m.name
+                ));
+            }
+            if m.path.trim().is_empty() {
+                return bad(format!("LoRA adapter `{}` has an empty path", m.name));
+            }
+            if l.modules[..i].iter().any(|o| o.name == m.name) {
+                return bad(format!(
+                    "LoRA adapter `{}` is listed twice in lora_modules",
+                    m.name
+                ));
+            }
+            if self.served_names().any(|n| n == m.name) {
+                return bad(format!(
+                    "LoRA adapter `{}` has the name the base model is served as; give the adapter another name",
+                    m.name
+                ));
+            }
+        }
         Ok(())
     }
 
@@ -496,6 +641,11 @@ impl SimConfig {
                     "{mode} has one api key rule; the scope setting is vLLM's"
                 ));
             }
+        }
+        if self.lora.enabled() && !mode.serves_lora() {
+            return bad(format!(
+                "{mode} cannot serve LoRA adapters in the simulator: SGLang loads them with --lora-paths, its events carry no lora_id, and how it namespaces an adapter's page hashes is not pinned down (shared/specs/kv-events.md §4.6); use a vLLM mode (--engine vllm[:VERSION]) with --lora-modules"
+            ));
         }
         let limits = self.admission.max_num_queued_reqs.is_some()
             || self.admission.max_num_queued_tokens.is_some();
@@ -587,6 +737,59 @@ mod tests {
         assert_eq!("cuda-error".parse(), Ok(FailMode::CudaError));
         assert_eq!("random".parse(), Ok(HashSeed::Random));
         assert_eq!("7".parse(), Ok(HashSeed::Fixed("7".to_owned())));
+    }
+
+    #[test]
+    fn lora_modules_parse_and_validate() {
+        assert_eq!(
+            "sql=/models/sql-lora".parse(),
+            Ok(LoraModule::new("sql", "/models/sql-lora"))
+        );
+        assert_eq!(
+            " chat ".parse(),
+            Ok(LoraModule::new("chat", "/adapters/chat"))
+        );
+        assert!("=/p".parse::<LoraModule>().is_err());
+        assert!(
+            "x=".parse::<LoraModule>()
+                .unwrap_err()
+                .contains("empty path")
+        );
+        let with = |modules: &[&str]| SimConfig {
+            aliases: vec!["alias".to_owned()],
+            lora: LoraConfig {
+                modules: modules.iter().map(|m| m.parse().expect("module")).collect(),
+                ..LoraConfig::default()
+            },
+            ..SimConfig::default()
+        };
+        let c = with(&["a", "b=/x"]);
+        assert!(c.validate().is_ok());
+        assert_eq!((c.lora.id_of("a"), c.lora.id_of("b")), (Some(1), Some(2)));
+        assert_eq!(c.lora.module(2).map(|m| m.path.as_str()), Some("/x"));
+        assert!(c.lora.id_of("kinference/sim").is_none() && c.lora.module(0).is_none());
+        let err = |c: SimConfig| c.validate().unwrap_err().to_string();
+        assert!(err(with(&["a", "a=/y"])).contains("listed twice"));
+        assert!(err(with(&["kinference/sim"])).contains("base model"));
+        assert!(err(with(&["alias"])).contains("base model"));
+        let mut c = with(&["a"]);
+        c.lora.max_loras = 0;
+        assert!(err(c).contains("max_loras"));
+        let mut c = with(&["a"]);
+        c.lora.load_ms = f64::NAN;
+        assert!(err(c).contains("lora_load_ms"));
+        let mut c = with(&["a"]);
+        c.lora.modules[0].name = "a,b".to_owned();
+        assert!(err(c).contains("comma"));
+        let mut c = with(&["a"]);
+        c.engine_mode = "sglang".parse().expect("mode");
+        assert!(err(c).contains("LoRA"));
+        // Without adapters, the LoRA settings are harmless everywhere.
+        let sglang = SimConfig {
+            engine_mode: "sglang".parse().expect("mode"),
+            ..SimConfig::default()
+        };
+        assert!(sglang.validate().is_ok());
     }
 
     #[test]

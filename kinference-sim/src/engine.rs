@@ -16,19 +16,33 @@
 //!    budget, `max_num_seqs` and free blocks allow. Admission looks up the
 //!    longest cached prefix of full blocks (at most `len - 1` tokens: the
 //!    last token is always computed to get logits), takes references on
-//!    those blocks and counts the prefix-cache query and hits.
+//!    those blocks and counts the prefix-cache query and hits. A waiting
+//!    request of a LoRA adapter that would make the batch hold more than
+//!    `max_loras` distinct adapters is skipped (it keeps its place; later
+//!    requests may still be admitted), as vLLM's scheduler skips it;
+//!    base-model requests never count.
 //! 4. Allocation evicts free cached blocks in LRU order (`BlockRemoved`) and
 //!    caches every block that the step's tokens fill (`BlockStored`, parent
 //!    = the request's previous block), exactly when vLLM does: at
 //!    scheduling, before the forward pass.
 //!
 //! The step lasts `a + b·(prompt tokens) + c·(decoding sequences)`
-//! ([`crate::LatencyModel`]). [`EngineCore::finish_step`] is
+//! ([`crate::LatencyModel`]), plus `lora_load_ms` for every adapter of the
+//! batch that is not in one of the `max_loras` GPU slots (it is loaded,
+//! evicting the least recently used slot the batch does not need).
+//! [`EngineCore::finish_step`] is
 //! `update_from_output()`: every request whose known tokens are all computed
 //! samples one token (the first one ends its prefill: TTFT); requests that
 //! reach their length finish and free their blocks last-first. The events
 //! of the step are then taken with [`EngineCore::take_events`] and published
 //! as one batch.
+//!
+//! # LoRA adapters
+//!
+//! A request of adapter `k` ([`NewRequest::lora`]) hashes its blocks with
+//! the adapter's extra key ([`crate::hash::HashExtra::lora`]), so the same
+//! tokens under two adapters and the base model are three cache entries;
+//! its `BlockStored` events carry the adapter ([`SimEvent::Stored`]).
 //!
 //! # Determinism
 //!
@@ -48,8 +62,8 @@ use std::sync::Arc;
 
 use hashbrown::HashMap;
 
-use crate::config::{EngineConfig, HashSeed, LatencyModel, OutputLen};
-use crate::hash::{BlockHasher, Digest};
+use crate::config::{EngineConfig, HashSeed, LatencyModel, LoraConfig, OutputLen};
+use crate::hash::{BlockHasher, Digest, HashExtra};
 use crate::mode::EngineMode;
 use crate::pool::{BlockId, BlockPool, CachedBlock};
 use crate::textgen::{Rng, SimTokenizer};
@@ -86,6 +100,50 @@ struct Req {
     last_token: Option<f64>,
     preemptions: u32,
     report_full: bool,
+    lora: Option<u32>,
+}
+
+/// The LoRA adapters a core serves, and its GPU slots for them.
+#[derive(Debug)]
+struct Loras {
+    /// The hash extra key of adapter id `i + 1`.
+    extras: Vec<HashExtra>,
+    /// Distinct adapters per batch, and GPU slots.
+    limit: usize,
+    /// A step's extra time per adapter loaded into a slot.
+    load_seconds: f64,
+    /// Adapter ids in GPU slots, least recently used first.
+    slots: VecDeque<u32>,
+    /// vLLM ≥ 0.31's tagged extra key.
+    tagged: bool,
+}
+
+impl Loras {
+    /// The extra key of a request's blocks.
+    fn extra(&self, lora: Option<u32>) -> Option<&HashExtra> {
+        self.extras.get((lora? as usize).checked_sub(1)?)
+    }
+
+    /// Makes the step's adapters resident, in batch order: a resident one
+    /// becomes the most recently used, a missing one is loaded into the
+    /// least recently used slot the batch does not need. Returns the loads.
+    fn load(&mut self, batch: &[u32]) -> usize {
+        let mut loads = 0;
+        for &l in batch {
+            if let Some(at) = self.slots.iter().position(|s| *s == l) {
+                self.slots.remove(at);
+            } else {
+                if self.slots.len() >= self.limit
+                    && let Some(victim) = self.slots.iter().position(|s| !batch.contains(s))
+                {
+                    self.slots.remove(victim);
+                }
+                loads += 1;
+            }
+            self.slots.push_back(l);
+        }
+        loads
+    }
 }
 
 /// One engine core. See the module docs.
@@ -109,6 +167,7 @@ pub struct EngineCore {
     recent: VecDeque<RequestRecord>,
     /// SGLang's radix cache: a digest is stored once and removed once.
     set_semantics: bool,
+    loras: Loras,
 }
 
 /// The hasher an engine core of `mode` uses. A [`HashSeed::Random`] seed
@@ -154,6 +213,13 @@ impl EngineCore {
             pool: BlockPool::new(cfg.num_gpu_blocks, cfg.block_size),
             hasher: block_hasher(&mode, cfg.block_size, &cfg.hash_seed),
             set_semantics: mode.set_semantics(),
+            loras: Loras {
+                extras: Vec::new(),
+                limit: 1,
+                load_seconds: 0.0,
+                slots: VecDeque::new(),
+                tagged: mode.lora_hash_key_tagged(),
+            },
             stats: if mode.is_sglang() {
                 CoreStats::sglang()
             } else {
@@ -175,14 +241,36 @@ impl EngineCore {
         }
     }
 
+    /// The same core serving the adapters of `lora` (ids 1-based in its
+    /// order), with `lora.max_loras` GPU slots, empty at start.
+    #[must_use]
+    pub fn with_loras(mut self, lora: &LoraConfig) -> Self {
+        let tagged = self.loras.tagged;
+        self.loras.extras = lora
+            .modules
+            .iter()
+            .map(|m| HashExtra::lora(&m.name, &m.path, tagged))
+            .collect();
+        self.loras.limit = lora.max_loras.max(1);
+        self.loras.load_seconds = lora.load_ms / 1000.0;
+        self.loras.slots.clear();
+        self
+    }
+
     /// Queues a request arriving at `now` (engine seconds).
     ///
     /// # Errors
-    /// [`AdmitError`] for an empty prompt or one that cannot fit the context.
+    /// [`AdmitError`] for an empty prompt, one that cannot fit the context,
+    /// or an adapter the core does not serve.
     pub fn add_request(&mut self, req: NewRequest, now: f64) -> Result<ReqId, AdmitError> {
         let prompt_len = req.prompt.len();
         if prompt_len == 0 {
             return Err(AdmitError::EmptyPrompt);
+        }
+        if let Some(l) = req.lora
+            && self.loras.extra(Some(l)).is_none()
+        {
+            return Err(AdmitError::UnknownLora(l));
         }
         let room = self.max_model_len.saturating_sub(prompt_len);
         if room == 0 {
@@ -230,6 +318,7 @@ impl EngineCore {
                 last_token: None,
                 preemptions: 0,
                 report_full: req.report_full,
+                lora: req.lora,
             },
         );
         self.waiting.push_back(id);
@@ -343,12 +432,32 @@ impl EngineCore {
             budget -= want;
             i += 1;
         }
+        // The distinct adapters of the batch so far (vLLM's
+        // `scheduled_loras`), in batch order.
+        let mut batch_loras: Vec<u32> = Vec::new();
+        for (id, _) in &entries {
+            if let Some(l) = self.reqs[id].lora
+                && !batch_loras.contains(&l)
+            {
+                batch_loras.push(l);
+            }
+        }
         let (mut admitted_prompt, mut admitted_hits) = (0usize, 0usize);
         if !preempted {
+            // Requests skipped for their adapter keep their place.
+            let mut at = 0;
             while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
-                let Some(&id) = self.waiting.front() else {
+                let Some(&id) = self.waiting.get(at) else {
                     break;
                 };
+                let lora = self.reqs[&id].lora;
+                if let Some(l) = lora
+                    && !batch_loras.contains(&l)
+                    && batch_loras.len() >= self.loras.limit
+                {
+                    at += 1;
+                    continue;
+                }
                 let (hits, hit_tokens) = self.lookup_prefix(id);
                 self.rereport_hits(id, hits.len());
                 let want = (self.reqs[&id].tokens.len() - hit_tokens).min(budget);
@@ -363,8 +472,13 @@ impl EngineCore {
                         .num_computed = 0;
                     break;
                 }
-                self.waiting.pop_front();
+                self.waiting.remove(at);
                 self.running.push(id);
+                if let Some(l) = lora
+                    && !batch_loras.contains(&l)
+                {
+                    batch_loras.push(l);
+                }
                 let r = self.reqs.get_mut(&id).expect("admitted request exists");
                 if r.cached_tokens.is_none() {
                     r.cached_tokens = Some(hit_tokens);
@@ -394,11 +508,15 @@ impl EngineCore {
                 prefill_tokens += n;
             }
         }
-        let duration = self.latency.step_seconds(prefill_tokens, decode_seqs);
+        let lora_loads = self.loras.load(&batch_loras);
+        self.stats.lora_loads += lora_loads as u64;
+        let duration = self.latency.step_seconds(prefill_tokens, decode_seqs)
+            + lora_loads as f64 * self.loras.load_seconds;
         Some(Scheduled {
             entries,
             prefill_tokens,
             decode_seqs,
+            lora_loads,
             duration,
         })
     }
@@ -478,17 +596,27 @@ impl EngineCore {
         true
     }
 
-    /// Prompt tokens of `tokens` that a request would find cached now
-    /// (whole blocks, at most `len - 1` tokens, as at admission).
+    /// Prompt tokens of `tokens` that a base-model request would find
+    /// cached now (whole blocks, at most `len - 1` tokens, as at admission).
     pub fn cached_prefix_tokens(&self, tokens: &[u32]) -> usize {
+        self.cached_prefix_tokens_for(tokens, None)
+    }
+
+    /// [`EngineCore::cached_prefix_tokens`] for a request of adapter `lora`
+    /// (`None`: the base model; an adapter the core does not serve: 0).
+    pub fn cached_prefix_tokens_for(&self, tokens: &[u32], lora: Option<u32>) -> usize {
         if !self.cfg.enable_prefix_caching || tokens.is_empty() {
+            return 0;
+        }
+        let extra = self.loras.extra(lora);
+        if lora.is_some() && extra.is_none() {
             return 0;
         }
         let max_blocks = (tokens.len() - 1) / self.cfg.block_size;
         let mut parent: Option<Digest> = None;
         let mut n = 0;
         for block in tokens.chunks_exact(self.cfg.block_size).take(max_blocks) {
-            let d = self.hasher.hash_block(parent.as_ref(), block);
+            let d = self.hasher.hash_block_with(parent.as_ref(), block, extra);
             if self.pool.lookup(&d).is_none() {
                 break;
             }
@@ -511,6 +639,34 @@ impl EngineCore {
     /// Ids running and waiting, in order.
     pub fn queue(&self) -> (Vec<ReqId>, Vec<ReqId>) {
         (self.running.clone(), self.waiting.iter().copied().collect())
+    }
+
+    /// The distinct adapters (integer ids) of the running requests, in
+    /// batch order.
+    pub fn running_loras(&self) -> Vec<u32> {
+        self.distinct_loras(self.running.iter())
+    }
+
+    /// The distinct adapters of the waiting requests, in queue order.
+    pub fn waiting_loras(&self) -> Vec<u32> {
+        self.distinct_loras(self.waiting.iter())
+    }
+
+    fn distinct_loras<'a>(&self, ids: impl Iterator<Item = &'a ReqId>) -> Vec<u32> {
+        let mut out = Vec::new();
+        for id in ids {
+            if let Some(l) = self.reqs.get(id).and_then(|r| r.lora)
+                && !out.contains(&l)
+            {
+                out.push(l);
+            }
+        }
+        out
+    }
+
+    /// The adapters in GPU slots, least recently used first.
+    pub fn lora_slots(&self) -> Vec<u32> {
+        self.loras.slots.iter().copied().collect()
     }
 
     /// KV usage, 0–1.
@@ -586,6 +742,7 @@ impl EngineCore {
             digests: r.digests[..hits].to_vec(),
             parent: None,
             tokens: r.tokens[..hits * bs].to_vec(),
+            lora: r.lora,
         });
         self.stats.blocks_rereported += hits as u64;
     }
@@ -598,7 +755,8 @@ impl EngineCore {
         }
         let bs = self.cfg.block_size;
         let r = self.reqs.get_mut(&id).expect("waiting request exists");
-        self.hasher.extend(&r.tokens, &mut r.digests);
+        let extra = self.loras.extra(r.lora);
+        self.hasher.extend_with(&r.tokens, &mut r.digests, extra);
         let max_blocks = (r.tokens.len() - 1) / bs;
         let mut hits = Vec::new();
         for d in r.digests.iter().take(max_blocks) {
@@ -623,6 +781,7 @@ impl EngineCore {
             events,
             stats,
             cfg,
+            loras,
             ..
         } = self;
         let set_semantics = self.set_semantics;
@@ -656,7 +815,7 @@ impl EngineCore {
             let full = total.min(r.tokens.len()) / bs;
             if full > r.num_cached_blocks {
                 let from = r.num_cached_blocks;
-                hasher.extend(&r.tokens[..full * bs], &mut r.digests);
+                hasher.extend_with(&r.tokens[..full * bs], &mut r.digests, loras.extra(r.lora));
                 // One event per run of newly cached blocks; under set
                 // semantics a digest already cached elsewhere is not
                 // announced again (it splits the run).
@@ -669,6 +828,7 @@ impl EngineCore {
                         r.digests[i],
                         p,
                         &r.tokens[i * bs..(i + 1) * bs],
+                        r.lora,
                     );
                     if known {
                         push_stored(events, stats, r, run, i, bs);
@@ -722,6 +882,7 @@ impl EngineCore {
             first_token: r.first_token,
             finished: now,
             preemptions: r.preemptions,
+            lora_id: r.lora,
         });
     }
 }
@@ -742,6 +903,7 @@ fn push_stored(
         digests: r.digests[from..to].to_vec(),
         parent: from.checked_sub(1).map(|p| r.digests[p]),
         tokens: r.tokens[from * bs..to * bs].to_vec(),
+        lora: r.lora,
     });
     stats.blocks_stored += (to - from) as u64;
 }

@@ -6,10 +6,13 @@
 //! [`frames`]); this module only decides what goes into a batch, with the
 //! engine mode's field values. vLLM (0.33): `medium: "GPU"`, `group_idx:
 //! 0`, `kv_cache_spec_kind: "full_attention"`, one `extra_keys` nil per
-//! block, one `BlockRemoved` per evicted block. SGLang: `medium: "GPU"`,
-//! `lora_id` nil and nothing else; a run of evictions along one chain (a
-//! radix node's pages) becomes one `BlockRemoved` in prefix order, and
-//! before 0.5.18 every page gets its own event, stores and removals alike.
+//! block (a LoRA adapter's blocks: `lora_id` its integer id, `lora_name`
+//! its name and `extra_keys` its name per block, untagged and without the
+//! path, as vLLM publishes them), one `BlockRemoved` per evicted block.
+//! SGLang: `medium: "GPU"`, `lora_id` nil and nothing else; a run of
+//! evictions along one chain (a radix node's pages) becomes one
+//! `BlockRemoved` in prefix order, and before 0.5.18 every page gets its
+//! own event, stores and removals alike.
 //! The publisher stamps its rank into every batch.
 //!
 //! Faults: a batch can be *dropped* (its seq is used and it stays in the
@@ -26,6 +29,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kinference_kvindex::codec::frames::{self, ReplayLayout};
+use kinference_kvindex::event::Value;
 use kinference_kvindex::{
     BlockHash, BlockRemoved, BlockStored, EncodeForm, EventBatch, KvEvent, encode_batch,
 };
@@ -104,6 +108,8 @@ struct Wire {
     layout: ReplayLayout,
     fixed_ts: Option<f64>,
     buffer_steps: usize,
+    /// The name of LoRA adapter id `i + 1`.
+    lora_names: Vec<String>,
 }
 
 type Ring = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
@@ -111,6 +117,7 @@ type Ring = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 impl Publisher {
     /// Binds the sockets of `rank` (ports offset by `port_offset` from the
     /// configured bases; ephemeral when a base is 0) and starts the task.
+    /// `lora_names[i]` is the name of LoRA adapter id `i + 1`.
     ///
     /// # Errors
     /// [`SimError::Bind`] when a port is taken.
@@ -120,6 +127,7 @@ impl Publisher {
         rank: u32,
         port_offset: u16,
         block_size: usize,
+        lora_names: Vec<String>,
         shutdown: watch::Receiver<bool>,
     ) -> Result<Publisher, SimError> {
         let offset = |base: u16| {
@@ -146,6 +154,7 @@ impl Publisher {
             layout: mode.replay_layout(),
             fixed_ts: cfg.fixed_ts,
             buffer_steps: cfg.buffer_steps,
+            lora_names,
         };
         let replays = Arc::new(AtomicU64::new(0));
         let replay = match cfg.replay_port {
@@ -479,19 +488,28 @@ fn to_wire(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
                 digests,
                 parent,
                 tokens,
-            } => KvEvent::BlockStored(BlockStored {
-                extra_keys: Some(vec![None; digests.len()]),
-                block_hashes: digests.iter().map(|d| wire_hash(d, w)).collect(),
-                parent_block_hash: parent.as_ref().map(|d| wire_hash(d, w)),
-                token_ids: tokens,
-                block_size: w.block_size,
-                lora_id: None,
-                medium: Some("GPU".to_owned()),
-                lora_name: None,
-                group_idx: Some(0),
-                kv_cache_spec_kind: Some("full_attention".to_owned()),
-                ..BlockStored::default()
-            }),
+                lora,
+            } => {
+                let lora_name = lora
+                    .and_then(|l| w.lora_names.get((l as usize).checked_sub(1)?))
+                    .cloned();
+                // vLLM publishes a LoRA block's extra keys untagged: the
+                // adapter name alone (its path is hashed, not published).
+                let extra = lora_name.as_ref().map(|n| vec![Value::Str(n.clone())]);
+                KvEvent::BlockStored(BlockStored {
+                    extra_keys: Some(vec![extra; digests.len()]),
+                    block_hashes: digests.iter().map(|d| wire_hash(d, w)).collect(),
+                    parent_block_hash: parent.as_ref().map(|d| wire_hash(d, w)),
+                    token_ids: tokens,
+                    block_size: w.block_size,
+                    lora_id: lora.map(i64::from),
+                    medium: Some("GPU".to_owned()),
+                    lora_name,
+                    group_idx: Some(0),
+                    kv_cache_spec_kind: Some("full_attention".to_owned()),
+                    ..BlockStored::default()
+                })
+            }
             SimEvent::Removed { digest, .. } => KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![wire_hash(&digest, w)],
                 medium: Some("GPU".to_owned()),
@@ -563,6 +581,7 @@ fn sglang_events(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
                 digests,
                 parent,
                 tokens,
+                ..
             } => {
                 flush(&mut run, &mut out);
                 if per_page {

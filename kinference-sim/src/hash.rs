@@ -3,7 +3,11 @@
 //! A block's hash is SHA-256 over the canonical CBOR encoding of the
 //! three-element array `[parent digest (bytes, 32), [token ids], extra]`,
 //! where `extra` is CBOR `null` for a plain request (no LoRA, multimodal
-//! item or cache salt; the simulator serves none of those). The first block
+//! item or cache salt) and, for a LoRA request, the one-item array of its
+//! adapter key ([`HashExtra::lora`]: `[["lora", name, path]]` from vLLM
+//! 0.31, `[name]` before; the simulator serves no multimodal items or cache
+//! salts). So an adapter's blocks never share a hash with the base
+//! model's or another adapter's. The first block
 //! of a sequence uses `NONE_HASH` as its parent: SHA-256 of the CBOR text
 //! string of the hash seed (`"vllm-none-hash"` unless `PYTHONHASHSEED` is
 //! set, vLLM ≥ 0.29). This is the only vLLM algorithm that can be reproduced
@@ -62,6 +66,45 @@ impl std::fmt::Debug for Digest {
     }
 }
 
+/// The extra keys every block of a request mixes into its hash (vLLM's
+/// `extra_keys` tuple, the third element of the hashed array), encoded as
+/// canonical CBOR once per adapter.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct HashExtra(Vec<u8>);
+
+impl HashExtra {
+    /// A LoRA adapter's key, the same on every block of its requests: from
+    /// vLLM 0.31 the tagged item `("lora", name, path)` (`tagged`), before
+    /// that (0.12–0.30) the bare adapter name (`shared/specs/kv-events.md`
+    /// §4.3). The tagged form reproduces the `sha256_cbor`
+    /// `stored_lora_medium` fixture of vLLM 0.33 (`sql-lora` at
+    /// `/adapters/sql-lora`).
+    pub fn lora(name: &str, path: &str, tagged: bool) -> Self {
+        let mut buf = Vec::with_capacity(16 + name.len() + path.len());
+        cbor_head(&mut buf, 4, 1); // the extra-keys tuple: one item
+        if tagged {
+            cbor_head(&mut buf, 4, 3);
+            cbor_text(&mut buf, "lora");
+            cbor_text(&mut buf, name);
+            cbor_text(&mut buf, path);
+        } else {
+            cbor_text(&mut buf, name);
+        }
+        HashExtra(buf)
+    }
+
+    /// The CBOR bytes hashed in place of `null`.
+    pub fn cbor(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for HashExtra {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "HashExtra({} CBOR bytes)", self.0.len())
+    }
+}
+
 /// Chains block hashes the way vLLM's `sha256_cbor` does, or the way
 /// SGLang chains pages.
 #[derive(Clone, Debug)]
@@ -87,8 +130,7 @@ impl BlockHasher {
     pub fn new(block_size: usize, seed: &str) -> Self {
         assert!(block_size > 0, "block size must be positive");
         let mut buf = Vec::with_capacity(seed.len() + 9);
-        cbor_head(&mut buf, 3, seed.len() as u64);
-        buf.extend_from_slice(seed.as_bytes());
+        cbor_text(&mut buf, seed);
         BlockHasher {
             scheme: Scheme::Vllm {
                 none_hash: Digest(Sha256::digest(&buf).into()),
@@ -138,8 +180,21 @@ impl BlockHasher {
         self.block_size
     }
 
-    /// The hash of one block given its parent (`None` = first block).
+    /// The hash of one block of a plain request given its parent (`None` =
+    /// first block).
     pub fn hash_block(&self, parent: Option<&Digest>, tokens: &[u32]) -> Digest {
+        self.hash_block_with(parent, tokens, None)
+    }
+
+    /// The hash of one block with the request's extra keys (`None`: a plain
+    /// request, CBOR `null`). SGLang's page chain has no extra keys (the
+    /// simulator serves no adapters in SGLang mode): `extra` is ignored.
+    pub fn hash_block_with(
+        &self,
+        parent: Option<&Digest>,
+        tokens: &[u32],
+        extra: Option<&HashExtra>,
+    ) -> Digest {
         let none_hash = match self.scheme {
             Scheme::Vllm { none_hash } => none_hash,
             Scheme::Sglang => {
@@ -163,21 +218,35 @@ impl BlockHasher {
         for &t in tokens {
             cbor_head(&mut buf, 0, u64::from(t));
         }
-        buf.push(0xf6); // null: no extra keys
+        match extra {
+            None => buf.push(0xf6), // null: no extra keys
+            Some(e) => buf.extend_from_slice(e.cbor()),
+        }
         Digest(Sha256::digest(&buf).into())
     }
 
     /// Extends `hashes` (the digests of the first `hashes.len()` full blocks
     /// of `tokens`) to cover every full block of `tokens`.
     pub fn extend(&self, tokens: &[u32], hashes: &mut Vec<Digest>) {
+        self.extend_with(tokens, hashes, None);
+    }
+
+    /// [`BlockHasher::extend`] for a request with extra keys.
+    pub fn extend_with(&self, tokens: &[u32], hashes: &mut Vec<Digest>, extra: Option<&HashExtra>) {
         let full = tokens.len() / self.block_size;
         while hashes.len() < full {
             let i = hashes.len();
             let block = &tokens[i * self.block_size..(i + 1) * self.block_size];
-            let h = self.hash_block(hashes.last(), block);
+            let h = self.hash_block_with(hashes.last(), block, extra);
             hashes.push(h);
         }
     }
+}
+
+/// Writes a CBOR text string.
+fn cbor_text(buf: &mut Vec<u8>, s: &str) {
+    cbor_head(buf, 3, s.len() as u64);
+    buf.extend_from_slice(s.as_bytes());
 }
 
 /// Writes a canonical (shortest-form) CBOR head of major type `major`.
@@ -241,6 +310,76 @@ mod tests {
         assert_ne!(a[1], h.hash_block(None, &[3, 4]));
         let other_seed = BlockHasher::new(2, "0");
         assert_ne!(other_seed.hash_block(None, &[1, 2]), a[0]);
+    }
+
+    /// The fixtures' LoRA request (`stored_lora_medium`, set
+    /// `vllm-0.33.0/sha256_cbor-bytes`): adapter `sql-lora` at
+    /// `/adapters/sql-lora`, two blocks.
+    #[test]
+    fn lora_blocks_match_vllm_0_33() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../testdata/kv-events/manifest.json"
+        );
+        let text = std::fs::read_to_string(path).expect("the manifest is readable");
+        let manifest: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+        let entry = manifest["fixtures"]
+            .as_array()
+            .expect("fixtures")
+            .iter()
+            .find(|f| f["file"] == "vllm-0.33.0/sha256_cbor-bytes/stored_lora_medium.msgpack")
+            .expect("the LoRA fixture is listed");
+        let ev = &entry["normalized"]["events"][0];
+        assert_eq!(ev["lora_name"], "sql-lora");
+        let tokens: Vec<u32> = ev["token_ids"]
+            .as_array()
+            .expect("tokens")
+            .iter()
+            .map(|t| t.as_u64().expect("id") as u32)
+            .collect();
+        let want: Vec<&str> = ev["block_hashes"]
+            .as_array()
+            .expect("hashes")
+            .iter()
+            .map(|h| h["$bin"].as_str().expect("bytes"))
+            .collect();
+        let h = BlockHasher::new(16, DEFAULT_HASH_SEED);
+        let extra = HashExtra::lora("sql-lora", "/adapters/sql-lora", true);
+        let mut got = Vec::new();
+        h.extend_with(&tokens, &mut got, Some(&extra));
+        assert_eq!(got.iter().map(Digest::hex).collect::<Vec<_>>(), want);
+        // Base-model hashes of the same tokens are untouched by the change.
+        let mut base = Vec::new();
+        h.extend(&tokens, &mut base);
+        assert_ne!(base, got);
+        assert_eq!(base[0], h.hash_block_with(None, &tokens[..16], None));
+    }
+
+    #[test]
+    fn lora_keys_separate_adapters_and_releases() {
+        let tagged = HashExtra::lora("a", "/p", true);
+        assert_eq!(
+            tagged.cbor(),
+            [
+                0x81, 0x83, 0x64, b'l', b'o', b'r', b'a', 0x61, b'a', 0x62, b'/', b'p'
+            ]
+        );
+        let bare = HashExtra::lora("a", "/p", false);
+        assert_eq!(bare.cbor(), [0x81, 0x61, b'a']);
+        let h = BlockHasher::new(2, DEFAULT_HASH_SEED);
+        let t = [1, 2];
+        let ids = [
+            h.hash_block(None, &t),
+            h.hash_block_with(None, &t, Some(&tagged)),
+            h.hash_block_with(None, &t, Some(&bare)),
+            h.hash_block_with(None, &t, Some(&HashExtra::lora("b", "/p", true))),
+            h.hash_block_with(None, &t, Some(&HashExtra::lora("a", "/q", true))),
+        ];
+        for (i, a) in ids.iter().enumerate() {
+            for b in &ids[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
     }
 
     #[test]

@@ -112,35 +112,46 @@ async fn models(State(s): State<Arc<Shared>>) -> impl IntoResponse {
         return axum::Json(crate::surface::sglang_models(&s, created));
     }
     let root = s.cfg.root.clone().unwrap_or_else(|| s.cfg.model.clone());
-    let data: Vec<Value> = s
+    let card = |id: &str, root: &str, parent: Option<&str>, max_model_len: Option<usize>| {
+        json!({
+            "id": id,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_model_len,
+            "permission": [{
+                "id": format!("modelperm-{}", s.next_id_hex()),
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": false,
+                "allow_sampling": true,
+                "allow_logprobs": true,
+                "allow_search_indices": false,
+                "allow_view": true,
+                "allow_fine_tuning": false,
+                "organization": "*",
+                "group": null,
+                "is_blocking": false,
+            }],
+        })
+    };
+    let mut data: Vec<Value> = s
         .cfg
         .served_names()
-        .map(|name| {
-            json!({
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": root,
-                "parent": null,
-                "max_model_len": s.cfg.max_model_len,
-                "permission": [{
-                    "id": format!("modelperm-{}", s.next_id_hex()),
-                    "object": "model_permission",
-                    "created": created,
-                    "allow_create_engine": false,
-                    "allow_sampling": true,
-                    "allow_logprobs": true,
-                    "allow_search_indices": false,
-                    "allow_view": true,
-                    "allow_fine_tuning": false,
-                    "organization": "*",
-                    "group": null,
-                    "is_blocking": false,
-                }],
-            })
-        })
+        .map(|name| card(name, &root, None, Some(s.cfg.max_model_len)))
         .collect();
+    // LoRA adapters after the base cards, as vLLM lists them: `root` the
+    // adapter's path, `parent` the base model's (first) served name, no
+    // `max_model_len`.
+    data.extend(
+        s.cfg
+            .lora
+            .modules
+            .iter()
+            .map(|m| card(&m.name, &m.path, Some(&s.cfg.model), None)),
+    );
     axum::Json(json!({"object": "list", "data": data}))
 }
 
@@ -305,7 +316,7 @@ async fn generate(
     s.note_trace_parent(headers);
     let json = parse_json(body)?;
     let params = Params::parse(&json, kind == Kind::Chat)?;
-    let model = s.check_model(json.get("model"))?;
+    let target = s.resolve_model(json.get("model"))?;
     let endpoint = match kind {
         Kind::Completion => Endpoint::Completions,
         Kind::Chat => Endpoint::ChatCompletions,
@@ -332,6 +343,7 @@ async fn generate(
                 ignore_eos: params.ignore_eos,
                 seed: Some(params.seed.unwrap_or(0).wrapping_add(i as u64)),
                 report_full,
+                lora: target.lora,
             };
             let prompt_tokens = req.prompt.len();
             let (id, rx) = rank.submit(req).map_err(|e| ApiError::bad(e.to_string()))?;
@@ -354,7 +366,7 @@ async fn generate(
         id: format!("{prefix}-{}", s.next_id_hex()),
         n: params.n,
         created: unix_now(),
-        model,
+        model: target.name,
         kind,
         details: s.cfg.enable_prompt_tokens_details,
         shared: s,
@@ -732,6 +744,9 @@ async fn debug_requests(
 
 async fn prefix_match(State(s): State<Arc<Shared>>, body: Bytes) -> Result<Response, ApiError> {
     let body = parse_json(&body)?;
+    // `model` picks the cache namespace: a LoRA adapter's blocks, or the
+    // base model's (absent or a served name).
+    let lora = s.resolve_model(body.get("model"))?.lora;
     let tokens: Vec<u32> = if let Some(t) = body.get("tokens") {
         t.as_array()
             .and_then(|a| {
@@ -755,7 +770,7 @@ async fn prefix_match(State(s): State<Arc<Shared>>, body: Bytes) -> Result<Respo
             .to_vec()
     };
     let per_rank: Vec<Value> = s
-        .cached_prefix_tokens(&tokens)
+        .cached_prefix_tokens(&tokens, lora)
         .into_iter()
         .enumerate()
         .map(|(rank, cached)| json!({"rank": rank, "cached_tokens": cached}))

@@ -20,6 +20,7 @@
 //! | vLLM's admission control (`--max-num-queued-reqs`, `--max-num-queued-tokens`) | [`AdmissionLimits`] |
 //! | `--api-key` with each engine's guarded paths | [`SimConfig::api_key`], [`ApiKeyScope`] |
 //! | faults: slow, stalled or restarting engines, lost batches, cut streams, CUDA faults, a dead engine core, admission rejections, a fraction of failing requests, slow `/metrics` | [`FaultConfig`], [`FaultRequest`] |
+//! | LoRA adapters (`--lora-modules`, `--max-loras`, vLLM only): `/v1/models` cards, a prefix cache of their own per adapter, `lora_id`/`lora_name` in events, at most `max_loras` adapters per batch, slot loads, `vllm:lora_requests_info` | [`LoraConfig`] |
 //! | the truth: cached blocks, counters, queues, publisher state | [`CacheTruth`] |
 //!
 //! # Start engines in-process
@@ -128,11 +129,11 @@ use tokio::task::JoinHandle;
 
 pub use config::{
     AdmissionLimits, EngineConfig, FailMode, FaultConfig, HashRepr, HashSeed, KvEventsConfig,
-    LatencyModel, OutputLen, SimConfig,
+    LatencyModel, LoraConfig, LoraModule, OutputLen, SimConfig,
 };
 pub use engine::{CoreStats, RequestRecord};
 pub use faults::{FaultReport, FaultRequest};
-pub use hash::{BlockHasher, Digest};
+pub use hash::{BlockHasher, Digest, HashExtra};
 pub use kinference_kvindex::codec::frames::ReplayLayout;
 pub use mode::{ApiKeyScope, EngineMode, Family, Version};
 pub use textgen::SimTokenizer;
@@ -203,19 +204,44 @@ impl Shared {
         format!("{:016x}{:016x}", self.id_salt, n)
     }
 
-    /// The requested model name, checked; the served name when absent.
+    /// The requested model name, checked (a served name or a LoRA
+    /// adapter's); the served name when absent.
     pub(crate) fn check_model(&self, model: Option<&Value>) -> Result<String, ApiError> {
+        self.resolve_model(model).map(|t| t.name)
+    }
+
+    /// What the requested model names: the name to echo and the LoRA
+    /// adapter to run as (`None`: the base model). An unknown name is
+    /// vLLM's 404 (`NotFoundError`, "The model `x` does not exist.").
+    pub(crate) fn resolve_model(&self, model: Option<&Value>) -> Result<Target, ApiError> {
         match model {
-            None | Some(Value::Null) => Ok(self.cfg.model.clone()),
-            Some(Value::String(m)) if self.cfg.served_names().any(|n| n == m) => Ok(m.clone()),
-            Some(Value::String(m)) => Err(ApiError::not_found(format!(
-                "The model `{m}` does not exist."
-            ))),
+            None | Some(Value::Null) => Ok(Target {
+                name: self.cfg.model.clone(),
+                lora: None,
+            }),
+            Some(Value::String(m)) if self.cfg.served_names().any(|n| n == m) => Ok(Target {
+                name: m.clone(),
+                lora: None,
+            }),
+            Some(Value::String(m)) => match self.cfg.lora.id_of(m) {
+                Some(id) => Ok(Target {
+                    name: m.clone(),
+                    lora: Some(id),
+                }),
+                None => Err(ApiError::not_found(format!(
+                    "The model `{m}` does not exist."
+                ))),
+            },
             Some(v) => Err(ApiError::bad_param(
                 "model",
                 format!("`model` must be a string, got {v}"),
             )),
         }
+    }
+
+    /// The name of LoRA adapter id `id`.
+    pub(crate) fn lora_name(&self, id: u32) -> &str {
+        self.cfg.lora.module(id).map_or("", |m| m.name.as_str())
     }
 
     fn pick_rank(&self, headers: &axum::http::HeaderMap) -> Result<Arc<Rank>, ApiError> {
@@ -286,6 +312,31 @@ impl Shared {
         if mode.has_admission_control() {
             self.admission_rejections.render(&mut out, &self.cfg.model);
         }
+        if self.cfg.lora.enabled() {
+            // One series for the server, as vLLM's API process keeps one
+            // gauge: the adapters of every rank, each named once.
+            let (mut running, mut waiting) = (Vec::new(), Vec::new());
+            for (_, st) in &guards {
+                for (ids, into) in [
+                    (st.core.running_loras(), &mut running),
+                    (st.core.waiting_loras(), &mut waiting),
+                ] {
+                    for id in ids {
+                        let name = self.lora_name(id);
+                        if !into.contains(&name) {
+                            into.push(name);
+                        }
+                    }
+                }
+            }
+            metrics::render_lora_info(
+                &mut out,
+                &running,
+                &waiting,
+                self.cfg.lora.max_loras,
+                unix_time(),
+            );
+        }
         out
     }
 
@@ -319,12 +370,28 @@ impl Shared {
         results.into_iter().all(|ok| ok)
     }
 
-    fn cached_prefix_tokens(&self, tokens: &[u32]) -> Vec<usize> {
+    fn cached_prefix_tokens(&self, tokens: &[u32], lora: Option<u32>) -> Vec<usize> {
         self.ranks
             .iter()
-            .map(|r| r.lock().core.cached_prefix_tokens(tokens))
+            .map(|r| r.lock().core.cached_prefix_tokens_for(tokens, lora))
             .collect()
     }
+}
+
+/// A request's model, resolved ([`Shared::resolve_model`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    /// The name the response echoes.
+    pub(crate) name: String,
+    /// The LoRA adapter's integer id; `None`: the base model.
+    pub(crate) lora: Option<u32>,
+}
+
+/// Seconds since the Unix epoch.
+fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn py_bool(b: bool) -> String {
@@ -374,7 +441,8 @@ impl SimEngine {
                 cfg.max_model_len,
                 cfg.seed,
                 tok.clone(),
-            );
+            )
+            .with_loras(&cfg.lora);
             let publisher = match &kv_cfg {
                 Some(kv) => Some(
                     Publisher::start(
@@ -383,6 +451,7 @@ impl SimEngine {
                         rank,
                         rank as u16,
                         cfg.engine.block_size,
+                        cfg.lora.modules.iter().map(|m| m.name.clone()).collect(),
                         shutdown_rx.clone(),
                     )
                     .await?,
@@ -506,9 +575,21 @@ impl SimHandle {
         self.shared.cache_truth(None, with_tokens, false, true)
     }
 
-    /// Prompt tokens of `tokens` each rank would serve from its cache now.
+    /// Prompt tokens of `tokens` each rank would serve from its cache now
+    /// (for the base model).
     pub fn cached_prefix_tokens(&self, tokens: &[u32]) -> Vec<usize> {
-        self.shared.cached_prefix_tokens(tokens)
+        self.shared.cached_prefix_tokens(tokens, None)
+    }
+
+    /// [`SimHandle::cached_prefix_tokens`] for a request naming `model`: a
+    /// served name (the base model's cache) or a LoRA adapter (that
+    /// adapter's blocks only). `None` for a model the engine does not serve.
+    pub fn cached_prefix_tokens_for(&self, tokens: &[u32], model: &str) -> Option<Vec<usize>> {
+        let target = self
+            .shared
+            .resolve_model(Some(&Value::String(model.to_owned())))
+            .ok()?;
+        Some(self.shared.cached_prefix_tokens(tokens, target.lora))
     }
 
     /// The `traceparent` headers of the last generation requests (up to

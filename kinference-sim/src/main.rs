@@ -7,7 +7,8 @@ use anyhow::Context as _;
 use clap::{Parser, ValueEnum};
 use kinference_sim::{
     AdmissionLimits, ApiKeyScope, EngineConfig, EngineMode, FailMode, FaultConfig, FaultRequest,
-    HashRepr, HashSeed, KvEventsConfig, LatencyModel, OutputLen, SimConfig, SimFleet, SimTokenizer,
+    HashRepr, HashSeed, KvEventsConfig, LatencyModel, LoraConfig, LoraModule, OutputLen, SimConfig,
+    SimFleet, SimTokenizer,
 };
 
 /// Simulated vLLM or SGLang engines: OpenAI API, /metrics, KV events (and
@@ -106,6 +107,21 @@ struct Args {
     /// vLLM admission control: most prompt tokens in prefill before 503.
     #[arg(long)]
     max_num_queued_tokens: Option<usize>,
+    /// LoRA adapters served next to the model (vLLM only): NAME=PATH, or a
+    /// bare NAME (path /adapters/NAME); comma-separated, space-separated or
+    /// repeated. Each gets a /v1/models card (root PATH, parent the served
+    /// name) and answers as `model`; adapter i (from 1, in this order) is
+    /// the events' lora_id.
+    #[arg(long, value_name = "NAME=PATH", num_args = 1.., value_delimiter = ',')]
+    lora_modules: Vec<LoraModule>,
+    /// Most distinct LoRA adapters in one running batch, and GPU slots for
+    /// them (vLLM's --max-loras).
+    #[arg(long, default_value_t = LoraConfig::default().max_loras)]
+    max_loras: usize,
+    /// Step time spent loading a LoRA adapter that is not in a GPU slot
+    /// (the least recently used slot is evicted), ms.
+    #[arg(long, default_value_t = LoraConfig::default().load_ms)]
+    lora_load_ms: f64,
     /// Step time: fixed part, ms.
     #[arg(long, default_value_t = LatencyModel::default().base_ms)]
     step_base_ms: f64,
@@ -228,6 +244,11 @@ fn config(args: &Args) -> anyhow::Result<SimConfig> {
             max_num_queued_reqs: args.max_num_queued_reqs,
             max_num_queued_tokens: args.max_num_queued_tokens,
         },
+        lora: LoraConfig {
+            modules: args.lora_modules.clone(),
+            max_loras: args.max_loras,
+            load_ms: args.lora_load_ms,
+        },
     })
 }
 
@@ -259,8 +280,20 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 None => format!("rank {}: pub {}", k.rank, k.pub_addr),
             })
             .collect();
+        let loras: Vec<&str> = e
+            .config()
+            .lora
+            .modules
+            .iter()
+            .map(|m| m.name.as_str())
+            .collect();
+        let loras = if loras.is_empty() {
+            String::new()
+        } else {
+            format!(" lora [{}]", loras.join(", "))
+        };
         println!(
-            "engine {} ({}) model {} kv [{}]",
+            "engine {} ({}) model {} kv [{}]{loras}",
             e.base_url(),
             e.config().engine_mode,
             e.model(),

@@ -319,6 +319,30 @@ pub(crate) fn render(
     out
 }
 
+/// vLLM's `vllm:lora_requests_info` (only with adapters configured): one
+/// series whose labels name the adapters of the running and waiting
+/// requests (comma-separated, each once) and `max_lora`, with the Unix time
+/// of the update as its value (`set_to_current_time`), labels in vLLM's
+/// declaration order.
+pub(crate) fn render_lora_info(
+    out: &mut String,
+    running: &[&str],
+    waiting: &[&str],
+    max_lora: usize,
+    now: f64,
+) {
+    let _ = writeln!(
+        out,
+        "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge"
+    );
+    let _ = writeln!(
+        out,
+        "vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {now:?}",
+        escape(&waiting.join(",")),
+        escape(&running.join(",")),
+    );
+}
+
 /// Renders SGLang's `/metrics`: per scheduler (DP rank) gauges labelled as
 /// SGLang labels them (`model_name`, `engine_type`, `tp_rank`, `pp_rank`,
 /// `moe_ep_rank`, and `dp_rank` when there are DP ranks), then the
@@ -463,5 +487,15 @@ mod tests {
         assert!(s.contains("x_bucket{a=\"b\",le=\"160.0\"} 3.0"));
         assert!(s.contains("x_bucket{a=\"b\",le=\"+Inf\"} 3.0"));
         assert!(s.contains("x_count{a=\"b\"} 3.0"));
+    }
+
+    #[test]
+    fn lora_info_lists_adapters_once_with_the_time() {
+        let mut s = String::new();
+        render_lora_info(&mut s, &["a", "b"], &[], 2, 1_767_225_600.5);
+        assert!(s.contains("# TYPE vllm:lora_requests_info gauge"));
+        assert!(s.contains(
+            "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"a,b\"} 1767225600.5\n"
+        ));
     }
 }

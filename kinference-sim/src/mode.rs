@@ -19,6 +19,7 @@
 //! | admission control (`--max-num-queued-reqs`, 503) | ≥ 0.29 | no |
 //! | `--api-key` guards | paths under `/v1`, `/v2`, `/inference` (or every path but the public ones) | every path but `/health*`, `/metrics*` |
 //! | `/metrics` names | `vllm:` | `sglang:` |
+//! | LoRA adapters (`--lora-modules`) | served; a block's hash extra key is the adapter name < 0.31, `("lora", name, path)` ≥ 0.31 | refused |
 //!
 //! Releases older than the oldest modelled one (vLLM 0.22, SGLang 0.5.10)
 //! are refused: their events have fewer fields than the simulator writes.
@@ -327,6 +328,18 @@ impl EngineMode {
         self.is_vllm() && self.version.at_least(0, 29)
     }
 
+    /// Serves LoRA adapters (`--lora-modules`): vLLM. SGLang's own flags
+    /// and page-hash namespacing differ and are not modelled.
+    pub fn serves_lora(&self) -> bool {
+        self.is_vllm()
+    }
+
+    /// A LoRA block's hash mixes in the tagged extra key `("lora", name,
+    /// path)` (vLLM ≥ 0.31) instead of the bare adapter name (0.12–0.30).
+    pub fn lora_hash_key_tagged(&self) -> bool {
+        self.is_vllm() && self.version.at_least(0, 31)
+    }
+
     /// The `/version` answer.
     pub fn version_string(&self) -> String {
         self.version.to_string()
@@ -396,5 +409,8 @@ mod tests {
         assert!(v("vllm:0.29").default_seed_is_fixed());
         assert!(!v("vllm:0.25").honours_report_mode_full());
         assert!(v("vllm:0.26").honours_report_mode_full());
+        assert!(!v("vllm:0.30.9").lora_hash_key_tagged());
+        assert!(v("vllm:0.31").lora_hash_key_tagged());
+        assert!(v("vllm:0.22").serves_lora() && !v("sglang").serves_lora());
     }
 }

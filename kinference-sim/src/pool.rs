@@ -40,6 +40,9 @@ struct Block {
     ref_cnt: u32,
     digest: Option<Digest>,
     parent: Option<Digest>,
+    /// The LoRA adapter (vLLM's integer id) whose request cached the
+    /// block; 0 for the base model.
+    lora: u32,
     prev: u32,
     next: u32,
 }
@@ -66,6 +69,7 @@ impl BlockPool {
                 ref_cnt: 0,
                 digest: None,
                 parent: None,
+                lora: 0,
                 prev: NIL,
                 next: NIL,
             };
@@ -146,18 +150,21 @@ impl BlockPool {
         Some((id, evicted.map(|d| (d, parent))))
     }
 
-    /// Marks a referenced, full block as cached under `digest`.
+    /// Marks a referenced, full block as cached under `digest` by a request
+    /// of adapter `lora` (`None`: the base model).
     pub(crate) fn cache(
         &mut self,
         id: BlockId,
         digest: Digest,
         parent: Option<Digest>,
         tokens: &[u32],
+        lora: Option<u32>,
     ) {
         let b = &mut self.blocks[id as usize];
         debug_assert!(b.digest.is_none() && b.ref_cnt > 0);
         b.digest = Some(digest);
         b.parent = parent;
+        b.lora = lora.unwrap_or(0);
         let at = id as usize * self.block_size;
         self.tokens[at..at + self.block_size].copy_from_slice(tokens);
         self.cached.entry(digest).or_default().push(id);
@@ -186,6 +193,7 @@ impl BlockPool {
         for b in &mut self.blocks {
             b.digest = None;
             b.parent = None;
+            b.lora = 0;
         }
         self.cached.clear();
         true
@@ -212,6 +220,7 @@ impl BlockPool {
                 CachedBlock {
                     digest: *d,
                     parent: self.blocks[first].parent,
+                    lora_id: Some(self.blocks[first].lora).filter(|l| *l != 0),
                     copies: ids.len(),
                     in_use: ids.iter().any(|i| self.blocks[*i as usize].ref_cnt > 0),
                     tokens: with_tokens.then(|| {
@@ -281,6 +290,9 @@ pub struct CachedBlock {
     pub digest: Digest,
     /// Digest of the block before it in its sequence (`None`: first block).
     pub parent: Option<Digest>,
+    /// The LoRA adapter whose namespace it is in (vLLM's integer id;
+    /// `None`: the base model).
+    pub lora_id: Option<u32>,
     /// Physical blocks carrying this digest (usually 1).
     pub copies: usize,
     /// Whether a running request holds it.
@@ -304,8 +316,8 @@ mod tests {
         let mut p = BlockPool::new(4, 1);
         let (a, _) = p.allocate().expect("free");
         let (b, _) = p.allocate().expect("free");
-        p.cache(a, d(1), None, &[1]);
-        p.cache(b, d(2), Some(d(1)), &[2]);
+        p.cache(a, d(1), None, &[1], None);
+        p.cache(b, d(2), Some(d(1)), &[2], None);
         // A request frees its blocks last-first.
         p.free([b, a]);
         assert_eq!(p.free_order(), vec![3, b, a]);
@@ -330,8 +342,8 @@ mod tests {
         let mut p = BlockPool::new(3, 1);
         let (a, _) = p.allocate().expect("free");
         let (b, _) = p.allocate().expect("free");
-        p.cache(a, d(9), None, &[9]);
-        p.cache(b, d(9), None, &[9]);
+        p.cache(a, d(9), None, &[9], None);
+        p.cache(b, d(9), None, &[9], None);
         assert_eq!(p.snapshot(false)[0].copies, 2);
         p.free([a, b]);
         let (_, ev) = p.allocate().expect("free");
@@ -352,7 +364,7 @@ mod tests {
                     0 => if let Some((id, _)) = p.allocate() { held.push(id) },
                     1 => if let Some(&id) = held.get(arg as usize % held.len().max(1))
                         && p.blocks[id as usize].digest.is_none() {
-                        p.cache(id, d(arg), None, &[u32::from(arg)]);
+                        p.cache(id, d(arg), None, &[u32::from(arg)], None);
                     },
                     2 => if !held.is_empty() { let id = held.swap_remove(arg as usize % held.len()); p.free([id]) },
                     _ => if let Some(id) = p.lookup(&d(arg)) { p.touch(id); held.push(id) },

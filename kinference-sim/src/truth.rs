@@ -38,6 +38,10 @@ pub struct BlockTruth {
     pub copies: usize,
     /// Held by a running request.
     pub in_use: bool,
+    /// The LoRA adapter whose blocks these are (absent: the base model):
+    /// its tokens hit only requests of that adapter.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
     /// Token ids (`tokens=1`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens: Option<Vec<u32>>,
@@ -69,6 +73,10 @@ pub struct RankTruth {
     pub running: Vec<u64>,
     /// Request ids waiting, in queue order.
     pub waiting: Vec<u64>,
+    /// LoRA adapters in GPU slots, least recently used first (absent when
+    /// none is loaded).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub lora_slots: Vec<String>,
     /// Publisher state.
     pub publisher: Option<PublisherTruth>,
     /// Remaining stall, in ms.
@@ -106,6 +114,9 @@ pub struct Counters {
     pub blocks_removed: u64,
     /// Successful resets.
     pub cache_resets: u64,
+    /// LoRA adapters loaded into a GPU slot (each one `lora_load_ms` of
+    /// step time).
+    pub lora_loads: u64,
 }
 
 impl From<&CoreStats> for Counters {
@@ -124,6 +135,7 @@ impl From<&CoreStats> for Counters {
             blocks_rereported: s.blocks_rereported,
             blocks_removed: s.blocks_removed,
             cache_resets: s.cache_resets,
+            lora_loads: s.lora_loads,
         }
     }
 }
@@ -180,9 +192,15 @@ impl Shared {
             .iter()
             .filter(|r| only.is_none_or(|o| o == r.index))
             .map(|r| {
-                let (running, waiting, counters, free, usage, (hashes, cached), list) = {
+                let (running, waiting, slots, counters, free, usage, (hashes, cached), list) = {
                     let st = r.lock();
                     let (running, waiting) = st.core.queue();
+                    let slots: Vec<String> = st
+                        .core
+                        .lora_slots()
+                        .into_iter()
+                        .map(|l| self.lora_name(l).to_owned())
+                        .collect();
                     let list = blocks.then(|| {
                         st.core
                             .cache_snapshot(tokens)
@@ -193,6 +211,7 @@ impl Shared {
                                 digest: digests.then(|| b.digest.hex()),
                                 copies: b.copies,
                                 in_use: b.in_use,
+                                lora_name: b.lora_id.map(|l| self.lora_name(l).to_owned()),
                                 tokens: b.tokens,
                             })
                             .collect()
@@ -200,6 +219,7 @@ impl Shared {
                     (
                         running,
                         waiting,
+                        slots,
                         Counters::from(st.core.stats()),
                         st.core.free_blocks(),
                         st.core.kv_usage(),
@@ -219,6 +239,7 @@ impl Shared {
                     counters,
                     running,
                     waiting,
+                    lora_slots: slots,
                     publisher: r.publisher.as_ref().map(|p| publisher_truth(&p.info)),
                     stalled_ms: r.stalled_until().map_or(0, |u| {
                         u.saturating_duration_since(tokio::time::Instant::now())

@@ -103,11 +103,13 @@ fn hashes_and_chaining_equal_vllm_for_the_same_tokens() {
             digests: d0,
             parent: p0,
             tokens: t0,
+            lora: None,
         },
         SimEvent::Stored {
             digests: d1,
             parent: p1,
             tokens: t1,
+            lora: None,
         },
     ] = events.as_slice()
     else {
@@ -440,4 +442,128 @@ fn sglang_mode_announces_a_prefix_once() {
         (1, 1),
         "SGLang: one prefix, stored and removed once"
     );
+}
+
+/// A core serving adapters `a`, `b`, `c` (ids 1, 2, 3) with `max_loras`
+/// slots, each load costing 25 ms.
+fn lora_core(max_loras: usize) -> EngineCore {
+    core(256).with_loras(&crate::LoraConfig {
+        modules: ["a", "b", "c"]
+            .into_iter()
+            .map(crate::LoraModule::named)
+            .collect(),
+        max_loras,
+        load_ms: 25.0,
+    })
+}
+
+fn lora_req(prompt: Vec<u32>, max_tokens: usize, lora: Option<u32>) -> NewRequest {
+    NewRequest {
+        lora,
+        ..req(prompt, max_tokens)
+    }
+}
+
+#[test]
+fn each_adapter_caches_in_its_own_namespace() {
+    let mut c = lora_core(3);
+    let prompt: Vec<u32> = (1..=33).collect();
+    let mut stored = Vec::new();
+    let mut now = 0.0;
+    for lora in [None, Some(1), Some(2), Some(1)] {
+        c.add_request(lora_req(prompt.clone(), 1, lora), now)
+            .expect("fits");
+        let (_, batches, t) = run(&mut c, now);
+        now = t;
+        for e in batches.into_iter().flatten() {
+            if let SimEvent::Stored { digests, lora, .. } = e {
+                stored.push((lora, digests));
+            }
+        }
+    }
+    // Base, a and b store two blocks each; the second `a` request hits both.
+    assert_eq!(
+        stored
+            .iter()
+            .map(|(l, d)| (*l, d.len()))
+            .collect::<Vec<_>>(),
+        [(None, 2), (Some(1), 2), (Some(2), 2)]
+    );
+    for (i, (_, a)) in stored.iter().enumerate() {
+        for (_, b) in &stored[i + 1..] {
+            assert!(a.iter().all(|d| !b.contains(d)), "namespaces overlap");
+        }
+    }
+    let cached: Vec<usize> = c.recent().map(|r| r.cached_tokens).collect();
+    assert_eq!(cached, [0, 0, 0, 32]);
+    assert_eq!(
+        c.recent().map(|r| r.lora_id).collect::<Vec<_>>(),
+        [None, Some(1), Some(2), Some(1)]
+    );
+    assert_eq!(c.cached_prefix_tokens_for(&prompt, Some(1)), 32);
+    assert_eq!(c.cached_prefix_tokens_for(&prompt, Some(3)), 0, "c: none");
+    assert_eq!(c.cached_prefix_tokens(&prompt), 32, "the base model's own");
+    let snap = c.cache_snapshot(false);
+    let per_ns = |l: Option<u32>| snap.iter().filter(|b| b.lora_id == l).count();
+    assert_eq!((per_ns(None), per_ns(Some(1)), per_ns(Some(2))), (2, 2, 2));
+    assert_eq!(
+        c.add_request(lora_req(prompt, 1, Some(4)), now),
+        Err(AdmitError::UnknownLora(4))
+    );
+}
+
+#[test]
+fn max_loras_serializes_adapters_but_never_the_base_model() {
+    let mut c = lora_core(1);
+    let a = c
+        .add_request(lora_req(vec![1; 20], 4, Some(1)), 0.0)
+        .expect("fits");
+    let b = c
+        .add_request(lora_req(vec![2; 20], 4, Some(2)), 0.0)
+        .expect("fits");
+    let base = c.add_request(req(vec![3; 20], 4), 0.0).expect("fits");
+    let first = c.schedule(0.0).expect("work");
+    let ids: Vec<ReqId> = first.entries.iter().map(|(id, _)| *id).collect();
+    assert_eq!(
+        ids,
+        [a, base],
+        "b waits for a slot; the base request does not"
+    );
+    assert_eq!(c.queue().1, [b]);
+    assert_eq!(c.waiting_loras(), [2]);
+    assert_eq!(first.lora_loads, 1);
+    let plain = LatencyModel::default().step_seconds(first.prefill_tokens, first.decode_seqs);
+    assert!((first.duration - plain - 0.025).abs() < 1e-9, "{first:?}");
+    c.finish_step(&first, first.duration);
+    assert_eq!(c.running_loras(), [1]);
+    run(&mut c, first.duration);
+    let rec: Vec<RequestRecord> = c.recent().copied().collect();
+    let find = |id: ReqId| rec.iter().find(|r| r.id == id).expect("finished");
+    let (ra, rb, rbase) = (find(a), find(b), find(base));
+    assert!(
+        rb.scheduled.expect("ran") >= ra.finished,
+        "b starts once a is done: {ra:?} {rb:?}"
+    );
+    assert_eq!(rbase.scheduled, ra.scheduled);
+    assert_eq!(c.stats().lora_loads, 2, "a, then b into a's slot");
+    assert_eq!(c.lora_slots(), [2]);
+}
+
+#[test]
+fn loaded_adapters_stay_in_lru_slots() {
+    let mut c = lora_core(2);
+    let mut loads = Vec::new();
+    let mut now = 0.0;
+    for lora in [1, 2, 1, 3, 2] {
+        c.add_request(lora_req(vec![lora; 8], 1, Some(lora)), now)
+            .expect("fits");
+        let step = c.schedule(now).expect("work");
+        now += step.duration;
+        c.finish_step(&step, now);
+        loads.push(step.lora_loads);
+    }
+    // a, b load; a is resident; c evicts b (least recently used); b evicts a.
+    assert_eq!(loads, [1, 1, 0, 1, 1]);
+    assert_eq!(c.lora_slots(), [3, 2]);
+    assert_eq!(c.stats().lora_loads, 4);
 }

@@ -20,6 +20,9 @@ pub enum SimEvent {
         parent: Option<Digest>,
         /// Their token ids, concatenated.
         tokens: Vec<u32>,
+        /// The LoRA adapter of the request that cached them (vLLM's
+        /// integer id, 1-based); `None`: the base model.
+        lora: Option<u32>,
     },
     /// One block evicted, with its parent's digest (SGLang mode groups a
     /// run of evictions along a chain into one radix node's event).
@@ -71,6 +74,9 @@ pub struct NewRequest {
     /// vLLM's `kv_cache_report_mode: "full"` (≥ 0.26): its prefix-cache hit
     /// is re-announced with a `BlockStored` (parent nil) at admission.
     pub report_full: bool,
+    /// The LoRA adapter it runs as: vLLM's integer id, 1-based in
+    /// [`crate::LoraConfig::modules`] order; `None`: the base model.
+    pub lora: Option<u32>,
 }
 
 /// One request's progress, reported after a step.
@@ -120,6 +126,8 @@ pub struct RequestRecord {
     pub finished: f64,
     /// Times it was preempted.
     pub preemptions: u32,
+    /// Its LoRA adapter's integer id (`None`: the base model).
+    pub lora_id: Option<u32>,
 }
 
 /// Counters and histograms of one core (what `/metrics` reports).
@@ -154,6 +162,9 @@ pub struct CoreStats {
     pub blocks_removed: u64,
     /// Successful prefix-cache resets.
     pub cache_resets: u64,
+    /// LoRA adapters loaded into a GPU slot (each load made its step
+    /// `lora_load_ms` longer).
+    pub lora_loads: u64,
     /// Prefix-cache hit rate of the last step that admitted requests
     /// (SGLang's `cache_hit_rate` gauge: hit tokens / prompt tokens).
     pub last_hit_rate: f64,
@@ -187,6 +198,7 @@ impl Default for CoreStats {
             blocks_rereported: 0,
             blocks_removed: 0,
             cache_resets: 0,
+            lora_loads: 0,
             last_hit_rate: 0.0,
             gen_throughput: 0.0,
             ttft: Histogram::new(TTFT_BUCKETS),
@@ -219,7 +231,10 @@ pub struct Scheduled {
     pub prefill_tokens: usize,
     /// Sequences decoding one token.
     pub decode_seqs: usize,
-    /// Step duration in seconds, from the latency model.
+    /// LoRA adapters loaded into a GPU slot for this step.
+    pub lora_loads: usize,
+    /// Step duration in seconds, from the latency model (plus
+    /// `lora_load_ms` per adapter loaded).
     pub duration: f64,
 }
 
@@ -229,6 +244,9 @@ pub enum AdmitError {
     /// Empty prompt.
     #[error("The prompt cannot be empty.")]
     EmptyPrompt,
+    /// A LoRA adapter id the core does not serve.
+    #[error("The LoRA adapter with id {0} is not loaded.")]
+    UnknownLora(u32),
     /// The prompt alone fills the context.
     #[error(
         "This model's maximum context length is {max_model_len} tokens. However, your request has {prompt} input tokens. Please reduce the length of the input messages."

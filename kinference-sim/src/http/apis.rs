@@ -208,6 +208,8 @@ struct ChatJob {
     seed: Option<u64>,
     report_full: bool,
     stream: bool,
+    /// The LoRA adapter it runs as (`None`: the base model).
+    lora: Option<u32>,
 }
 
 /// The outcome of submitting a [`ChatJob`].
@@ -256,6 +258,7 @@ async fn admit(s: &Arc<Shared>, headers: &HeaderMap, job: &ChatJob) -> Result<Ad
         ignore_eos: job.ignore_eos,
         seed: Some(job.seed.unwrap_or(0)),
         report_full,
+        lora: job.lora,
     };
     let prompt_tokens = req.prompt.len();
     let (id, rx) = rank.submit(req).map_err(|e| ApiError::bad(e.to_string()))?;
@@ -582,7 +585,7 @@ pub(super) async fn responses(
             "max_output_tokens must be at least 1, got 0.",
         ));
     }
-    let model = s.check_model(json.get("model"))?;
+    let target = s.resolve_model(json.get("model"))?;
     let instructions = match json.get("instructions") {
         None | Some(Value::Null) => Value::Null,
         Some(v @ Value::String(_)) => v.clone(),
@@ -619,12 +622,13 @@ pub(super) async fn responses(
         seed: params.seed,
         report_full: params.report_full,
         stream: params.stream,
+        lora: target.lora,
     };
     let info = ResponseInfo {
         id: format!("resp_{}", s.next_id_hex()),
         msg_id: format!("msg_{}", s.next_id_hex()),
         created_at: unix_now(),
-        model,
+        model: target.name,
         instructions,
         requested_max: job.max_tokens,
         max_model_len: s.cfg.max_model_len,
@@ -885,6 +889,7 @@ fn parse_messages(json: &Value) -> Result<MessagesRequest, ApiError> {
             seed: None,
             report_full: false,
             stream: params.stream,
+            lora: None,
         },
     })
 }
@@ -934,9 +939,11 @@ pub(super) async fn messages(
 async fn run_messages(
     s: Arc<Shared>,
     headers: &HeaderMap,
-    req: MessagesRequest,
+    mut req: MessagesRequest,
 ) -> Result<Response, ApiError> {
-    let model = s.check_model(Some(&Value::String(req.model)))?;
+    let target = s.resolve_model(Some(&Value::String(req.model.clone())))?;
+    req.job.lora = target.lora;
+    let model = target.name;
     let id = format!("chatcmpl-{}", s.next_id_hex());
     let mut choices = match admit(&s, headers, &req.job).await? {
         Admitted::Run(c) => c,
