@@ -160,3 +160,58 @@ async fn no_stale_blocks_through_evictions_gaps_and_restarts() {
     assert!(kv["restarts"].as_u64().unwrap() >= 1, "{kv}");
     r.shutdown().await;
 }
+
+/// An adapter's blocks (vLLM's `lora_name` on `BlockStored`) are indexed
+/// under that adapter's keys only: the router finds the adapter's prefix on
+/// the engine that cached it, as deep as the engine holds it, and credits
+/// none of it to the base model with the same tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_blocks_count_for_that_adapter_only() {
+    let engines = engines(1, |c| {
+        c.engine.block_size = BLOCK as usize;
+        c.lora.modules = vec![kinference_sim::LoraModule {
+            name: "sql".into(),
+            path: "/adapters/sql".into(),
+        }];
+    })
+    .await;
+    let sim = &engines[0];
+    let r = router(&[EngineAddr::of(sim)], &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 1, true).await;
+    let ids = prompt(7, 6);
+    let reply = post(
+        r.api(),
+        "/v1/completions",
+        &serde_json::json!({"model": "sql", "prompt": ids, "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let mut probe = ids.clone();
+    probe.push(7);
+    let held = sim
+        .cached_prefix_tokens_for(&probe, "sql")
+        .expect("sql is served")[0] as u32
+        / BLOCK;
+    assert!(
+        held >= 5,
+        "the engine holds the adapter's prompt ({held} blocks)"
+    );
+    assert_eq!(truth_depth(sim, &ids), 0, "the base model holds none of it");
+    let depth = |lora: Option<&str>| {
+        let keys = kinference_kvindex::BlockKeyer::new(BLOCK, lora)
+            .keys(&ids, &kinference_kvindex::ExtraKeys::none());
+        r.running.shared.kv.index().find_matches(&keys).max_blocks()
+    };
+    eventually(
+        Duration::from_secs(10),
+        "the router indexes the adapter's blocks under its keys",
+        || async { (depth(Some("sql")) >= held.min(6)).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        depth(None),
+        0,
+        "no base-model credit for the adapter's blocks"
+    );
+    r.shutdown().await;
+}
