@@ -73,13 +73,10 @@ struct ModelShape {
 pub(crate) struct FastPath {
     /// NFC normalizer: only text already in NFC is handled.
     nfc: bool,
-    /// `P|\s+`.
-    split: Regex,
-    /// `P|\s+` again, for searches anchored where the last piece ended
-    /// (every character starts a match of the patterns in use, so this is
-    /// the usual case; the `regex` crate's `find_at` would also run a
-    /// reverse scan to find where the match starts).
-    anchored: meta::Regex,
+    /// `P|\s+`, searched anchored where the last piece ended (every
+    /// character starts a match of the patterns in use, so that is the
+    /// usual case and needs no reverse scan), else unanchored.
+    split: meta::Regex,
     /// `\A(?:P)`.
     prefix: Regex,
     /// GPT-2's byte → character table.
@@ -168,8 +165,7 @@ impl FastPath {
         }
         Some(FastPath {
             nfc,
-            split: Regex::new(&format!(r"{prefix}|\s+")).ok()?,
-            anchored: meta::Regex::new(&format!(r"{prefix}|\s+")).ok()?,
+            split: meta::Regex::new(&format!(r"{prefix}|\s+")).ok()?,
             prefix: Regex::new(&format!(r"\A(?:{prefix})")).ok()?,
             bytes_char: bytes_char(),
             bpe: None,
@@ -226,14 +222,15 @@ impl FastPath {
     ) -> tokenizers::Result<()> {
         let mut pos = 0;
         while pos < text.len() {
-            let input = Input::new(text).range(pos..).anchored(Anchored::Yes);
-            let (start, mut end) = match self.anchored.find(input) {
-                Some(m) => (m.start(), m.end()),
-                None => match self.split.find_at(text, pos) {
-                    Some(m) => (m.start(), m.end()),
-                    None => return f(&text[pos..]),
-                },
+            let at = Input::new(text).range(pos..);
+            let found = self
+                .split
+                .find(at.clone().anchored(Anchored::Yes))
+                .or_else(|| self.split.find(at));
+            let Some(m) = found else {
+                return f(&text[pos..]);
             };
+            let (start, mut end) = (m.start(), m.end());
             if start > pos {
                 f(&text[pos..start])?;
             }
