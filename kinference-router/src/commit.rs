@@ -44,15 +44,15 @@ pub fn commit(view: &View, prepared: &Prepared, d: &Decision, now: Now) -> Commi
     // In exact mode the record only bridges the time until the engine's
     // events arrive: an endpoint already known to hold the whole prompt
     // needs none (repeats of warm prompts, most traffic, write nothing).
-    let known = route.request.cache == CacheSource::Index
-        && d.candidate.cached.gpu as usize >= route.keys.len();
-    let record = (route.request.cache != CacheSource::None && !route.keys.is_empty() && !known)
-        .then(|| {
-            runtime
-                .prefixes
-                .write()
-                .record(d.choice.endpoint, &route.keys, now.since_start)
-        });
+    let record = (route.request.cache != CacheSource::None
+        && !route.keys.is_empty()
+        && !d.holds_whole_prompt(route))
+    .then(|| {
+        runtime
+            .prefixes
+            .write()
+            .record(d.choice.endpoint, &route.keys, now.since_start)
+    });
     let mut inflight = d.endpoint.begin(
         u64::from(d.choice.uncached_tokens()),
         u64::from(route.request.prompt_tokens),

@@ -62,6 +62,18 @@ pub struct Decision {
     pub panic: bool,
 }
 
+impl Decision {
+    /// Whether the chosen endpoint is already known (index, or prefix
+    /// record topped up on it) to hold every full block of `route`'s
+    /// prompt, in exact mode: then sending it records nothing new, and
+    /// asking the engine to re-report the blocks it reuses would only
+    /// repeat what the index shows.
+    pub fn holds_whole_prompt(&self, route: &Route) -> bool {
+        route.request.cache == kinference_scoring::CacheSource::Index
+            && self.candidate.cached.gpu as usize >= route.keys.len()
+    }
+}
+
 /// Decides where `prepared` goes, skipping `excluded` endpoints.
 ///
 /// # Errors

@@ -496,8 +496,11 @@ async fn route(
             headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
         }
         // While the index may be missing what the engine holds, vLLM ≥ 0.26
-        // is asked to re-report the blocks this request reuses.
+        // is asked to re-report the blocks this request reuses, unless the
+        // index already shows them all there (a re-report would repeat
+        // what it holds: on a busy engine, every request's whole prompt).
         let recover = route.request.cache == kinference_scoring::CacheSource::Index
+            && !d.holds_whole_prompt(route)
             && d.endpoint.kv_recovering(now.instant)
             && d.endpoint.reports_reused_blocks_on_request();
         if recover {

@@ -461,6 +461,23 @@ async fn after_a_router_restart_the_index_converges_on_a_warm_fleet() {
     assert_eq!(before, 0, "a new router starts knowing nothing");
     assert!(truth > 0);
     assert_eq!(after, truth_after);
+    // Still inside the recovery window, prompts the index now shows whole
+    // on their engine ask for no re-report: it would repeat what the index
+    // holds (on a busy engine, every request's whole prompt as events).
+    let asked = r.running.shared.metrics.kv_recovery_requests.get();
+    assert!(asked > 0, "the recovery asked for re-reports");
+    assert!(
+        r.running.shared.view().worker_sets[0].endpoints[0].kv_recovering(Instant::now()),
+        "still within the recovery window"
+    );
+    for p in &warm {
+        send_prompt(&r, p).await;
+    }
+    assert_eq!(
+        r.running.shared.metrics.kv_recovery_requests.get(),
+        asked,
+        "known prompts asked for re-reports"
+    );
     r.shutdown().await;
 }
 
