@@ -164,3 +164,23 @@ endpoints:
     assert_eq!(s.ports.as_ref().unwrap().len(), 2);
     assert_eq!(s.endpoints[0].addresses, ["10.0.0.1"]);
 }
+
+#[test]
+fn admission_tenants_take_weights_and_models() {
+    let text = "apiVersion: kinference.buoyant.io/v1alpha1\nkind: RoutingProfile\nmetadata: {name: shared}\nspec:\n  admission:\n    maxPredictedTtftMillis: 1500\n    tenants:\n      - {name: interactive, weight: 4, models: [qwen-chat]}\n      - {name: batch, models: [qwen-batch, qwen-nightly]}\n";
+    let Object::Profile(p) = manifests::parse(text).unwrap().remove(0) else {
+        panic!("not a profile")
+    };
+    let a = p.spec.admission.expect("admission");
+    assert_eq!(a.tenants.len(), 2);
+    assert_eq!(a.tenants[0].weight, Some(4));
+    assert_eq!(a.tenants[1].weight, None, "unset: the default, 1");
+    assert_eq!(a.tenants[1].models, ["qwen-batch", "qwen-nightly"]);
+    // Without tenants the field stays out of the object.
+    let plain = "apiVersion: kinference.buoyant.io/v1alpha1\nkind: RoutingProfile\nmetadata: {name: p}\nspec: {admission: {maxPredictedTtftMillis: 1500}}\n";
+    let Object::Profile(p) = manifests::parse(plain).unwrap().remove(0) else {
+        panic!("not a profile")
+    };
+    let yaml = serde_saphyr::to_string(&p.spec).unwrap();
+    assert!(!yaml.contains("tenants"), "{yaml}");
+}

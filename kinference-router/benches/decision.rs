@@ -177,6 +177,8 @@ impl Bench {
             path_and_query: "/v1/chat/completions".into(),
             headers: http::HeaderMap::new(),
             debug: false,
+            key_class: None,
+            arrived: tokio::time::Instant::now(),
         };
         self.rt
             .block_on(prepare(

@@ -18,10 +18,16 @@
 //! aged one step per [`AGING`] its oldest request waited, so that nothing
 //! starves), then between
 //! tenants weighted fair sharing by uncached prefill tokens (the tenant
-//! that has been sent the fewest tokens per weight goes first), then
-//! arrival. Only the queue's head re-decides, on every freed capacity and
-//! at least every [`HEAD_TICK`]; the others sleep until they become head or
-//! their deadline passes.
+//! that has been sent the fewest tokens per weight goes first; weights from
+//! `spec.admission.tenants`, [`Tenants`]), then arrival. Only the queue's
+//! head re-decides, on every freed capacity and at least every
+//! [`HEAD_TICK`]; the others sleep until they become head or their deadline
+//! passes.
+//!
+//! A request's tenant is, in this order: the one its client's API key
+//! names (the operator's word: a client cannot claim another tenant by
+//! header), the one its model or alias names in the profile, the
+//! [`TENANT_HEADER`], else the default tenant ([`Class::resolve`]).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -60,6 +66,62 @@ pub const AGING: Duration = Duration::from_secs(2);
 /// Priorities are clamped to ±this.
 pub const MAX_PRIORITY: i64 = 100;
 
+/// Tenant names are cut to this many characters.
+pub const MAX_TENANT_CHARS: usize = 64;
+
+/// Virtual-time units per uncached prefill token of a tenant of weight 1
+/// (a tenant of weight w advances by this ÷ w per token, rounded up).
+const WEIGHT_SCALE: u64 = 1000;
+
+/// The profile's tenants: weights (unlisted: 1) and which models or aliases
+/// name which tenant.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tenants {
+    weights: HashMap<String, u32>,
+    by_model: HashMap<String, String>,
+}
+
+impl Tenants {
+    /// From the profile's `spec.admission.tenants`.
+    pub fn from_spec(spec: &[kinference_api::v1alpha1::TenantSpec]) -> Self {
+        use kinference_api::v1alpha1::TenantSpec;
+        let mut t = Self::default();
+        for x in spec {
+            let name: String = x.name.chars().take(MAX_TENANT_CHARS).collect();
+            let w = x
+                .weight
+                .unwrap_or(TenantSpec::DEFAULT_WEIGHT)
+                .clamp(1, 1000);
+            if w != TenantSpec::DEFAULT_WEIGHT {
+                t.weights.insert(name.clone(), w);
+            }
+            for m in &x.models {
+                t.by_model.entry(m.clone()).or_insert_with(|| name.clone());
+            }
+        }
+        t
+    }
+
+    /// `tenant`'s weight.
+    pub fn weight(&self, tenant: &str) -> u32 {
+        self.weights.get(tenant).copied().unwrap_or(1).max(1)
+    }
+
+    /// The tenant whose requests ask for `model` (a name or alias), if one
+    /// is listed for it.
+    pub fn for_model(&self, model: &str) -> Option<&str> {
+        self.by_model.get(model).map(String::as_str)
+    }
+
+    /// `tokens` of `tenant`'s in virtual-time units (rounded up: a weight
+    /// never buys more than its share).
+    fn virtual_cost(&self, tenant: &str, tokens: u64) -> u64 {
+        tokens
+            .saturating_mul(WEIGHT_SCALE)
+            .div_ceil(u64::from(self.weight(tenant)))
+    }
+}
+
 /// A worker set's admission settings (its profile's `spec.admission`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Limits {
@@ -86,28 +148,54 @@ impl Limits {
     }
 }
 
-/// Who a request is, for the release order: its tenant and priority
-/// (headers), and its cost (uncached prefill tokens).
+/// Who a request is, for the release order: its tenant and priority.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Class {
-    /// The tenant (`x-kinference-tenant`; empty: the default tenant).
+    /// The tenant (empty: the default tenant).
     pub tenant: String,
-    /// The priority (`x-kinference-priority`), higher first.
+    /// The priority, higher first.
     pub priority: i64,
 }
 
 impl Class {
-    /// From the request's headers.
+    /// From the request's headers alone.
     pub fn from_headers(h: &HeaderMap) -> Self {
+        Self::resolve(None, None, h)
+    }
+
+    /// The request's class from what the operator set and what the client
+    /// sent, the operator's word first:
+    ///
+    /// - **tenant**: the one `key` names (the client's API key: a client
+    ///   holding it cannot be accounted to another tenant), else the one
+    ///   the requested model or alias names (`model_tenant`, the profile's
+    ///   `admission.tenants[].models`), else [`TENANT_HEADER`], else the
+    ///   default tenant;
+    /// - **priority**: [`PRIORITY_HEADER`], but never above the key's
+    ///   `priority` (which is also the default); without one, the header
+    ///   or 0. Clamped to ±[`MAX_PRIORITY`].
+    pub fn resolve(
+        key: Option<&crate::auth::KeyClass>,
+        model_tenant: Option<&str>,
+        h: &HeaderMap,
+    ) -> Self {
         let text = |name: &HeaderName| h.get(name).and_then(|v| v.to_str().ok()).map(str::trim);
+        let tenant = key
+            .and_then(|k| k.tenant.as_deref())
+            .or(model_tenant)
+            .or_else(|| text(&TENANT_HEADER))
+            .map(|t| t.chars().take(MAX_TENANT_CHARS).collect())
+            .unwrap_or_default();
+        let asked = text(&PRIORITY_HEADER).and_then(|p| p.parse::<i64>().ok());
+        let priority = match (asked, key.and_then(|k| k.priority)) {
+            (Some(a), Some(k)) => a.min(k),
+            (None, Some(k)) => k,
+            (Some(a), None) => a,
+            (None, None) => 0,
+        };
         Self {
-            tenant: text(&TENANT_HEADER)
-                .map(|t| t.chars().take(64).collect())
-                .unwrap_or_default(),
-            priority: text(&PRIORITY_HEADER)
-                .and_then(|p| p.parse::<i64>().ok())
-                .unwrap_or(0)
-                .clamp(-MAX_PRIORITY, MAX_PRIORITY),
+            tenant,
+            priority: priority.clamp(-MAX_PRIORITY, MAX_PRIORITY),
         }
     }
 }
@@ -142,7 +230,8 @@ struct Entry {
     priority: i64,
     joined: Instant,
     tenant: String,
-    /// Its cost, uncached prefill tokens (as first decided).
+    /// Its cost, uncached prefill tokens (as first decided) in virtual-time
+    /// units (÷ its tenant's weight).
     cost: u64,
     /// Its virtual start: the tenant's tokens sent plus those of its
     /// requests queued ahead of this one. Lower goes first.
@@ -167,9 +256,9 @@ impl Entry {
 
 #[derive(Default)]
 struct Tenant {
-    /// Uncached prefill tokens sent.
+    /// Uncached prefill tokens sent, in virtual-time units.
     sent: u64,
-    /// Of its requests waiting.
+    /// Of its requests waiting, in virtual-time units.
     queued: u64,
     waiting: usize,
 }
@@ -190,6 +279,7 @@ struct State {
 pub struct Queue {
     depth: AtomicUsize,
     next_id: AtomicU64,
+    tenants: Tenants,
     state: Mutex<State>,
 }
 
@@ -202,6 +292,19 @@ impl std::fmt::Debug for Queue {
 }
 
 impl Queue {
+    /// A queue sharing between `tenants`.
+    pub fn new(tenants: Tenants) -> Self {
+        Self {
+            tenants,
+            ..Self::default()
+        }
+    }
+
+    /// The tenants' weights and models.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
+    }
+
     /// Requests waiting.
     pub fn depth(&self) -> usize {
         self.depth.load(Ordering::Relaxed)
@@ -210,6 +313,7 @@ impl Queue {
     /// Records `tokens` uncached prefill tokens sent for `tenant` (while
     /// admission applies to the worker set), for fair sharing.
     pub fn served(&self, tenant: &str, tokens: u64) {
+        let tokens = self.tenants.virtual_cost(tenant, tokens);
         let mut s = self.state.lock();
         let vtime = s.vtime;
         let t = s.tenants.entry(tenant.to_owned()).or_default();
@@ -231,6 +335,7 @@ impl Queue {
         now: Instant,
         max: usize,
     ) -> Option<(u64, Arc<Notify>)> {
+        let cost = self.tenants.virtual_cost(&class.tenant, cost);
         let mut s = self.state.lock();
         if s.entries.len() >= max {
             return None;
@@ -332,13 +437,17 @@ impl Drop for Held<'_> {
 }
 
 /// The fastest candidate's predicted TTFT as the decision reports it: the
-/// chosen endpoint's, or, when kinference stayed on a warmer one, the
-/// fastest's. (Baseline policies report the chosen endpoint's uncalibrated
+/// chosen endpoint's, or, when kinference chose a later one (to stay warm,
+/// or the best of those meeting the request's target), the fastest's.
+/// (Baseline policies report the chosen endpoint's uncalibrated
 /// prediction.)
 pub fn fastest_ms(d: &Decision) -> f64 {
+    use kinference_scoring::Reason;
     let p = d.choice.prediction.ttft_ms;
     match d.choice.reason {
-        kinference_scoring::Reason::StayedWarm { later_ms, .. } => (p - later_ms).max(0.0),
+        Reason::StayedWarm { later_ms, .. } | Reason::MetTarget { later_ms, .. } => {
+            (p - later_ms).max(0.0)
+        }
         _ => p,
     }
 }
@@ -349,7 +458,8 @@ pub struct Gate {
     runtime: Arc<crate::runtime::WsRuntime>,
     worker_set: String,
     limits: Option<Limits>,
-    target: Option<Duration>,
+    /// When its TTFT target runs out.
+    target: Option<Instant>,
     class: Class,
     arrived: Instant,
 }
@@ -366,16 +476,21 @@ impl Gate {
         let route = &prepared.routes[d.route];
         let ws = &view.worker_sets[route.target.worker_set];
         let limits = ws.runtime.admission;
-        let target = target(&prepared.headers);
+        let target = prepared.ttft_deadline;
         if limits.is_none() && target.is_none() {
             return None;
         }
+        let class = Class::resolve(
+            prepared.key_class.as_ref(),
+            ws.runtime.queue.tenants().for_model(&prepared.requested),
+            &prepared.headers,
+        );
         Some(Self {
             runtime: ws.runtime.clone(),
             worker_set: ws.route.name.clone(),
             limits,
             target,
-            class: Class::from_headers(&prepared.headers),
+            class,
             arrived,
         })
     }
@@ -392,7 +507,7 @@ impl Gate {
             .limits
             .map_or(f64::INFINITY, |l| l.max_predicted_ttft_ms);
         if let Some(t) = self.target {
-            let left = t.saturating_sub(now.saturating_duration_since(self.arrived));
+            let left = t.saturating_duration_since(now);
             b = b.min(left.as_secs_f64() * 1e3);
         }
         b
@@ -400,13 +515,12 @@ impl Gate {
 
     /// When waiting ends with a 429.
     fn deadline(&self) -> Instant {
-        let wait = match (self.limits.map(|l| l.max_wait), self.target) {
+        match (self.limits.map(|l| self.arrived + l.max_wait), self.target) {
             (Some(w), Some(t)) => w.min(t),
             (Some(w), None) => w,
             (None, Some(t)) => t,
-            (None, None) => Duration::ZERO,
-        };
-        self.arrived + wait
+            (None, None) => self.arrived,
+        }
     }
 
     fn max_queue(&self) -> usize {
@@ -561,6 +675,100 @@ mod tests {
             assert_eq!(target(&h(&[(&TTFT_TARGET_HEADER, bad)])), None, "{bad}");
         }
         assert_eq!(target(&HeaderMap::new()), None);
+    }
+
+    fn tenant(
+        name: &str,
+        weight: Option<u32>,
+        models: &[&str],
+    ) -> kinference_api::v1alpha1::TenantSpec {
+        kinference_api::v1alpha1::TenantSpec {
+            name: name.into(),
+            weight,
+            models: models.iter().map(|m| (*m).to_owned()).collect(),
+        }
+    }
+
+    #[test]
+    fn the_key_names_the_tenant_then_the_model_then_the_header() {
+        use crate::auth::KeyClass;
+        let tenants = Tenants::from_spec(&[tenant("batch", Some(1), &["qwen-batch"])]);
+        assert_eq!(tenants.for_model("qwen-batch"), Some("batch"));
+        assert_eq!(tenants.for_model("qwen"), None);
+        let claims = h(&[(&TENANT_HEADER, "gold"), (&PRIORITY_HEADER, "50")]);
+        let acme = KeyClass {
+            tenant: Some("acme".into()),
+            priority: Some(2),
+        };
+        // The key's tenant wins over the model's and the header's; its
+        // priority is the highest the header may ask for.
+        let c = Class::resolve(Some(&acme), tenants.for_model("qwen-batch"), &claims);
+        assert_eq!((c.tenant.as_str(), c.priority), ("acme", 2));
+        let lower = h(&[(&PRIORITY_HEADER, "-3")]);
+        assert_eq!(Class::resolve(Some(&acme), None, &lower).priority, -3);
+        assert_eq!(
+            Class::resolve(Some(&acme), None, &HeaderMap::new()).priority,
+            2
+        );
+        // A key naming no tenant: the model's, then the header's.
+        let plain = KeyClass::default();
+        let c = Class::resolve(Some(&plain), tenants.for_model("qwen-batch"), &claims);
+        assert_eq!((c.tenant.as_str(), c.priority), ("batch", 50));
+        let c = Class::resolve(Some(&plain), tenants.for_model("qwen"), &claims);
+        assert_eq!(c.tenant, "gold");
+        // No key (the router checks none): as before, headers alone.
+        assert_eq!(
+            Class::resolve(None, None, &claims),
+            Class::from_headers(&claims)
+        );
+        let long = "t".repeat(100);
+        let c = Class::resolve(None, None, &h(&[(&TENANT_HEADER, &long)]));
+        assert_eq!(c.tenant.len(), MAX_TENANT_CHARS);
+    }
+
+    #[test]
+    fn a_tenant_of_weight_three_is_released_three_times_the_tokens() {
+        let q = Queue::new(Tenants::from_spec(&[
+            tenant("gold", Some(3), &[]),
+            tenant("free", None, &[]),
+        ]));
+        assert_eq!(q.tenants().weight("gold"), 3);
+        assert_eq!(q.tenants().weight("free"), 1);
+        assert_eq!(q.tenants().weight("unlisted"), 1);
+        let t0 = Instant::now();
+        let class = |tenant: &str| Class {
+            tenant: tenant.into(),
+            priority: 0,
+        };
+        // Both flood the queue with 1000-token requests, the free tenant
+        // first.
+        let mut who = HashMap::new();
+        for _ in 0..12 {
+            who.insert(q.join(&class("free"), 1000, t0, 100).unwrap().0, "free");
+        }
+        for _ in 0..12 {
+            who.insert(q.join(&class("gold"), 1000, t0, 100).unwrap().0, "gold");
+        }
+        let mut order = Vec::new();
+        for _ in 0..16 {
+            let head = Queue::head(&q.state.lock().entries, t0)
+                .map(|e| e.id)
+                .unwrap();
+            q.leave(head, t0, true);
+            q.served(who[&head], 1000);
+            order.push(who[&head]);
+        }
+        // Virtual starts per token of weight 1 (costs rounded up, so that a
+        // weight never buys more than its share): free 0, 1000, 2000, …;
+        // gold 0, 333.334, 666.668, 1000.002, …: three gold requests per
+        // free one.
+        assert_eq!(
+            order,
+            [
+                "free", "gold", "gold", "gold", "free", "gold", "gold", "gold", "free", "gold",
+                "gold", "gold", "free", "gold", "gold", "gold",
+            ]
+        );
     }
 
     #[test]

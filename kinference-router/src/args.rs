@@ -167,6 +167,8 @@ pub struct ServeArgs {
     /// Require clients to present one of the API keys in this file (one
     /// per line, `#` comments; re-read when it changes), as `Authorization:
     /// Bearer KEY` or `x-api-key: KEY`. `/health` and `/ready` stay open.
+    /// A key may be followed by `tenant=NAME` and `priority=N`: its
+    /// requests' tenant and highest priority in admission.
     #[arg(long, env = "KINFERENCE_API_KEYS_FILE")]
     pub api_keys_file: Option<PathBuf>,
     /// The engines' API key (vLLM's and SGLang's `--api-key`): sent with

@@ -3,8 +3,12 @@
 //! - **Client API keys** (`--api-keys-file`): one key per line (`#`
 //!   comments), as a Kubernetes Secret mounted as a file gives them; the
 //!   file is re-read when it changes (a rotated Secret takes effect without
-//!   a restart; a file that cannot be read keeps the keys in force). Clients
-//!   send `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
+//!   a restart; a file that cannot be read, or holds a line that does not
+//!   parse, keeps the keys in force). A key may be followed, on its line,
+//!   by `tenant=NAME` and `priority=N`: the tenant its requests are
+//!   accounted to and their default and highest priority in admission
+//!   ([`KeyClass`], [`crate::admit::Class`]). Clients send
+//!   `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY`
 //!   (Anthropic's). Health checks (`/health`, `/ready`) need no key. The
 //!   client's credentials never reach the engines.
 //! - **The engines' API key** (`--engine-api-key`, vLLM's and SGLang's
@@ -45,6 +49,17 @@ pub enum AuthError {
     /// The keys file holds no key.
     #[error("{0} holds no API key (one per line; lines starting with # are comments)")]
     NoKeys(PathBuf),
+    /// A line of the keys file does not parse (the message never quotes
+    /// the key).
+    #[error("{path} line {line}: {why}")]
+    BadLine {
+        /// The file.
+        path: PathBuf,
+        /// The line, from 1.
+        line: usize,
+        /// What is wrong with it.
+        why: String,
+    },
     /// A certificate or key did not parse or match.
     #[error("TLS: {0}")]
     Tls(String),
@@ -57,12 +72,115 @@ fn read(path: &Path) -> Result<String, AuthError> {
     })
 }
 
-fn parse_keys(text: &str) -> Vec<Box<[u8]>> {
-    text.lines()
-        .map(str::trim)
-        .filter(|l| !l.is_empty() && !l.starts_with('#'))
-        .map(|l| l.as_bytes().into())
-        .collect()
+/// What a key says about the requests made with it: the tenant they are
+/// accounted to and their priority in admission. Set by the operator in the
+/// keys file, so a client cannot choose another tenant or a higher
+/// priority with headers (see [`crate::admit::Class::resolve`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct KeyClass {
+    /// `tenant=NAME`: the tenant (at most [`crate::admit::MAX_TENANT_CHARS`]
+    /// characters).
+    pub tenant: Option<Arc<str>>,
+    /// `priority=N`: the default priority and the highest the client may
+    /// ask for with `x-kinference-priority` (±[`crate::admit::MAX_PRIORITY`]).
+    pub priority: Option<i64>,
+}
+
+/// One key of the file and what it names.
+struct Key {
+    secret: Box<[u8]>,
+    class: KeyClass,
+}
+
+/// The keys of a keys file: per line `KEY [tenant=NAME] [priority=N]`,
+/// blank lines and `#` comments skipped.
+///
+/// # Errors
+/// The 1-based line and why: an unknown or repeated field, an empty or too
+/// long tenant, a priority that is not an integer within ±100, a key listed
+/// twice. Messages never quote the key.
+fn parse_keys(text: &str) -> Result<Vec<Key>, (usize, String)> {
+    use crate::admit::{MAX_PRIORITY, MAX_TENANT_CHARS};
+    let mut keys: Vec<(usize, Key)> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let mut fields = line.split_whitespace();
+        let Some(secret) = fields.next() else {
+            continue;
+        };
+        let mut class = KeyClass::default();
+        for f in fields {
+            if f.starts_with('#') {
+                break; // a comment to the end of the line
+            }
+            let (name, value) = f.split_once('=').unwrap_or((f, ""));
+            match name {
+                "tenant" if class.tenant.is_some() => {
+                    return Err((n, "tenant= is given twice".into()));
+                }
+                "tenant" => {
+                    let chars = value.chars().count();
+                    if chars == 0 || chars > MAX_TENANT_CHARS {
+                        return Err((
+                            n,
+                            format!("tenant= must be 1 to {MAX_TENANT_CHARS} characters"),
+                        ));
+                    }
+                    class.tenant = Some(value.into());
+                }
+                "priority" if class.priority.is_some() => {
+                    return Err((n, "priority= is given twice".into()));
+                }
+                "priority" => match value.parse::<i64>() {
+                    Ok(p) if p.abs() <= MAX_PRIORITY => class.priority = Some(p),
+                    _ => {
+                        return Err((
+                            n,
+                            format!(
+                                "priority= must be an integer between -{MAX_PRIORITY} and {MAX_PRIORITY}"
+                            ),
+                        ));
+                    }
+                },
+                _ => {
+                    // The key itself is never repeated in a message: quote
+                    // only a field's name, and only one that looks like one.
+                    let plausible = f.contains('=')
+                        && (1..=16).contains(&name.len())
+                        && name.bytes().all(|b| b.is_ascii_alphabetic() || b == b'_');
+                    let what = if plausible {
+                        format!("unknown field {name:?}")
+                    } else {
+                        "an unknown field".to_owned()
+                    };
+                    return Err((
+                        n,
+                        format!(
+                            "{what} after the key (a line is KEY, then optionally tenant=NAME and priority=N, separated by spaces)"
+                        ),
+                    ));
+                }
+            }
+        }
+        if let Some((first, _)) = keys
+            .iter()
+            .find(|(_, k)| same(&k.secret, secret.as_bytes()))
+        {
+            return Err((n, format!("the same key as line {first}")));
+        }
+        keys.push((
+            n,
+            Key {
+                secret: secret.as_bytes().into(),
+                class,
+            },
+        ));
+    }
+    Ok(keys.into_iter().map(|(_, k)| k).collect())
 }
 
 /// Equal in time that depends on the lengths only.
@@ -73,7 +191,7 @@ fn same(a: &[u8], b: &[u8]) -> bool {
 /// The API keys clients must present.
 pub struct ClientKeys {
     path: PathBuf,
-    keys: ArcSwap<Vec<Box<[u8]>>>,
+    keys: ArcSwap<Vec<Key>>,
 }
 
 impl std::fmt::Debug for ClientKeys {
@@ -90,27 +208,46 @@ impl ClientKeys {
     ///
     /// # Errors
     /// The file cannot be read or holds no key.
+    /// The file holds no key, or a line that does not parse.
     pub fn load(path: &Path) -> Result<Self, AuthError> {
-        let keys = parse_keys(&read(path)?);
-        if keys.is_empty() {
-            return Err(AuthError::NoKeys(path.to_owned()));
-        }
+        let keys = Self::parse(path, &read(path)?)?;
         Ok(Self {
             path: path.to_owned(),
             keys: ArcSwap::from_pointee(keys),
         })
     }
 
+    fn parse(path: &Path, text: &str) -> Result<Vec<Key>, AuthError> {
+        let keys = parse_keys(text).map_err(|(line, why)| AuthError::BadLine {
+            path: path.to_owned(),
+            line,
+            why,
+        })?;
+        if keys.is_empty() {
+            return Err(AuthError::NoKeys(path.to_owned()));
+        }
+        Ok(keys)
+    }
+
     /// Whether `headers` carry one of the keys.
     pub fn allows(&self, headers: &HeaderMap) -> bool {
-        let Some(given) = presented(headers) else {
-            return false;
-        };
+        self.check(headers).is_some()
+    }
+
+    /// The class of the key `headers` carry, or `None` when they carry
+    /// none of the keys.
+    pub fn check(&self, headers: &HeaderMap) -> Option<KeyClass> {
+        let given = presented(headers)?;
         // Every key compared, whichever matches.
-        self.keys
-            .load()
-            .iter()
-            .fold(false, |ok, k| same(k, given) | ok)
+        let keys = self.keys.load();
+        let found = keys.iter().fold(None, |found, k| {
+            if same(&k.secret, given) {
+                Some(k)
+            } else {
+                found
+            }
+        });
+        found.map(|k| k.class.clone())
     }
 
     /// Re-reads the file when it changes, until `stop`.
@@ -128,14 +265,11 @@ impl ClientKeys {
                 if now == last {
                     continue;
                 }
-                match read(&keys.path).map(|t| parse_keys(&t)) {
-                    Ok(k) if !k.is_empty() => {
+                match read(&keys.path).and_then(|t| Self::parse(&keys.path, &t)) {
+                    Ok(k) => {
                         tracing::info!(path = %keys.path.display(), keys = k.len(), "API keys reloaded");
                         keys.keys.store(Arc::new(k));
                         last = now;
-                    }
-                    Ok(_) => {
-                        tracing::warn!(path = %keys.path.display(), "the API keys file is empty: keeping the keys in force");
                     }
                     Err(e) => tracing::warn!(error = %e, "keeping the API keys in force"),
                 }
@@ -243,6 +377,85 @@ mod tests {
         assert!(!k.allows(&HeaderMap::new()));
         std::fs::write(&path, "# nothing\n").unwrap();
         assert!(matches!(ClientKeys::load(&path), Err(AuthError::NoKeys(_))));
+    }
+
+    #[test]
+    fn a_key_may_name_its_tenant_and_priority() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        std::fs::write(
+            &path,
+            "sk-plain\nsk-acme  tenant=acme priority=2\n\tsk-batch priority=-5 tenant=batch\nsk-t tenant=t # team t\n",
+        )
+        .unwrap();
+        let k = ClientKeys::load(&path).unwrap();
+        let class = |key: &str| k.check(&headers("authorization", &format!("Bearer {key}")));
+        assert_eq!(class("sk-plain"), Some(KeyClass::default()));
+        assert_eq!(
+            class("sk-acme"),
+            Some(KeyClass {
+                tenant: Some("acme".into()),
+                priority: Some(2)
+            })
+        );
+        assert_eq!(
+            class("sk-batch"),
+            Some(KeyClass {
+                tenant: Some("batch".into()),
+                priority: Some(-5)
+            })
+        );
+        assert_eq!(class("sk-t").and_then(|c| c.priority), None);
+        // The fields are not part of the key.
+        assert_eq!(class("sk-acme tenant=acme"), None);
+        assert_eq!(class("tenant=acme"), None);
+        assert!(k.allows(&headers("x-api-key", "sk-batch")));
+    }
+
+    #[test]
+    fn a_bad_line_is_refused_with_its_number_and_never_the_key() {
+        let cases = [
+            ("sk-secret-1 team=acme\n", 1, "unknown field \"team\""),
+            ("# c\nsk-secret-1 acme\n", 2, "an unknown field"),
+            (
+                "sk-secret-1 tenant=\n",
+                1,
+                "tenant= must be 1 to 64 characters",
+            ),
+            (
+                "sk-secret-1 priority=high\n",
+                1,
+                "priority= must be an integer",
+            ),
+            ("sk-secret-1 priority=101\n", 1, "between -100 and 100"),
+            (
+                "sk-secret-1 tenant=a tenant=b\n",
+                1,
+                "tenant= is given twice",
+            ),
+            (
+                "sk-secret-1\n\nsk-secret-1 tenant=a\n",
+                3,
+                "the same key as line 1",
+            ),
+        ];
+        let long = format!("sk-secret-1 tenant={}\n", "x".repeat(65));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys");
+        for (text, line, why) in
+            cases
+                .iter()
+                .copied()
+                .chain([(long.as_str(), 1, "1 to 64 characters")])
+        {
+            std::fs::write(&path, text).unwrap();
+            let err = ClientKeys::load(&path).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("line {line}: ")) && err.contains(why),
+                "{text:?}: {err}"
+            );
+            assert!(!err.contains("sk-secret"), "the key leaked: {err}");
+        }
     }
 
     #[test]

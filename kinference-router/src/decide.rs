@@ -16,6 +16,13 @@
 //! requests still waiting there for a first token and of the engine's
 //! recent 503s ([`kinference_scoring::Evidence`], ages taken at `now`). The set's policy
 //! proposes; across routes the lowest predicted time to first token wins.
+//!
+//! A request with a TTFT target (`x-kinference-ttft-target-ms`) carries
+//! what is left of it at `now` ([`kinference_scoring::Request::ttft_target`]):
+//! kinference's policy then takes the best candidate predicted to meet it
+//! over a preferred one predicted to miss it (across routes the lowest
+//! prediction still wins: it meets the target whenever any route's choice
+//! does).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,6 +97,9 @@ pub fn decide(
     let mut best: Option<Decision> = None;
     let mut held = Vec::new();
     let mut scratch = Matches::default();
+    let target = prepared
+        .ttft_deadline
+        .map(|d| d.saturating_duration_since(now.instant));
     // Healthy endpoints first; when every endpoint of every route is
     // ejected, all of them (panic mode, as Envoy does: an ejection is a
     // guess, and trying beats failing for certain).
@@ -104,6 +114,7 @@ pub fn decide(
                 ws,
                 kv,
                 route,
+                target,
                 &endpoints,
                 now,
                 rng,
@@ -199,6 +210,7 @@ fn decide_route(
     ws: &WorkerSetView,
     kv: &KvPlane,
     route: &Route,
+    target: Option<Duration>,
     endpoints: &[Arc<Endpoint>],
     now: Now,
     rng: &mut dyn RandomSource,
@@ -212,17 +224,21 @@ fn decide_route(
         .zip(&cached)
         .map(|(e, c)| candidate(e, *c, now))
         .collect();
+    let request = kinference_scoring::Request {
+        ttft_target: target,
+        ..route.request
+    };
     let (choice, explanation) = {
         let mut policy = ws.runtime.policy.lock();
         if explain {
             let e = policy
-                .propose_explained(&route.request, &candidates, now.since_start, rng)
+                .propose_explained(&request, &candidates, now.since_start, rng)
                 .ok()?;
             (e.choice, Some(e))
         } else {
             (
                 policy
-                    .propose(&route.request, &candidates, now.since_start, rng)
+                    .propose(&request, &candidates, now.since_start, rng)
                     .ok()?,
                 None,
             )

@@ -171,6 +171,7 @@ mod tests {
                 prompt_tokens: 16 * blocks as u32,
                 block_tokens: 16,
                 cache: CacheSource::Index,
+                ttft_target: None,
             },
             keys: (0..blocks as u64).collect(),
             block_keys: (0..blocks as u64).map(BlockKey).collect(),

@@ -53,6 +53,7 @@ impl Route {
                 prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
                 block_tokens: block_size.max(1),
                 cache: CacheSource::Index,
+                ttft_target: None,
             },
             keys: block_keys.iter().map(|k| k.0).collect(),
             block_keys: block_keys.into(),
@@ -102,6 +103,12 @@ pub struct Prepared {
     pub headers: HeaderMap,
     /// One route per target, in the view's order.
     pub routes: Vec<Route>,
+    /// What the client's API key names (tenant, priority), when the router
+    /// checks keys.
+    pub key_class: Option<crate::auth::KeyClass>,
+    /// When the request's TTFT target (`x-kinference-ttft-target-ms`) runs
+    /// out, counted from its arrival.
+    pub ttft_deadline: Option<Instant>,
 }
 
 impl Prepared {
@@ -120,6 +127,8 @@ impl Prepared {
             path_and_query: api.path().to_owned(),
             headers: HeaderMap::new(),
             routes,
+            key_class: None,
+            ttft_deadline: None,
         }
     }
 
@@ -154,6 +163,10 @@ pub struct Head {
     pub headers: HeaderMap,
     /// Whether the decision goes back in headers.
     pub debug: bool,
+    /// What the client's API key names, when the router checked one.
+    pub key_class: Option<crate::auth::KeyClass>,
+    /// When the request arrived (its TTFT target counts from here).
+    pub arrived: Instant,
 }
 
 /// Prepares a request against `view`.
@@ -200,9 +213,11 @@ pub async fn prepare(
         model_span: fields.model_span.clone(),
         has_vllm_xargs: fields.has_vllm_xargs,
         path_and_query: head.path_and_query,
+        ttft_deadline: crate::admit::target(&head.headers).map(|t| head.arrived + t),
         headers: head.headers,
         routes,
         body: body.clone(),
+        key_class: head.key_class,
     })
 }
 
@@ -227,6 +242,7 @@ async fn route(
                 prompt_tokens: u32::try_from(body_len / APPROX_BYTES_PER_TOKEN).unwrap_or(u32::MAX),
                 block_tokens: block_size,
                 cache: CacheSource::None,
+                ttft_target: None,
             },
             keys: Arc::new([]),
             block_keys: Arc::new([]),
@@ -278,6 +294,7 @@ async fn route(
                 prompt_tokens: u32::try_from(ids.len()).unwrap_or(u32::MAX),
                 block_tokens: block_size,
                 cache: CacheSource::Index,
+                ttft_target: None,
             },
             keys: block_keys.iter().map(|k| k.0).collect(),
             block_keys: block_keys.into(),
@@ -311,6 +328,7 @@ async fn route(
                 prompt_tokens: estimate,
                 block_tokens: (APPROX_BLOCK_BYTES / APPROX_BYTES_PER_TOKEN) as u32,
                 cache: CacheSource::Approximate,
+                ttft_target: None,
             },
             keys: keys.into(),
             block_keys: Arc::new([]),
@@ -324,6 +342,7 @@ async fn route(
             prompt_tokens: estimate,
             block_tokens: block_size,
             cache: CacheSource::None,
+            ttft_target: None,
         },
         keys: Arc::new([]),
         block_keys: Arc::new([]),

@@ -209,11 +209,11 @@ impl Runtimes {
             .map_or(TokenizationMode::Engine, |p| p.tokenization.mode);
         let mut rt = WsRuntime::new(params, mode, policy, prefix_ttl);
         rt.key = key;
-        rt.admission = route
-            .profile
-            .as_ref()
-            .and_then(|p| p.admission.as_ref())
-            .map(crate::admit::Limits::from_spec);
+        let admission = route.profile.as_ref().and_then(|p| p.admission.as_ref());
+        rt.admission = admission.map(crate::admit::Limits::from_spec);
+        if let Some(a) = admission {
+            rt.queue = crate::admit::Queue::new(crate::admit::Tenants::from_spec(&a.tenants));
+        }
         let rt = Arc::new(rt);
         match tokenizer_path(route.profile.as_ref()) {
             None => {}

@@ -152,18 +152,22 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener, drain: Duration) {
 }
 
 /// Handles one request.
-pub async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<Body> {
-    let path = req.uri().path();
+pub async fn handle(shared: Arc<Shared>, mut req: Request<Incoming>) -> Response<Body> {
     if let Some(keys) = &shared.config.security.client_keys
-        && !matches!(path, "/health" | "/ready")
-        && !keys.allows(req.headers())
+        && !matches!(req.uri().path(), "/health" | "/ready")
     {
-        let api = openai::Endpoint::ALL
-            .iter()
-            .find(|e| e.path() == path)
-            .map_or("other", |e| e.label());
-        return local(&shared, api, &req, error(&ApiError::unauthorized()));
+        // The key's tenant and priority go with the request (crate::admit).
+        let Some(class) = keys.check(req.headers()) else {
+            let path = req.uri().path();
+            let api = openai::Endpoint::ALL
+                .iter()
+                .find(|e| e.path() == path)
+                .map_or("other", |e| e.label());
+            return local(&shared, api, &req, error(&ApiError::unauthorized()));
+        };
+        req.extensions_mut().insert(class);
     }
+    let path = req.uri().path();
     match (req.method(), path) {
         (&Method::POST, "/v1/chat/completions") => {
             inference(shared, openai::Endpoint::Chat, req).await
@@ -405,6 +409,8 @@ async fn route(
             .to_owned(),
         headers,
         debug,
+        key_class: parts.extensions.get::<crate::auth::KeyClass>().cloned(),
+        arrived: started,
     };
     let prepared = prepare::prepare(shared, &view, api, head, bytes)
         .instrument(tracing::info_span!(target: SPAN_TARGET, parent: &x.span, "prepare"))

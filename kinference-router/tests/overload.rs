@@ -328,6 +328,98 @@ async fn a_light_tenant_keeps_its_ttft_while_a_heavy_one_floods_at_ten_times_its
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_keys_and_models_name_tenants_and_a_heavier_tenant_is_released_first() {
+    let _serial = SERIAL.lock().await;
+    let sims = engines(1, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let secrets = tempfile::tempdir().unwrap();
+    let keys = secrets.path().join("keys");
+    std::fs::write(
+        &keys,
+        "# the operator's keys\nsk-first tenant=first\nsk-gold tenant=gold priority=0\nsk-free tenant=free\nsk-plain\n",
+    )
+    .unwrap();
+    // The latency model as configured, not calibrated: an idle engine is
+    // predicted within the bound for one 1000-token prompt, one with such a
+    // prompt in flight is not. Requests are then released one at a time,
+    // and their first tokens come in the order of release.
+    let opts = WorkerSetOpts {
+        profile: "tenants".into(),
+        profile_spec: Some(format!(
+            "  latency: {{prefillTokensPerSecond: 11000, baseMillis: 0, decodeCostMillis: 0, calibrate: false}}\n  admission:\n    maxPredictedTtftMillis: 140\n    maxWaitMillis: 30000\n    tenants:\n      - {{name: gold, weight: 4, models: [{ALIAS}]}}\n"
+        )),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &["--api-keys-file", keys.to_str().unwrap()]).await;
+    wait_routable(&r, 1, true).await;
+    // The engine is 5× slower than the model says: the first request takes
+    // about half a second, and the others queue in the router meanwhile.
+    sims[0]
+        .inject(&FaultRequest {
+            slowdown: Some(5.0),
+            ..FaultRequest::default()
+        })
+        .await
+        .unwrap();
+    let api = r.api();
+    let send_as =
+        |k: usize, key: &'static str, model: &'static str, claim: Option<&'static str>| {
+            tokio::spawn(async move {
+                let body = chat(model, &words(k * 1100, 1000), true, 2);
+                let auth = format!("Bearer {key}");
+                let mut headers = vec![("authorization", auth.as_str())];
+                if let Some(t) = claim {
+                    headers.push(("x-kinference-tenant", t));
+                }
+                let sent = Instant::now();
+                let t = stream_timed(api, "/v1/chat/completions", &body, &headers).await;
+                (t.status, t.ttft.map(|d| sent + d))
+            })
+        };
+    let first = send_as(0, "sk-first", MODEL, None);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Twelve requests of the free tenant, whose clients claim the gold
+    // tenant by header and ask for the model the profile gives to gold:
+    // their key decides. Then four of gold's: two by its key, two by a key
+    // naming no tenant, for gold's model.
+    let mut tasks = Vec::new();
+    for k in 1..=12 {
+        tasks.push(("free", send_as(k, "sk-free", ALIAS, Some("gold"))));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for k in 13..=14 {
+        tasks.push(("gold", send_as(k, "sk-gold", MODEL, None)));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for k in 15..=16 {
+        tasks.push(("gold", send_as(k, "sk-plain", ALIAS, Some("free"))));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (status, _) = first.await.unwrap();
+    assert_eq!(status, 200);
+    let mut firsts = Vec::new();
+    for (tenant, t) in tasks {
+        let (status, at) = t.await.unwrap();
+        assert_eq!(status, 200, "{tenant}");
+        firsts.push((at.expect("a first token"), tenant));
+    }
+    firsts.sort_by_key(|(at, _)| *at);
+    let order: Vec<&str> = firsts.iter().map(|(_, t)| *t).collect();
+    eprintln!("FIGURE tenant-weights: first tokens in the order {order:?}");
+    // Start-time fair queueing with weights 4 and 1: free's first, then
+    // gold's four (virtual starts 0, ¼, ½, ¾ of one request), then free's
+    // others. With equal weights gold's fourth would come eighth; had the
+    // header or the model named the tenant, the free requests would have
+    // counted as gold's and gold's would have come last.
+    let last_gold = order.iter().rposition(|t| *t == "gold").unwrap();
+    assert!(
+        last_gold < 6,
+        "gold's requests were not released first: {order:?}"
+    );
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_gives_up_while_held_leaves_the_queue() {
     let _serial = SERIAL.lock().await;
     let sims = engines(1, |_| {}).await;

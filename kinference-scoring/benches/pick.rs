@@ -73,6 +73,7 @@ fn bench(c: &mut Criterion) {
         prompt_tokens: 3000,
         block_tokens: 16,
         cache: CacheSource::Index,
+        ttft_target: None,
     };
     let candidates = fleet(1);
 

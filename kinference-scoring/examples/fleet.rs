@@ -221,6 +221,7 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                     prompt_tokens: req.prompt,
                     block_tokens: BLOCK,
                     cache: CacheSource::Index,
+                    ttft_target: None,
                 };
                 let choice = policy
                     .pick(&request, &candidates, now_d, &mut rng)

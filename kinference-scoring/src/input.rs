@@ -57,6 +57,12 @@ pub struct Request {
     pub block_tokens: u32,
     /// Where the cached-block counts come from.
     pub cache: CacheSource,
+    /// The time to first token the request must meet, from the decision
+    /// (its target minus what it has waited already); `None`: no target.
+    /// kinference's policy then prefers, among the candidates predicted to
+    /// meet it, its usual choice; the baselines ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_target: Option<Duration>,
 }
 
 /// Leading blocks of the prompt each tier holds: for each tier, the length of

@@ -516,6 +516,7 @@ mod tests {
             prompt_tokens: prompt,
             block_tokens: 16,
             cache: CacheSource::Index,
+            ttft_target: None,
         }
     }
 

@@ -43,7 +43,7 @@
 //! let mut rng = SplitMix64::new(0x5eed);
 //!
 //! // Per request: the index lookup and the in-flight accounting.
-//! let request = Request { prompt_tokens: 3000, block_tokens: 16, cache: CacheSource::Index };
+//! let request = Request { prompt_tokens: 3000, block_tokens: 16, cache: CacheSource::Index, ttft_target: None };
 //! let candidates = [
 //!     Candidate {
 //!         endpoint: EndpointId(0),

@@ -31,6 +31,18 @@ pub enum Reason {
         /// How much later the warmest endpoint is predicted, ms.
         later_ms: f64,
     },
+    /// kinference: the endpoint the rules above preferred was predicted to
+    /// miss the request's TTFT target; the chosen one, the best of those
+    /// predicted to meet it, is not.
+    MetTarget {
+        /// The endpoint preferred without the target.
+        preferred: EndpointId,
+        /// Its predicted TTFT, ms (over the target).
+        preferred_ms: f64,
+        /// How much later the chosen endpoint is predicted than the
+        /// fastest candidate, ms (0 when it is the fastest).
+        later_ms: f64,
+    },
     /// round-robin: next in turn.
     Rotation,
     /// least-inflight: fewest requests in flight.
@@ -110,6 +122,7 @@ impl Reason {
             Self::LowestPredictedTtft => "lowest_predicted_ttft",
             Self::StayedWarm { .. } => "stayed_warm",
             Self::SaturationRelease { .. } => "saturation_release",
+            Self::MetTarget { .. } => "met_ttft_target",
             Self::Rotation => "rotation",
             Self::FewestInFlight => "fewest_in_flight",
             Self::HighestWeightedScore => "highest_weighted_score",

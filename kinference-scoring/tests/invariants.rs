@@ -26,11 +26,13 @@ fn arb_request() -> impl Strategy<Value = Request> {
         0u32..40_000,
         prop_oneof![Just(16u32), Just(64), Just(256), 1u32..600],
         arb_source(),
+        proptest::option::weighted(0.3, 1u64..3000),
     )
-        .prop_map(|(prompt_tokens, block_tokens, cache)| Request {
+        .prop_map(|(prompt_tokens, block_tokens, cache, target)| Request {
             prompt_tokens,
             block_tokens,
             cache,
+            ttft_target: target.map(Duration::from_millis),
         })
 }
 
@@ -333,6 +335,58 @@ proptest! {
             let x = a.pick(&r, &cands, now, &mut rng_a).expect("valid input");
             let e = b.pick_explained(&r, &cands, now, &mut rng_b).expect("valid input");
             prop_assert_eq!(x, e.choice);
+        }
+    }
+}
+
+proptest! {
+    // Most arbitrary fleets' choice is also their fastest candidate: many
+    // cases, so that a few hundred have a choice the target can overrule.
+    #![proptest_config(ProptestConfig::with_cases(3000))]
+
+    /// A TTFT target changes kinference's choice only when that choice is
+    /// predicted to miss it and another candidate to meet it; then the
+    /// choice meets it, with the best score of those that do (within the
+    /// equals' margin).
+    #[test]
+    fn a_ttft_target_is_met_whenever_a_candidate_meets_it(
+        r in arb_request(),
+        cands in arb_candidates(24),
+        target_ms in 1u64..3000,
+        between in proptest::option::weighted(0.7, 0.0f64..1.0),
+        seed in any::<u64>(),
+    ) {
+        let free = Request { block_tokens: r.block_tokens.max(1), ttft_target: None, ..r };
+        let params = LatencyParams::default();
+        let now = Duration::from_secs(1);
+        let mut a = Policy::new(PolicyName::Kinference, params);
+        let mut b = a.clone();
+        let x = a.propose_explained(&free, &cands, now, &mut SplitMix64::new(seed)).expect("valid input");
+        // Mostly a target between the fastest candidate's prediction and
+        // the choice's (met by some, missed by the choice when it is not
+        // the fastest); else any.
+        let fastest = x.candidates.iter().map(|c| c.prediction.ttft_ms).fold(f64::INFINITY, f64::min);
+        let chosen = x.choice.prediction.ttft_ms;
+        let t = match between {
+            Some(f) if chosen > fastest => fastest + f * (chosen - fastest),
+            _ => target_ms as f64,
+        };
+        let held = Request { ttft_target: Some(Duration::from_secs_f64(t / 1e3)), ..free };
+        let t = held.ttft_target.map_or(t, |d| d.as_secs_f64() * 1e3);
+        let y = b.propose_explained(&held, &cands, now, &mut SplitMix64::new(seed)).expect("valid input");
+        let meeting: Vec<f64> = x.candidates.iter().filter(|c| c.prediction.ttft_ms <= t).map(|c| c.score).collect();
+        if x.choice.prediction.ttft_ms <= t || meeting.is_empty() {
+            prop_assert_eq!(x.choice, y.choice);
+        } else {
+            prop_assert!(y.choice.prediction.ttft_ms <= t, "{} > {t}", y.choice.prediction.ttft_ms);
+            let best = meeting.iter().copied().fold(f64::INFINITY, f64::min);
+            let margin = params.tie_millis.max(params.tie_fraction * best.max(0.0));
+            prop_assert!(y.candidates[y.choice.index].score <= best + margin + 1e-9);
+            let is_met_target = matches!(
+                y.choice.reason,
+                kinference_scoring::Reason::MetTarget { preferred, .. } if preferred == x.choice.endpoint
+            );
+            prop_assert!(is_met_target, "{:?}", y.choice.reason);
         }
     }
 }

@@ -8,8 +8,8 @@ pub use pool::{
     InferencePool, InferencePoolSpec, InferencePoolStatus, NameConflict, OfferedModel, WorkerSetRef,
 };
 pub use profile::{
-    Admission, ConfigMapRef, LatencyModel, RoutingProfile, RoutingProfileSpec, TierCredits,
-    Tokenization, TokenizationMode, TokenizerSource,
+    Admission, ConfigMapRef, LatencyModel, RoutingProfile, RoutingProfileSpec, TenantSpec,
+    TierCredits, Tokenization, TokenizationMode, TokenizerSource,
 };
 pub use worker_set::{
     Diagnosis, InferenceWorkerSet, InferenceWorkerSetSpec, InferenceWorkerSetStatus, KvEventsRef,

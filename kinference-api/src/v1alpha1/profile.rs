@@ -77,6 +77,20 @@ pub struct Admission {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[x_kube(validation = Rule::new("self >= 1 && self <= 600000").message("admission.maxWaitMillis must be between 1 and 600000"))]
     pub max_wait_millis: Option<u64>,
+
+    /// Tenants with a weight other than 1, or named by the model or alias
+    /// their requests ask for. While requests wait, tenants share the
+    /// release order in proportion to their weights (by uncached prefill
+    /// tokens); a tenant not listed weighs 1.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(
+        validation = Rule::new("self.all(t, self.filter(u, u.name == t.name).size() == 1)")
+            .message("admission.tenants: each tenant may be listed only once"),
+        validation = Rule::new("self.all(t, !has(t.models) || t.models.all(m, t.models.filter(n, n == m).size() == 1 && self.filter(u, has(u.models) && m in u.models).size() == 1))")
+            .message("admission.tenants: a model or alias may name only one tenant, once")
+    )]
+    #[schemars(length(max = 32))]
+    pub tenants: Vec<TenantSpec>,
 }
 
 impl Admission {
@@ -84,6 +98,37 @@ impl Admission {
     pub const DEFAULT_MAX_QUEUE: u32 = 512;
     /// `maxWaitMillis` when unset.
     pub const DEFAULT_MAX_WAIT_MILLIS: u64 = 10_000;
+}
+
+/// One tenant's share of the admission queue, and the models or aliases
+/// whose requests count as this tenant's.
+#[derive(KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct TenantSpec {
+    /// The tenant, as a client key names it or `x-kinference-tenant` carries
+    /// it.
+    #[x_kube(validation = Rule::new("size(self) > 0").message("admission.tenants[].name must not be empty"))]
+    #[schemars(length(max = 64))]
+    pub name: String,
+
+    /// Its weight: a tenant of weight 2 is released twice the uncached
+    /// prefill tokens of a tenant of weight 1 while both wait. Default 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = Rule::new("self >= 1 && self <= 1000").message("admission.tenants[].weight must be between 1 and 1000"))]
+    pub weight: Option<u32>,
+
+    /// Requests for these model names or aliases count as this tenant's
+    /// when the client's API key names no tenant (the key wins; then the
+    /// model; then the `x-kinference-tenant` header).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[x_kube(validation = Rule::new("self.all(m, size(m) > 0)").message("admission.tenants[].models: a model name must not be empty"))]
+    #[schemars(length(max = 8), inner(length(max = 253)))]
+    pub models: Vec<String>,
+}
+
+impl TenantSpec {
+    /// `weight` when unset.
+    pub const DEFAULT_WEIGHT: u32 = 1;
 }
 
 /// How prompts become token ids.

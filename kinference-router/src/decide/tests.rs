@@ -422,3 +422,59 @@ fn a_request_overdue_at_an_endpoint_and_a_503_steer_decisions_away_with_no_clock
         assert_ne!(dec.endpoint.id, refusing.id);
     }
 }
+
+#[test]
+fn a_ttft_target_takes_the_best_endpoint_meeting_it_over_a_warmer_one_missing_it() {
+    use kinference_scoring::Reason;
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    let (warm, cold) = (f.endpoint("10.0.0.1"), f.endpoint("10.0.0.2"));
+    let ids = prompt(11, 256);
+    f.store("10.0.0.1", 0, &ids);
+    // Another prompt is prefilling on the warm endpoint: it is later than
+    // the cold one, by less than the tolerance.
+    let other = f.prepared(&prompt(12, 320));
+    let busy = f.decide(&other, &[cold.id], T).unwrap();
+    assert_eq!(busy.endpoint.id, warm.id);
+    let now = Now {
+        instant: Instant::now(),
+        since_start: T,
+    };
+    let _busy = commit::commit(&f.view, &other, &busy, now);
+    let mut p = f.prepared(&ids);
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.id, warm.id, "{}", d.choice);
+    let Reason::StayedWarm { later_ms, .. } = d.choice.reason else {
+        panic!("expected to stay warm: {}", d.choice)
+    };
+    let warm_ms = d.choice.prediction.ttft_ms;
+    let cold_ms = warm_ms - later_ms;
+    let ms = |x: f64| Duration::from_secs_f64(x / 1e3);
+    // A target between the two predictions: the cold endpoint, which meets
+    // it; the admission gate reads the fastest prediction from the reason.
+    p.ttft_deadline = Some(Instant::now() + ms(cold_ms + later_ms / 2.0));
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.id, cold.id, "{}", d.choice);
+    let Reason::MetTarget {
+        preferred,
+        preferred_ms,
+        later_ms,
+    } = d.choice.reason
+    else {
+        panic!("expected the target to decide: {}", d.choice)
+    };
+    assert_eq!(preferred.0, warm.id.0);
+    assert!((preferred_ms - warm_ms).abs() < 1e-6);
+    assert!(later_ms.abs() < 1e-6, "the cold one is the fastest");
+    assert!((crate::admit::fastest_ms(&d) - cold_ms).abs() < 1e-6);
+    assert_eq!(d.choice.reason.label(), "met_ttft_target");
+    // A target both meet, or neither: the policy's own choice.
+    for target in [warm_ms + 100.0, cold_ms / 2.0] {
+        p.ttft_deadline = Some(Instant::now() + ms(target));
+        let d = f.decide(&p, &[], T).unwrap();
+        assert_eq!(d.endpoint.id, warm.id, "target {target} ms: {}", d.choice);
+        assert!(matches!(d.choice.reason, Reason::StayedWarm { .. }));
+    }
+    // A target already past: nothing meets it either.
+    p.ttft_deadline = Some(Instant::now());
+    assert_eq!(f.decide(&p, &[], T).unwrap().endpoint.id, warm.id);
+}

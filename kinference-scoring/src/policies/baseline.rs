@@ -155,6 +155,7 @@ pub(super) mod test_support {
             prompt_tokens: 1600,
             block_tokens: 16,
             cache: CacheSource::Index,
+            ttft_target: None,
         }
     }
 

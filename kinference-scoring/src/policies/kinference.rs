@@ -93,6 +93,13 @@ impl Slot {
 ///   best)` of the best score are equals; the least recently chosen of them
 ///   wins, so cache misses spread over idle endpoints instead of piling onto
 ///   one; remaining ties go to the seeded RNG.
+/// - **A TTFT target** ([`Request::ttft_target`]). When the choice above is
+///   predicted to miss the request's target and another candidate is
+///   predicted to meet it, the best-scoring candidate among those that meet
+///   it wins (with the same rule for equals): the target outranks the
+///   cache, the cache still ranks the candidates that meet it. When none
+///   meets it, the choice stands (the router's admission then holds the
+///   request or answers 429).
 ///
 /// State: one 112-byte slot per endpoint id ever chosen or observed (a dense
 /// vector indexed by id), the mean prefill time and reusable buffers. A
@@ -104,6 +111,8 @@ pub struct Kinference {
     fresh: Slot,
     slots: Vec<Slot>,
     scores: Vec<f64>,
+    /// Every candidate's predicted TTFT, when the request has a target.
+    ttfts: Vec<f64>,
     equals: Vec<(usize, u64)>,
     /// EWMA of the chosen candidates' prefill time, ms, and its reciprocal.
     mean_prefill_ms: f64,
@@ -118,6 +127,7 @@ impl Kinference {
             fresh: Slot::new(&params),
             slots: Vec::new(),
             scores: Vec::new(),
+            ttfts: Vec::new(),
             equals: Vec::new(),
             mean_prefill_ms: initial_mean_prefill_ms(&params),
             inv_mean_prefill_ms: 1.0 / initial_mean_prefill_ms(&params),
@@ -196,6 +206,13 @@ impl Kinference {
         let mut scores = std::mem::take(&mut self.scores);
         scores.clear();
         scores.resize(candidates.len(), 0.0);
+        // With a target every candidate's TTFT is needed: no pruning.
+        let target_ms = request.ttft_target.map(|t| t.as_secs_f64() * 1e3);
+        let mut ttfts = std::mem::take(&mut self.ttfts);
+        ttfts.clear();
+        if target_ms.is_some() {
+            ttfts.resize(candidates.len(), f64::INFINITY);
+        }
         let (tie_millis, tie_fraction) = (self.params.tie_millis, self.params.tie_fraction);
         let equals_limit = |best: f64| best + tie_millis.max(tie_fraction * best.max(0.0));
         let mut best = f64::INFINITY;
@@ -205,7 +222,7 @@ impl Kinference {
         let mut fastest = (0usize, f64::INFINITY);
         // (index, warm fraction, ttft) of the warmest; ties go to the faster.
         let mut warmest = (0usize, f64::NEG_INFINITY, f64::INFINITY);
-        let prune = explain.is_none();
+        let prune = explain.is_none() && target_ms.is_none();
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
             let (offset, scale) = self.coefficients(&model, slot, now_nanos);
@@ -233,6 +250,9 @@ impl Kinference {
             let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
             let score = ttft - tolerance * warm + externality;
             *out = score;
+            if let Some(t) = ttfts.get_mut(i) {
+                *t = ttft;
+            }
             if score < best {
                 best = score;
                 limit = equals_limit(best);
@@ -262,49 +282,45 @@ impl Kinference {
 
         // Equals: least recently chosen first, then the seeded RNG.
         let params = &self.params;
-        let last_chosen = |c: &Candidate| {
-            self.slots
-                .get(c.endpoint.index())
-                .map_or(0, |s| s.last_chosen)
-        };
         let mut equals = std::mem::take(&mut self.equals);
-        equals.clear();
-        let mut oldest = u64::MAX;
-        let mut oldest_count = 0usize;
-        for (i, (c, &s)) in candidates.iter().zip(&scores).enumerate() {
-            if s <= limit {
-                let t = last_chosen(c);
-                equals.push((i, t));
-                if t < oldest {
-                    oldest = t;
-                    oldest_count = 1;
-                } else if t == oldest {
-                    oldest_count += 1;
-                }
+        let (mut index, mut tie) = least_recently_chosen(
+            &self.slots,
+            candidates,
+            &scores,
+            limit,
+            |_| true,
+            &mut equals,
+            rng,
+        );
+        // The choice would miss the request's target: the best of those
+        // predicted to meet it, if any.
+        let mut missed = None;
+        if let Some(target) = target_ms
+            && ttfts[index] > target
+        {
+            let meets = |i: usize| ttfts[i] <= target;
+            let best_meeting = scores
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| meets(*i))
+                .map(|(_, s)| *s)
+                .fold(f64::INFINITY, f64::min);
+            if best_meeting.is_finite() {
+                missed = Some((candidates[index].endpoint, ttfts[index]));
+                (index, tie) = least_recently_chosen(
+                    &self.slots,
+                    candidates,
+                    &scores,
+                    equals_limit(best_meeting),
+                    meets,
+                    &mut equals,
+                    rng,
+                );
             }
         }
-        let skip = if oldest_count > 1 {
-            below(rng, oldest_count)
-        } else {
-            0
-        };
-        let index = equals
-            .iter()
-            .filter(|&&(_, t)| t == oldest)
-            .nth(skip)
-            .map_or(0, |&(i, _)| i);
-        let equal_count = equals.len() as u32;
         self.equals = equals;
         self.scores = scores;
-        let tie = if oldest_count > 1 {
-            Tie::Random {
-                among: oldest_count as u32,
-            }
-        } else if equal_count > 1 {
-            Tie::LeastRecentlyChosen { among: equal_count }
-        } else {
-            Tie::None
-        };
+        self.ttfts = ttfts;
 
         let chosen = &candidates[index];
         let prediction = if let Some(out) = explain.as_deref() {
@@ -316,7 +332,13 @@ impl Kinference {
         let margin = params
             .tie_millis
             .max(params.tie_fraction * prediction.ttft_ms);
-        let reason = if prediction.ttft_ms > fastest.1 + margin {
+        let reason = if let Some((preferred, preferred_ms)) = missed {
+            Reason::MetTarget {
+                preferred,
+                preferred_ms,
+                later_ms: (prediction.ttft_ms - fastest.1).max(0.0),
+            }
+        } else if prediction.ttft_ms > fastest.1 + margin {
             Reason::StayedWarm {
                 fastest: candidates[fastest.0].endpoint,
                 later_ms: prediction.ttft_ms - fastest.1,
@@ -340,6 +362,57 @@ impl Kinference {
             tie,
         })
     }
+}
+
+/// Among the candidates `i` with `scores[i] <= limit` and `eligible(i)`,
+/// the least recently chosen (a never-chosen endpoint first); ties among
+/// those go to `rng`. `equals` is a reusable buffer.
+fn least_recently_chosen(
+    slots: &[Slot],
+    candidates: &[Candidate],
+    scores: &[f64],
+    limit: f64,
+    eligible: impl Fn(usize) -> bool,
+    equals: &mut Vec<(usize, u64)>,
+    rng: &mut dyn RandomSource,
+) -> (usize, Tie) {
+    let last_chosen = |c: &Candidate| slots.get(c.endpoint.index()).map_or(0, |s| s.last_chosen);
+    equals.clear();
+    let mut oldest = u64::MAX;
+    let mut oldest_count = 0usize;
+    for (i, (c, &s)) in candidates.iter().zip(scores).enumerate() {
+        if s <= limit && eligible(i) {
+            let t = last_chosen(c);
+            equals.push((i, t));
+            if t < oldest {
+                oldest = t;
+                oldest_count = 1;
+            } else if t == oldest {
+                oldest_count += 1;
+            }
+        }
+    }
+    let skip = if oldest_count > 1 {
+        below(rng, oldest_count)
+    } else {
+        0
+    };
+    let index = equals
+        .iter()
+        .filter(|&&(_, t)| t == oldest)
+        .nth(skip)
+        .map_or(0, |&(i, _)| i);
+    let equal_count = equals.len() as u32;
+    let tie = if oldest_count > 1 {
+        Tie::Random {
+            among: oldest_count as u32,
+        }
+    } else if equal_count > 1 {
+        Tie::LeastRecentlyChosen { among: equal_count }
+    } else {
+        Tie::None
+    };
+    (index, tie)
 }
 
 impl Pick for Kinference {
@@ -437,6 +510,7 @@ mod tests {
             prompt_tokens: 4000,
             block_tokens: 16,
             cache: CacheSource::Index,
+            ttft_target: None,
         }
     }
 
@@ -535,6 +609,46 @@ mod tests {
         });
         let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
         assert_eq!(choice.endpoint, EndpointId(1));
+    }
+
+    #[test]
+    fn a_ttft_target_outranks_the_cache_only_when_the_warm_choice_misses_it() {
+        let mut p = Kinference::new(LatencyParams {
+            tolerance_millis: 100.0,
+            ..LatencyParams::default()
+        });
+        let mut rng = SplitMix64::new(1);
+        // As above: the warm endpoint keeps the request, ~40 ms later.
+        let cands = [cand(0, 250, 5000), cand(1, 0, 0)];
+        let warm = p.propose(&request(), &cands, secs(1), &mut rng).unwrap();
+        let Reason::StayedWarm { later_ms, .. } = warm.reason else {
+            panic!("{:?}", warm.reason)
+        };
+        let (warm_ms, cold_ms) = (warm.prediction.ttft_ms, warm.prediction.ttft_ms - later_ms);
+        let with = |ms: f64| Request {
+            ttft_target: Some(Duration::from_secs_f64(ms / 1e3)),
+            ..request()
+        };
+        // Met by the cold one only: it wins, and says why.
+        let target = with(cold_ms + later_ms / 2.0);
+        let c = p.propose(&target, &cands, secs(1), &mut rng).unwrap();
+        assert_eq!(c.endpoint, EndpointId(1));
+        assert!(
+            matches!(c.reason, Reason::MetTarget { preferred, preferred_ms, later_ms }
+                if preferred == EndpointId(0) && (preferred_ms - warm_ms).abs() < 1e-9 && later_ms == 0.0),
+            "{:?}",
+            c.reason
+        );
+        let e = p
+            .propose_explained(&target, &cands, secs(1), &mut rng)
+            .unwrap();
+        assert_eq!(e.choice, c, "explained and plain agree");
+        assert_eq!(e.request.ttft_target, target.ttft_target);
+        // Met by both, or by neither: the warm one, as without a target.
+        for ms in [warm_ms + 1.0, cold_ms - 1.0] {
+            let c = p.propose(&with(ms), &cands, secs(1), &mut rng).unwrap();
+            assert_eq!(c, warm, "target {ms} ms");
+        }
     }
 
     #[test]

@@ -205,8 +205,19 @@ where
         };
         let body = a.body.clone();
         let due = start + a.at;
+        let tenant = a.tenant;
         tasks.push(tokio::spawn(async move {
-            one(&client, &route, &model, body, conv, due, start, &slot).await;
+            one(
+                &client,
+                &route,
+                &model,
+                (body, tenant),
+                conv,
+                due,
+                start,
+                &slot,
+            )
+            .await;
         }));
     }
     if let Some(f) = window.take() {
@@ -244,7 +255,7 @@ async fn one(
     client: &HttpClient,
     route: &Route,
     model: &str,
-    body: Body,
+    (body, tenant): (Body, Option<&'static str>),
     conv: Option<Arc<tokio::sync::Mutex<Conversation>>>,
     due: Instant,
     start: Instant,
@@ -308,6 +319,7 @@ async fn one(
         }
     };
     let explain = matches!(route, Route::Router(_, true));
+    let ask = Ask { explain, tenant };
     // The engine is known from the response headers: kept at once, so that
     // a request still running at the drain deadline counts where it went.
     let headers_seen = |e: Option<&str>| {
@@ -320,7 +332,7 @@ async fn one(
         &url,
         bytes.clone(),
         api,
-        explain,
+        ask,
         sent,
         headers_seen,
         |first| {
@@ -345,7 +357,10 @@ async fn one(
                 &url,
                 bytes.clone(),
                 api,
-                false,
+                Ask {
+                    explain: false,
+                    tenant,
+                },
                 sent,
                 headers_seen,
                 |_| {},
@@ -396,6 +411,15 @@ pub(crate) struct Streamed {
     pub unanswered: bool,
 }
 
+/// What a request asks of the router besides its body.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Ask {
+    /// The decision's explanation (`x-kinference-debug: 1`).
+    pub explain: bool,
+    /// The tenant (`x-kinference-tenant`).
+    pub tenant: Option<&'static str>,
+}
+
 /// POSTs `body` to `url` and reads the SSE stream; `on_headers` with the
 /// engine the router names (`x-kinference-endpoint`) when the response
 /// headers arrive, `on_token(true)` at the first content token.
@@ -405,15 +429,18 @@ pub(crate) async fn stream(
     url: &str,
     body: Bytes,
     api: Api,
-    explain: bool,
+    ask: Ask,
     sent: Instant,
     on_headers: impl FnOnce(Option<&str>),
     mut on_token: impl FnMut(bool),
 ) -> Streamed {
     let mut out = Streamed::default();
     let mut req = http::Request::post(url).header("content-type", "application/json");
-    if explain {
+    if ask.explain {
         req = req.header("x-kinference-debug", "1");
+    }
+    if let Some(t) = ask.tenant {
+        req = req.header("x-kinference-tenant", t);
     }
     let Ok(req) = req.body(Full::new(body)) else {
         return out;

@@ -117,6 +117,7 @@ mod tests {
                 max_tokens: 1,
             },
             label: String::new(),
+            tenant: None,
         }
     }
 

@@ -121,6 +121,91 @@ pub(crate) struct Row {
     /// ms; NaN elsewhere.
     #[serde(default = "nan", deserialize_with = "f64_or_nan")]
     pub absorb_ms: f64,
+    /// The two-tenant scenario's figures, per tenant and phase.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenants: Option<TenantFigures>,
+}
+
+/// The two-tenant scenario: the light tenant alone and with the heavy one,
+/// and the heavy one.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct TenantFigures {
+    pub light_alone: Share,
+    pub light_with_heavy: Share,
+    pub heavy: Share,
+}
+
+/// One tenant's requests in one phase.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Share {
+    pub requests: usize,
+    /// Completed.
+    pub ok: usize,
+    /// Answered without a first token (the router's 429s).
+    pub refused: usize,
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub ttft_p50_ms: f64,
+    #[serde(deserialize_with = "f64_or_nan")]
+    pub ttft_p90_ms: f64,
+}
+
+impl Share {
+    /// The figures of the samples whose label starts with `prefix`.
+    pub(crate) fn of(samples: &[Sample], prefix: &str) -> Self {
+        let mine: Vec<&Sample> = samples
+            .iter()
+            .filter(|s| s.label.starts_with(prefix))
+            .collect();
+        let mut ttft: Vec<f64> = mine
+            .iter()
+            .filter(|s| s.ok)
+            .filter_map(|s| s.ttft)
+            .map(|d| d.as_secs_f64() * 1e3)
+            .collect();
+        ttft.sort_by(f64::total_cmp);
+        Self {
+            requests: mine.len(),
+            ok: mine.iter().filter(|s| s.ok).count(),
+            refused: mine
+                .iter()
+                .filter(|s| !s.ok && !s.gave_up && s.ttft.is_none())
+                .count(),
+            ttft_p50_ms: percentile(&ttft, 0.5),
+            ttft_p90_ms: percentile(&ttft, 0.9),
+        }
+    }
+
+    fn median_of(shares: &[Self]) -> Self {
+        let m = |f: fn(&Self) -> f64| median(&shares.iter().map(f).collect::<Vec<_>>());
+        Self {
+            requests: m(|s| s.requests as f64).round() as usize,
+            ok: m(|s| s.ok as f64).round() as usize,
+            refused: m(|s| s.refused as f64).round() as usize,
+            ttft_p50_ms: m(|s| s.ttft_p50_ms),
+            ttft_p90_ms: m(|s| s.ttft_p90_ms),
+        }
+    }
+}
+
+impl TenantFigures {
+    /// The light tenant's TTFT p90 with the heavy one ÷ alone.
+    pub(crate) fn ratio(&self) -> f64 {
+        self.light_with_heavy.ttft_p90_ms / self.light_alone.ttft_p90_ms
+    }
+
+    fn median_of(rows: &[&Row]) -> Option<Self> {
+        let all: Vec<&Self> = rows.iter().filter_map(|r| r.tenants.as_ref()).collect();
+        if all.is_empty() {
+            return None;
+        }
+        let of =
+            |f: fn(&Self) -> Share| Share::median_of(&all.iter().map(|t| f(t)).collect::<Vec<_>>());
+        Some(Self {
+            light_alone: of(|t| t.light_alone),
+            light_with_heavy: of(|t| t.light_with_heavy),
+            heavy: of(|t| t.heavy),
+        })
+    }
 }
 
 /// The TTFT target of goodput, ms (the 2 s).
@@ -234,6 +319,7 @@ pub(crate) fn summarize(
             .filter(|s| !s.ok && !s.gave_up && s.ttft.is_some())
             .count(),
         absorb_ms: f64::NAN,
+        tenants: None,
     }
 }
 
@@ -329,6 +415,7 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 lost: mu(|r| r.lost),
                 cut: mu(|r| r.cut),
                 absorb_ms: m(|r| r.absorb_ms),
+                tenants: TenantFigures::median_of(&rs),
             }
         })
         .collect()
@@ -397,6 +484,22 @@ pub(crate) fn table(rows: &[Row]) -> String {
             r.imbalance,
             r.slow_share * 100.0
         );
+        if let Some(t) = &r.tenants {
+            let _ = writeln!(
+                s,
+                "{:<24} light alone TTFT p90 {:.0} ms, with heavy {:.0} ms ({:.2}×; {}/{} ok); heavy p90 {:.0} ms, {}/{} ok, {} refused",
+                "",
+                t.light_alone.ttft_p90_ms,
+                t.light_with_heavy.ttft_p90_ms,
+                t.ratio(),
+                t.light_with_heavy.ok,
+                t.light_with_heavy.requests,
+                t.heavy.ttft_p90_ms,
+                t.heavy.ok,
+                t.heavy.requests,
+                t.heavy.refused,
+            );
+        }
     }
     s
 }
@@ -568,6 +671,25 @@ pub(crate) fn past_the_knee(rows: &[Row]) -> String {
             format!("{} still running at the drain deadline", ours.gave_up),
             ours.gave_up == 0,
         );
+    }
+    for r in rows.iter().filter(|r| {
+        r.workload == "two-tenants"
+            && r.policy.starts_with("kinference-admission")
+            && r.tenants.is_some()
+    }) {
+        if let Some(t) = &r.tenants {
+            push(
+                &format!("two-tenants ({:.1}× knee, {})", r.load, r.policy),
+                "the light tenant's TTFT p90 with a heavy one at 10× its rate ≤ 1.5 × alone",
+                format!(
+                    "{:.2} × ({:.0} vs {:.0} ms)",
+                    t.ratio(),
+                    t.light_with_heavy.ttft_p90_ms,
+                    t.light_alone.ttft_p90_ms
+                ),
+                t.ratio() <= 1.5,
+            );
+        }
     }
     for r in rows
         .iter()
@@ -857,6 +979,47 @@ mod tests {
         );
         r.ttft_p90_ms = ttft;
         r
+    }
+
+    #[test]
+    fn tenant_shares_read_their_own_labels_and_count_refusals() {
+        let mut samples = Vec::new();
+        for i in 0..10 {
+            let mut s = sample(i, 100 + 10 * i as u64, true);
+            s.label = format!("light-alone-n{i}");
+            samples.push(s);
+        }
+        for i in 10..20 {
+            let mut s = sample(i, 300 + 10 * i as u64, true);
+            s.label = format!("light-with-n{i}");
+            samples.push(s);
+        }
+        for i in 20..30 {
+            // A 429: no first token, not ok.
+            let mut s = sample(i, 0, false);
+            s.ttft = None;
+            s.label = format!("heavy-n{i}");
+            samples.push(s);
+        }
+        let alone = Share::of(&samples, "light-alone-");
+        assert_eq!((alone.requests, alone.ok, alone.refused), (10, 10, 0));
+        assert!((alone.ttft_p90_ms - 180.0).abs() < 1e-9);
+        let with = Share::of(&samples, "light-with-");
+        assert!((with.ttft_p90_ms - 480.0).abs() < 1e-9);
+        let heavy = Share::of(&samples, "heavy-");
+        assert_eq!((heavy.requests, heavy.ok, heavy.refused), (10, 0, 10));
+        assert!(heavy.ttft_p90_ms.is_nan());
+        let t = TenantFigures {
+            light_alone: alone,
+            light_with_heavy: with,
+            heavy,
+        };
+        assert!((t.ratio() - 480.0 / 180.0).abs() < 1e-9);
+        let mut r = row("kinference-admission", 0, 1.0);
+        r.workload = "two-tenants".into();
+        r.tenants = Some(t);
+        assert!(goals(&[r.clone()]).contains("2.67 × (480 vs 180 ms)"));
+        assert!(table(&[r]).contains("light alone TTFT p90 180 ms, with heavy 480 ms"));
     }
 
     #[test]

@@ -281,6 +281,9 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
         ) => vec![0.5, 0.75, 1.0],
         // Past the knee, quick or not: the ladder.
         (WorkloadKind::Overload, _) => vec![1.5, 2.0, 3.0],
+        // Both tenants together at 1.5 × the knee (the heavy one alone at
+        // 1.36 ×, the light one at 0.14 ×).
+        (WorkloadKind::TwoTenants, _) => vec![1.5],
         // `--quick`, and the slow burst (its rate is fixed: see
         // `SLOW_BURST`).
         (WorkloadKind::SlowBurst, _) | (_, true) => vec![1.0],
@@ -290,6 +293,16 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
 /// The slow-burst scenario: this many requests per second for one second,
 /// no warm-up.
 const SLOW_BURST: f64 = 150.0;
+
+/// The two-tenant scenario's phases: 3 s of warm-up, then the light tenant
+/// alone and both together, each for the run's `measure`.
+fn two_tenants(measure: Duration) -> workload::TwoTenants {
+    workload::TwoTenants {
+        warmup: Duration::from_secs(3),
+        alone: measure,
+        together: measure,
+    }
+}
 
 /// `utime + stime` of a process, seconds.
 pub(crate) fn cpu_seconds(pid: u32, ticks_per_s: f64) -> Option<f64> {
@@ -473,6 +486,9 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                 Some(rows) => {
                     trace::plan(rows, opts.trace_block, fleet.scale, rate, warmup, measure)
                 }
+                None if kind == WorkloadKind::TwoTenants => {
+                    two_tenants(measure).plan(&w, fleet.scale, rate, opts.seed)
+                }
                 None => workload::plan(&w, fleet.scale, rate, warmup, measure, opts.seed),
             };
             let floor_all = floor::ttfts(&plan, &fleet.step);
@@ -532,6 +548,21 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                         row.router_cpu_us_per_req,
                         loadavg()
                     );
+                    if let Some(t) = &row.tenants {
+                        println!(
+                            "  {:<20} light tenant TTFT p90 alone {:.0} ms, with the heavy one {:.0} ms ({:.2}×, {}/{} ok); heavy p90 {:.0} ms, {}/{} ok, {} refused",
+                            "",
+                            t.light_alone.ttft_p90_ms,
+                            t.light_with_heavy.ttft_p90_ms,
+                            t.ratio(),
+                            t.light_with_heavy.ok,
+                            t.light_with_heavy.requests,
+                            t.heavy.ttft_p90_ms,
+                            t.heavy.ok,
+                            t.heavy.requests,
+                            t.heavy.refused
+                        );
+                    }
                     if !row.absorb_ms.is_nan() || row.lost + row.cut > 0 {
                         println!(
                             "  {:<20} lost (no first token) {}, cut mid-stream {}, killed replica's load out of its peers' view after {:.0} ms",
@@ -701,6 +732,14 @@ async fn one_run(
         (workload, rate, load, policy, repeat),
     );
     row.slow_share = slow_share(&samples, &kind.slowdowns(fleet.engines), opts.port_base);
+    if kind == WorkloadKind::TwoTenants {
+        use workload::TwoTenants;
+        row.tenants = Some(report::TenantFigures {
+            light_alone: report::Share::of(&samples, TwoTenants::LIGHT_ALONE),
+            light_with_heavy: report::Share::of(&samples, TwoTenants::LIGHT_WITH),
+            heavy: report::Share::of(&samples, TwoTenants::HEAVY_LABEL),
+        });
+    }
     row.absorb_ms = absorbed.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
     Ok(row)
 }

@@ -249,6 +249,7 @@ pub(crate) fn plan(
                 max_tokens: scale.tokens(r.output_length),
             },
             label: format!("r{}", r.hash_ids.first().copied().unwrap_or(0)),
+            tenant: None,
         });
     }
     Plan {

@@ -62,10 +62,14 @@ pub(crate) enum WorkloadKind {
     /// A 150-request burst within a second on a fleet whose last engine
     /// is 10× slower (the router is not told): the slow engine's share.
     SlowBurst,
+    /// Two tenants, distinct prompts: a light one alone, then with a heavy
+    /// one at 10× its rate, together past the knee (`x-kinference-tenant`):
+    /// the light tenant's TTFT with the heavy one against alone.
+    TwoTenants,
 }
 
 impl WorkloadKind {
-    pub(crate) const ALL: [Self; 9] = [
+    pub(crate) const ALL: [Self; 10] = [
         Self::SharedPrefix,
         Self::MultiTurn,
         Self::NoReuse,
@@ -75,6 +79,7 @@ impl WorkloadKind {
         Self::LongContext,
         Self::Overload,
         Self::SlowBurst,
+        Self::TwoTenants,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -88,6 +93,7 @@ impl WorkloadKind {
             Self::LongContext => "long-context",
             Self::Overload => "overload",
             Self::SlowBurst => "slow-burst",
+            Self::TwoTenants => "two-tenants",
         }
     }
 
@@ -196,7 +202,7 @@ impl Workload {
                 output_tokens: 1_000,
             },
             WorkloadKind::Heterogeneous => Self::of(WorkloadKind::SharedPrefix),
-            WorkloadKind::Overload => Self::of(WorkloadKind::NoReuse),
+            WorkloadKind::Overload | WorkloadKind::TwoTenants => Self::of(WorkloadKind::NoReuse),
             // Prompts that one engine prefills in ~0.2 s, short answers: the
             // burst is about where requests go before any first token.
             WorkloadKind::SlowBurst => Self::NoReuse {
@@ -356,8 +362,10 @@ pub(crate) struct Arrival {
     pub at: Duration,
     pub body: Body,
     /// What it is, for per-request analysis: `g3p1` (group 3, prompt 1),
-    /// `c12t4` (conversation 12, turn 4), `n17`.
+    /// `c12t4` (conversation 12, turn 4), `n17`, `light-alone-n3`.
     pub label: String,
+    /// The tenant it is sent as (`x-kinference-tenant`), if any.
+    pub tenant: Option<&'static str>,
 }
 
 /// A run's requests: arrivals in `[0, warmup + measure)`; those before
@@ -513,6 +521,7 @@ pub(crate) fn plan(
                         max_tokens: out,
                     },
                     label: format!("g{g}p{p}"),
+                    tenant: None,
                 });
             }
         }
@@ -531,6 +540,7 @@ pub(crate) fn plan(
                         max_tokens: out,
                     },
                     label: format!("n{index}"),
+                    tenant: None,
                 });
             }
         }
@@ -589,6 +599,7 @@ pub(crate) fn plan(
                         max_tokens: out,
                     },
                     label: format!("c{c}t{}", turn[c]),
+                    tenant: None,
                 });
                 turn[c] += 1;
             }
@@ -604,9 +615,130 @@ pub(crate) fn plan(
     }
 }
 
+/// The two-tenant scenario (`WorkloadKind::TwoTenants`): the light tenant
+/// alone for a warm-up (not counted) and [`TwoTenants::alone`], then both
+/// tenants for [`TwoTenants::together`], the heavy one at
+/// [`TwoTenants::HEAVY`] × the light one's rate.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct TwoTenants {
+    pub warmup: Duration,
+    pub alone: Duration,
+    pub together: Duration,
+}
+
+impl TwoTenants {
+    /// The heavy tenant's rate ÷ the light one's.
+    pub(crate) const HEAVY: f64 = 10.0;
+    /// The tenants' names (`x-kinference-tenant`).
+    pub(crate) const LIGHT: &'static str = "light";
+    pub(crate) const HEAVY_NAME: &'static str = "heavy";
+    /// Label prefixes: the light tenant while alone (after the warm-up),
+    /// with the heavy one, and the heavy one.
+    pub(crate) const LIGHT_ALONE: &'static str = "light-alone-";
+    pub(crate) const LIGHT_WITH: &'static str = "light-with-";
+    pub(crate) const HEAVY_LABEL: &'static str = "heavy-";
+
+    /// The plan at `rate`, the two tenants' total while together: the
+    /// light tenant at `rate ÷ 11`, the heavy one at `10 × rate ÷ 11`. The
+    /// plan's measured window is the together phase.
+    pub(crate) fn plan(self, w: &Workload, scale: Scale, rate: f64, seed: u64) -> Plan {
+        let Workload::NoReuse {
+            prompt_tokens,
+            output_tokens,
+        } = *w
+        else {
+            unreachable!("two tenants send distinct prompts")
+        };
+        let (n, out) = (scale.tokens(prompt_tokens), scale.tokens(output_tokens));
+        let light_rate = rate / (1.0 + Self::HEAVY);
+        let start_together = self.warmup + self.alone;
+        let end = start_together + self.together;
+        let mut times: Vec<(Duration, bool)> = arrival_times(light_rate, end, seed)
+            .into_iter()
+            .map(|t| (t, false))
+            .collect();
+        times.extend(
+            arrival_times(light_rate * Self::HEAVY, self.together, seed ^ 0x4EA7)
+                .into_iter()
+                .map(|t| (start_together + t, true)),
+        );
+        times.sort();
+        let arrivals = times
+            .into_iter()
+            .enumerate()
+            .map(|(index, (at, heavy))| {
+                let (tenant, label) = if heavy {
+                    (Self::HEAVY_NAME, Self::HEAVY_LABEL)
+                } else if at >= start_together {
+                    (Self::LIGHT, Self::LIGHT_WITH)
+                } else if at >= self.warmup {
+                    (Self::LIGHT, Self::LIGHT_ALONE)
+                } else {
+                    (Self::LIGHT, "light-warmup-")
+                };
+                Arrival {
+                    index,
+                    at,
+                    body: Body::Completion {
+                        prompt: words(key(7, seed, index as u64), n),
+                        max_tokens: out,
+                    },
+                    label: format!("{label}n{index}"),
+                    tenant: Some(tenant),
+                }
+            })
+            .collect();
+        Plan {
+            arrivals,
+            warmup: start_together,
+            measure: self.together,
+            conversations: 0,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_tenants_send_the_light_one_alone_then_both_at_ten_to_one() {
+        let phases = TwoTenants {
+            warmup: Duration::from_secs(5),
+            alone: Duration::from_secs(100),
+            together: Duration::from_secs(100),
+        };
+        let w = Workload::of(WorkloadKind::TwoTenants);
+        let p = phases.plan(&w, Scale { k: 10 }, 22.0, 3);
+        assert_eq!(p, phases.plan(&w, Scale { k: 10 }, 22.0, 3));
+        assert_eq!(p.warmup, Duration::from_secs(105));
+        let count = |prefix: &str| {
+            p.arrivals
+                .iter()
+                .filter(|a| a.label.starts_with(prefix))
+                .count() as f64
+        };
+        // 2 per second for the light tenant, 20 for the heavy one.
+        assert!((count(TwoTenants::LIGHT_ALONE) - 200.0).abs() < 45.0);
+        assert!((count(TwoTenants::LIGHT_WITH) - 200.0).abs() < 45.0);
+        assert!((count(TwoTenants::HEAVY_LABEL) - 2000.0).abs() < 150.0);
+        for a in &p.arrivals {
+            let heavy = a.label.starts_with(TwoTenants::HEAVY_LABEL);
+            assert_eq!(
+                a.tenant,
+                Some(if heavy { "heavy" } else { "light" }),
+                "{}",
+                a.label
+            );
+            assert!(!heavy || a.at >= p.warmup, "{}", a.label);
+            assert_eq!(
+                a.label.starts_with(TwoTenants::LIGHT_ALONE),
+                !heavy && a.at >= phases.warmup && a.at < p.warmup
+            );
+        }
+        assert!(p.arrivals.windows(2).all(|x| x[0].at <= x[1].at));
+        assert!(p.arrivals.iter().enumerate().all(|(i, a)| a.index == i));
+    }
 
     fn plan_of(kind: WorkloadKind, seed: u64) -> Plan {
         plan(
@@ -624,7 +756,7 @@ mod tests {
         // The agent workload is planned from its trace (see `trace`).
         for kind in WorkloadKind::ALL
             .into_iter()
-            .filter(|k| *k != WorkloadKind::Agent)
+            .filter(|k| *k != WorkloadKind::Agent && *k != WorkloadKind::TwoTenants)
         {
             let a = plan_of(kind, 7);
             assert_eq!(a, plan_of(kind, 7), "{kind:?}");
