@@ -541,7 +541,11 @@ pub(crate) fn write_node(
 mod tests {
     use super::*;
 
-    fn sample() -> (Vec<SnapWorker>, Vec<(u32, u32, Vec<u64>, Vec<SnapHolder>)>) {
+    /// A node as the tests write it: parent, at, keys (also its hashes),
+    /// holders.
+    type TestNode = (u32, u32, Vec<u64>, Vec<SnapHolder>);
+
+    fn sample() -> (Vec<SnapWorker>, Vec<TestNode>) {
         let workers = vec![SnapWorker {
             worker: WorkerRef::new("10.0.0.1:8000", 0),
             width: 16,
@@ -581,7 +585,7 @@ mod tests {
         (workers, nodes)
     }
 
-    fn encode(workers: &[SnapWorker], nodes: &[(u32, u32, Vec<u64>, Vec<SnapHolder>)]) -> Vec<u8> {
+    fn encode(workers: &[SnapWorker], nodes: &[TestNode]) -> Vec<u8> {
         let mut w = Writer::default();
         write_head(&mut w, false, workers);
         w.array(nodes.len());
@@ -606,12 +610,11 @@ mod tests {
     #[test]
     fn inconsistent_snapshots_are_refused() {
         let (workers, nodes) = sample();
-        let bad =
-            |f: &dyn Fn(&mut Vec<SnapWorker>, &mut Vec<(u32, u32, Vec<u64>, Vec<SnapHolder>)>)| {
-                let (mut w, mut n) = (workers.clone(), nodes.clone());
-                f(&mut w, &mut n);
-                Snapshot::decode(&encode(&w, &n)).expect_err("refused")
-            };
+        let bad = |f: &dyn Fn(&mut Vec<SnapWorker>, &mut Vec<TestNode>)| {
+            let (mut w, mut n) = (workers.clone(), nodes.clone());
+            f(&mut w, &mut n);
+            Snapshot::decode(&encode(&w, &n)).expect_err("refused")
+        };
         // A child before its parent, or leaving past the parent's end.
         bad(&|_, n| n[1].0 = 1);
         bad(&|_, n| n[1].1 = 4);

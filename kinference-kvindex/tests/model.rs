@@ -480,21 +480,21 @@ proptest! {
         let toks: Vec<Vec<u32>> = (0..DOCS).map(doc_tokens).collect();
         let keys: Vec<Vec<BlockKey>> = toks.iter().map(|t| BlockKeyer::new(WIDTH as u32, None).keys(t, &ExtraKeys::none())).collect();
         for op in &before {
-            if let (Some(w), Some(ev)) = (op_worker(op), op_event(op, &toks)) {
-                if causal(&a, ia[w], &keys, op) {
-                    a.apply_event(ia[w], &ev).expect("applies");
-                }
+            if let (Some(w), Some(ev)) = (op_worker(op), op_event(op, &toks))
+                && causal(&a, ia[w], &keys, op)
+            {
+                a.apply_event(ia[w], &ev).expect("applies");
             }
         }
         let snapshot = kinference_kvindex::Snapshot::decode(&a.export(usize::MAX)).expect("decodes");
         // The stream after the snapshot, as the peer applies it.
         let mut stream = Vec::new();
         for op in &after {
-            if let (Some(w), Some(ev)) = (op_worker(op), op_event(op, &toks)) {
-                if causal(&a, ia[w], &keys, op) {
-                    a.apply_event(ia[w], &ev).expect("applies");
-                    stream.push((w, ev));
-                }
+            if let (Some(w), Some(ev)) = (op_worker(op), op_event(op, &toks))
+                && causal(&a, ia[w], &keys, op)
+            {
+                a.apply_event(ia[w], &ev).expect("applies");
+                stream.push((w, ev));
             }
         }
         let heard = heard.min(stream.len());

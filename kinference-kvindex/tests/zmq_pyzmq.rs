@@ -426,12 +426,12 @@ fn seeded(
     (ix, w, h, tx)
 }
 
-fn seed(snapshot: &Arc<kinference_kvindex::Snapshot>) -> Option<sub::Seed> {
-    Some(sub::Seed {
+fn seed(snapshot: &Arc<kinference_kvindex::Snapshot>) -> sub::Seed {
+    sub::Seed {
         snapshot: Arc::clone(snapshot),
         part: 0,
         done: None,
-    })
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -459,7 +459,7 @@ async fn a_seed_fills_in_what_the_stream_missed_and_what_it_heard_is_applied_aga
     let s = wait_for(&h, "seq 3", |s| s.last_seq == Some(3)).await;
     // Alone, the stream knows nothing: block 6's parent was never heard.
     assert_eq!((s.blocks_held, depth(&ix, &keys, w)), (0, 0), "{s:?}");
-    tx.send(seed(&peer)).expect("the stream waits");
+    tx.send(Some(seed(&peer))).expect("the stream waits");
     let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
     assert_eq!(
         s.seed,
@@ -502,7 +502,7 @@ async fn a_seed_before_any_batch_sets_where_the_stream_goes_on() {
     let peer = peer_snapshot(&files, 1);
     let (ix, w, h, tx) = seeded(&publ);
     wait_for(&h, "the connection", |s| s.connected).await;
-    tx.send(seed(&peer)).expect("the stream waits");
+    tx.send(Some(seed(&peer))).expect("the stream waits");
     let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
     assert!(
         matches!(
@@ -552,11 +552,11 @@ async fn a_seed_from_a_peer_ahead_is_checked_when_the_stream_catches_up() {
         let mut publ = Publisher::start(&dir, &plan).await;
         let (ix, w, h, tx) = seeded(&publ);
         wait_for(&h, "seq 1", |s| s.last_seq == Some(1)).await;
-        tx.send(seed(&peer)).expect("the stream waits");
+        tx.send(Some(seed(&peer))).expect("the stream waits");
         let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
         // The stream holds blocks 1-5 already: the import adds block 6,
         // or nothing from the other stream.
-        let added = if diverged { 0 } else { 1 };
+        let added = u64::from(!diverged);
         assert_eq!(
             s.seed,
             Some(sub::SeedOutcome::Ahead { entries: added }),
@@ -595,7 +595,7 @@ async fn a_seed_older_than_the_stream_or_from_another_stream_is_not_imported() {
     publ.expect_line("DONE send").await;
     let (ix, w, h, tx) = seeded(&publ);
     wait_for(&h, "seq 2", |s| s.last_seq == Some(2)).await;
-    tx.send(seed(&peer_snapshot(&files, 0)))
+    tx.send(Some(seed(&peer_snapshot(&files, 0))))
         .expect("the stream waits");
     let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
     assert_eq!(
@@ -620,7 +620,7 @@ async fn a_seed_older_than_the_stream_or_from_another_stream_is_not_imported() {
     let mut publ = Publisher::start(&dir, &plan).await;
     let (ix, w, h, tx) = seeded(&publ);
     wait_for(&h, "seq 2", |s| s.last_seq == Some(2)).await;
-    tx.send(seed(&peer_snapshot(&other, 2)))
+    tx.send(Some(seed(&peer_snapshot(&other, 2))))
         .expect("the stream waits");
     let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
     assert_eq!(

@@ -303,9 +303,13 @@ impl KvIndex {
                             skipped += u64::from(len);
                         } else {
                             added += self.hold(w, h.group, (nid, off), len, tiers);
-                            for q in k..e {
-                                if node.hashes[q] != 0 {
-                                    self.name(&mut wr, w, node.hashes[q], placed[q], node.keys[q]);
+                            let named = placed[k..e]
+                                .iter()
+                                .zip(&node.hashes[k..e])
+                                .zip(&node.keys[k..e]);
+                            for ((&pos, &hash), &key) in named {
+                                if hash != 0 {
+                                    self.name(&mut wr, w, hash, pos, key);
                                 }
                             }
                         }

@@ -491,6 +491,7 @@ fn import_all(from: &[u8], into: &KvIndex) -> u64 {
 }
 
 #[test]
+#[allow(clippy::many_single_char_names)] // a, b: the two indexes; t, u: their token streams
 fn a_snapshot_rebuilds_the_same_index() {
     let (a, t, u) = populated();
     let qs = queries(&t, &u);
