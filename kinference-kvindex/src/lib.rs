@@ -8,6 +8,7 @@
 //! | [`event`] | [`EventBatch`], [`KvEvent`], [`BlockHash`], [`Tier`] |
 //! | [`codec`] | [`decode_batch`], [`encode_batch`], [`codec::frames`] (seq, replay layouts, end marker) |
 //! | [`index`] | [`KvIndex`]: register workers, apply events, [`KvIndex::find_matches`], [`max_entries_for_budget`] |
+//! | [`snapshot`] | [`Snapshot`]: the index's contents for another process ([`KvIndex::export`], [`KvIndex::import`]) |
 //! | [`dump`] | events as JSON lines (`kvdump`, the router's `events` command) |
 //! | [`sources`] | vLLM's `/kv_event_sources` answer |
 //! | `sub` (feature `zmq`) | `Subscriber`: one SUB socket per publisher, replay, stream health |
@@ -150,13 +151,15 @@ pub mod dump;
 pub mod event;
 pub mod index;
 pub mod key;
+pub mod snapshot;
 #[cfg(feature = "zmq")]
 pub mod sub;
 
 pub use codec::{DecodeError, EncodeForm, decode_batch, encode_batch};
 pub use event::{BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Tier};
 pub use index::{
-    Applied, BYTES_PER_ENTRY, GroupKind, GroupSpec, IndexConfig, IndexError, IndexStats, KvIndex,
-    Matches, WorkerId, WorkerMatch, WorkerRef, WorkerStats, max_entries_for_budget,
+    Applied, BYTES_PER_ENTRY, GroupKind, GroupSpec, Imported, IndexConfig, IndexError, IndexStats,
+    KvIndex, Matches, WorkerId, WorkerMatch, WorkerRef, WorkerStats, max_entries_for_budget,
 };
 pub use key::{BlockKey, BlockKeyer, ExtraKeys, block_keys};
+pub use snapshot::{Position, Snapshot, SnapshotError};

@@ -44,6 +44,31 @@
 //! gap or a restart drops the worker's blocks, continuity keeps them. An
 //! idle check that cannot reach the replay endpoint drops nothing.
 //!
+//! **Seeding from a peer's snapshot** ([`spawn_seeded`]). A stream that
+//! starts without replay (vLLM's default) knows nothing of the blocks
+//! stored before it. A router replica that starts asks a peer for its
+//! index ([`crate::snapshot`]) and hands each stream the part naming its
+//! worker, with the position it is consistent with (`L`: the peer's last
+//! batch applied, and its digest). Until the seed comes (or its sender is
+//! dropped) the stream keeps the batches it applies (at most
+//! [`SubscriberConfig::max_buffered`] and [`SEED_HISTORY_BYTES`]), then:
+//!
+//! * nothing applied yet: the part is imported, and the stream goes on
+//!   from `L + 1` as if it had applied `L` (a gap or a restart after it
+//!   is handled as any other: replay, or the blocks are dropped);
+//! * `L` among the batches kept, or just before the first: the part is
+//!   imported beside what the stream applied, then the kept batches after
+//!   `L` are applied again, in order. Applying a batch is idempotent and
+//!   the last event about a block decides, so a block removed after `L`
+//!   stays removed and one stored after it stays stored;
+//! * `L` at or past the last batch applied (the peer is ahead): the part
+//!   is imported, and the batches up to `L` are applied as they arrive
+//!   (again, idempotent); when batch `L` arrives its digest must match,
+//!   else the worker's blocks are dropped;
+//! * `L` older than the first batch kept (batches in between are lost to
+//!   both), a digest that differs from ours for `L` (the publisher
+//!   restarted in between), or no position at all: nothing is imported.
+//!
 //! The task stops when its [`SubscriberHandle`] is dropped (or
 //! [`SubscriberHandle::stop`] is called); sockets close with it.
 
@@ -61,6 +86,7 @@ use zeromq::{
 use crate::codec::frames::{self, ReplayReply};
 use crate::event::EventBatch;
 use crate::index::{KvIndex, WorkerId};
+use crate::snapshot::{Position, Snapshot};
 
 /// Where the events go. [`KvIndex`] implements it; a router may wrap it to
 /// add metrics.
@@ -71,6 +97,23 @@ pub trait EventSink: Send + Sync + 'static {
     fn clear(&self, worker: WorkerId);
     /// Blocks held and block widths seen `(group, width)` for health.
     fn view(&self, worker: WorkerId) -> (u64, Vec<(u32, u32)>);
+    /// Applies one batch and records it as the stream's position (see
+    /// [`KvIndex::apply_batch_at`]); a sink that keeps no position just
+    /// applies it.
+    fn apply_at(&self, worker: WorkerId, batch: &EventBatch, at: Position) {
+        let _ = at;
+        self.apply(worker, batch);
+    }
+    /// Adds a peer's snapshot part for `worker` beside what it holds (see
+    /// [`KvIndex::import`]); with `at`, as the stream's position. Returns
+    /// the entries added.
+    ///
+    /// # Errors
+    /// Why it was not imported (the default: this sink takes none).
+    fn import(&self, worker: WorkerId, seed: &Seed, at: Option<Position>) -> Result<u64, String> {
+        let _ = (worker, seed, at);
+        Err("this sink takes no snapshot".into())
+    }
 }
 
 impl EventSink for KvIndex {
@@ -85,6 +128,103 @@ impl EventSink for KvIndex {
     fn view(&self, worker: WorkerId) -> (u64, Vec<(u32, u32)>) {
         self.worker_stats(worker)
             .map_or((0, Vec::new()), |s| (s.blocks_held, s.observed_widths))
+    }
+    fn apply_at(&self, worker: WorkerId, batch: &EventBatch, at: Position) {
+        if let Err(e) = self.apply_batch_at(worker, batch, at) {
+            tracing::warn!(worker = worker.0, error = %e, "kv events for an unregistered worker");
+        }
+    }
+    fn import(&self, worker: WorkerId, seed: &Seed, at: Option<Position>) -> Result<u64, String> {
+        KvIndex::import(self, worker, &seed.snapshot, seed.part, at)
+            .map(|i| i.entries)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// Most payload bytes a stream keeps while it waits for its seed
+/// ([`spawn_seeded`]); past it (or past
+/// [`SubscriberConfig::max_buffered`] batches) the oldest go.
+pub const SEED_HISTORY_BYTES: usize = 16 << 20;
+
+/// A peer's snapshot offered to one stream: the part naming its worker.
+pub struct Seed {
+    /// The snapshot.
+    pub snapshot: Arc<Snapshot>,
+    /// The part naming this stream's worker.
+    pub part: usize,
+    /// Dropped once the stream has dealt with the seed (imported it or
+    /// not): a caller can count seeds pending with it.
+    pub done: Option<Box<dyn std::any::Any + Send>>,
+}
+
+impl std::fmt::Debug for Seed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Seed")
+            .field("part", &self.part)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a stream did with the seed it was offered ([`spawn_seeded`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SeedOutcome {
+    /// No part of a snapshot named this stream's worker (or none came).
+    NotOffered,
+    /// Imported `entries`; `replayed` batches of this stream's own applied
+    /// again over them.
+    Imported {
+        /// Entries added.
+        entries: u64,
+        /// Own batches applied again.
+        replayed: u64,
+    },
+    /// Imported from a peer ahead of this stream: its batches up to the
+    /// snapshot's are applied as they arrive, and the last one checked.
+    Ahead {
+        /// Entries added.
+        entries: u64,
+    },
+    /// Not imported: older than this stream's first batch kept (the
+    /// batches in between are lost to both).
+    Stale,
+    /// Not imported: the snapshot followed another stream (its last batch
+    /// differs from ours: the publisher restarted in between).
+    Diverged,
+    /// Imported from a peer ahead, then the batch at its position differed
+    /// from the peer's: the worker's blocks were dropped.
+    DivergedLater,
+    /// Not imported: the peer had no position for this stream.
+    NoPosition,
+    /// The import failed.
+    Failed(String),
+}
+
+impl std::fmt::Display for SeedOutcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::NotOffered => f.write_str("not offered"),
+            Self::Imported { entries, replayed } => {
+                write!(
+                    f,
+                    "imported {entries} blocks, {replayed} own batches applied again"
+                )
+            }
+            Self::Ahead { entries } => write!(f, "imported {entries} blocks from a peer ahead"),
+            Self::Stale => f.write_str("not imported: older than this stream's first batch"),
+            Self::Diverged => f.write_str("not imported: the peer followed another stream"),
+            Self::DivergedLater => {
+                f.write_str("imported, then dropped: the peer followed another stream")
+            }
+            Self::NoPosition => f.write_str("not imported: the peer had no position"),
+            Self::Failed(e) => write!(f, "import failed: {e}"),
+        }
+    }
+}
+
+impl SeedOutcome {
+    /// Whether blocks were imported (and kept).
+    pub fn imported(&self) -> bool {
+        matches!(self, Self::Imported { .. } | Self::Ahead { .. })
     }
 }
 
@@ -188,6 +328,9 @@ pub struct StreamHealth {
     /// Block widths seen in events, `(group, width)` (filled by
     /// [`SubscriberHandle::health`]).
     pub observed_widths: Vec<(u32, u32)>,
+    /// What became of the peer's snapshot offered ([`spawn_seeded`]):
+    /// `None` while one is awaited, or when none was expected.
+    pub seed: Option<SeedOutcome>,
 }
 
 impl StreamHealth {
@@ -238,6 +381,14 @@ impl SubscriberHandle {
         h.observed_widths = widths;
         h
     }
+    /// Whether the SUB socket is connected to the publisher now (no index
+    /// access, unlike [`SubscriberHandle::health`]).
+    pub fn connected(&self) -> bool {
+        self.health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .connected
+    }
     /// Stops the task (also done on drop).
     pub fn stop(self) {}
     /// Whether the task has ended (it only ends when stopped).
@@ -261,6 +412,21 @@ pub fn spawn<S: EventSink>(
     worker: WorkerId,
     sink: Arc<S>,
 ) -> SubscriberHandle {
+    spawn_seeded(config, worker, sink, None)
+}
+
+/// Starts a subscription that, with `seed`, expects a peer's snapshot
+/// there (see the module docs, "Seeding"): it keeps the batches it applies
+/// until the seed comes, or its sender is dropped.
+///
+/// # Panics
+/// Outside a tokio runtime.
+pub fn spawn_seeded<S: EventSink>(
+    config: SubscriberConfig,
+    worker: WorkerId,
+    sink: Arc<S>,
+    seed: Option<tokio::sync::oneshot::Receiver<Option<Seed>>>,
+) -> SubscriberHandle {
     let health = Arc::new(Mutex::new(StreamHealth::default()));
     let view_sink = Arc::clone(&sink);
     let view = Arc::new(move |w: WorkerId| view_sink.view(w));
@@ -275,9 +441,11 @@ pub fn spawn<S: EventSink>(
         disconnected: false,
         reconnected: false,
         replay: None,
+        history: seed.as_ref().map(|_| History::default()),
+        verify: None,
     };
     run.replay.clone_from(&run.config.replay_endpoint);
-    let task = tokio::spawn(async move { run.run().await });
+    let task = tokio::spawn(async move { run.run(seed).await });
     SubscriberHandle {
         worker,
         health,
@@ -304,12 +472,44 @@ struct Run<S> {
     reconnected: bool,
     /// The replay endpoint, while it is believed to exist.
     replay: Option<String>,
+    /// While a seed is awaited: the batches applied since the worker's
+    /// blocks were last dropped (the oldest go past the bounds).
+    history: Option<History>,
+    /// A seed imported from a peer ahead: its position, checked when that
+    /// batch arrives.
+    verify: Option<Position>,
 }
 
 enum Live {
     Batch(u64, Bytes),
     Event(SocketEvent),
     Idle,
+    Seed(Option<Seed>),
+}
+
+/// Batches applied, in order: `(seq, digest, payload)`.
+#[derive(Default)]
+struct History {
+    batches: std::collections::VecDeque<(u64, u64, Bytes)>,
+    bytes: usize,
+}
+
+impl History {
+    fn push(&mut self, seq: u64, digest: u64, payload: &Bytes, max: usize) {
+        self.batches.push_back((seq, digest, payload.clone()));
+        self.bytes += payload.len();
+        while self.batches.len() > max.max(1) || self.bytes > SEED_HISTORY_BYTES {
+            let Some((_, _, p)) = self.batches.pop_front() else {
+                break;
+            };
+            self.bytes -= p.len();
+        }
+    }
+
+    fn clear(&mut self) {
+        self.batches.clear();
+        self.bytes = 0;
+    }
 }
 
 fn digest(payload: &[u8]) -> u64 {
@@ -333,7 +533,7 @@ impl<S: EventSink> Run<S> {
         o
     }
 
-    async fn run(&mut self) {
+    async fn run(&mut self, mut seed: Option<tokio::sync::oneshot::Receiver<Option<Seed>>>) {
         let mut sub = SubSocket::with_options(self.options());
         let mut monitor = sub.monitor();
         if let Err(e) = sub.subscribe(&self.config.topic).await {
@@ -375,8 +575,13 @@ impl<S: EventSink> Run<S> {
                 },
                 ev = monitor.next() => ev.map(Live::Event),
                 () = async { tokio::time::sleep_until(idle.unwrap_or_else(Instant::now)).await }, if idle.is_some() => Some(Live::Idle),
+                s = async { seed.as_mut().expect("guarded").await }, if seed.is_some() => Some(Live::Seed(s.ok().flatten())),
             };
             match next {
+                Some(Live::Seed(s)) => {
+                    seed = None;
+                    self.on_seed(s);
+                }
                 Some(Live::Batch(seq, payload)) => {
                     self.on_batch(&mut sub, &mut monitor, seq, payload).await;
                 }
@@ -457,7 +662,7 @@ impl<S: EventSink> Run<S> {
     }
 
     /// A live batch that arrived during a check: applied in order, or a gap.
-    fn on_live_after_check(&mut self, s: u64, p: &[u8]) {
+    fn on_live_after_check(&mut self, s: u64, p: &Bytes) {
         match self.next_seq {
             Some(n) if s < n => {}
             Some(n) if s > n => {
@@ -553,15 +758,48 @@ impl<S: EventSink> Run<S> {
         }
     }
 
-    fn reset(&self) {
+    fn reset(&mut self) {
         self.sink.clear(self.worker);
         self.h().resets += 1;
+        if let Some(h) = &mut self.history {
+            h.clear();
+        }
+        // What a peer ahead of us sent is gone with the blocks.
+        self.verify = None;
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8]) {
+    fn apply(&mut self, seq: u64, payload: &Bytes) {
+        let d = digest(payload);
+        if self.apply_batch(seq, d, payload) {
+            if let Some(h) = &mut self.history {
+                h.push(seq, d, payload, self.config.max_buffered);
+            }
+        } else {
+            self.h().decode_errors += 1;
+            self.reset();
+        }
+        self.next_seq = Some(seq.wrapping_add(1));
+        self.last_digest = Some(d);
+        if let Some(v) = self.verify
+            && seq >= v.seq
+        {
+            self.verify = None;
+            if seq == v.seq && d != v.digest {
+                tracing::warn!(endpoint = %self.config.endpoint, seq, "the peer's snapshot followed another stream: dropping the worker's blocks");
+                self.h().seed = Some(SeedOutcome::DivergedLater);
+                self.reset();
+                self.apply_batch(seq, d, payload);
+            }
+        }
+    }
+
+    /// Decodes and applies one batch as the stream's position `(seq, d)`;
+    /// false when it does not decode.
+    fn apply_batch(&mut self, seq: u64, d: u64, payload: &[u8]) -> bool {
         match crate::codec::decode_batch(payload) {
             Ok(b) => {
-                self.sink.apply(self.worker, &b);
+                self.sink
+                    .apply_at(self.worker, &b, Position { seq, digest: d });
                 let mut h = self.h();
                 h.batches += 1;
                 h.last_event = Some(Instant::now());
@@ -569,15 +807,95 @@ impl<S: EventSink> Run<S> {
                 h.last_seq = Some(seq);
                 h.unknown_events += u64::from(b.skipped.unknown_events);
                 h.unknown_fields += u64::from(b.skipped.unknown_fields);
+                true
             }
             Err(e) => {
                 tracing::warn!(endpoint = %self.config.endpoint, seq, error = %e, "undecodable kv batch: dropping the worker's blocks");
-                self.h().decode_errors += 1;
-                self.reset();
+                false
             }
         }
-        self.next_seq = Some(seq.wrapping_add(1));
-        self.last_digest = Some(digest(payload));
+    }
+
+    /// The seed came (or will not): merges it (module docs, "Seeding")
+    /// and stops keeping batches.
+    fn on_seed(&mut self, seed: Option<Seed>) {
+        let history = self.history.take().unwrap_or_default();
+        let outcome = match seed {
+            None => SeedOutcome::NotOffered,
+            Some(seed) => self.merge(&seed, &history),
+        };
+        match &outcome {
+            SeedOutcome::NotOffered => {}
+            o if o.imported() => {
+                tracing::info!(endpoint = %self.config.endpoint, worker = self.worker.0, outcome = %o, "kv index seeded from a peer");
+            }
+            o => {
+                tracing::warn!(endpoint = %self.config.endpoint, worker = self.worker.0, outcome = %o, "kv index not seeded from the peer's snapshot");
+            }
+        }
+        self.h().seed = Some(outcome);
+    }
+
+    fn merge(&mut self, seed: &Seed, history: &History) -> SeedOutcome {
+        let Some(at) = seed
+            .snapshot
+            .workers()
+            .nth(seed.part)
+            .and_then(|w| w.position)
+        else {
+            return SeedOutcome::NoPosition;
+        };
+        let import = |this: &Self, pos: Option<Position>| this.sink.import(this.worker, seed, pos);
+        let l = at.seq;
+        let Some(n) = self.next_seq else {
+            // Nothing applied: go on from the snapshot's position.
+            return match import(self, Some(at)) {
+                Ok(entries) => {
+                    self.next_seq = Some(l.wrapping_add(1));
+                    self.last_digest = Some(at.digest);
+                    SeedOutcome::Imported {
+                        entries,
+                        replayed: 0,
+                    }
+                }
+                Err(e) => SeedOutcome::Failed(e),
+            };
+        };
+        if l >= n {
+            // The peer is ahead: our batches up to `l` arrive later and
+            // apply over the import; batch `l` is checked then.
+            return match import(self, None) {
+                Ok(entries) => {
+                    self.verify = Some(at);
+                    SeedOutcome::Ahead { entries }
+                }
+                Err(e) => SeedOutcome::Failed(e),
+            };
+        }
+        // l < n: the batches after `l` must all be kept, and ours at `l`
+        // (if kept) must be the peer's.
+        let first = history.batches.front().map_or(n, |b| b.0);
+        if l.wrapping_add(1) < first {
+            return SeedOutcome::Stale;
+        }
+        let ours = if l + 1 == n {
+            self.last_digest
+        } else {
+            history.batches.iter().find(|b| b.0 == l).map(|b| b.1)
+        };
+        if ours.is_some_and(|d| d != at.digest) {
+            return SeedOutcome::Diverged;
+        }
+        let entries = match import(self, None) {
+            Ok(e) => e,
+            Err(e) => return SeedOutcome::Failed(e),
+        };
+        let mut replayed = 0;
+        for (s, d, p) in history.batches.iter().filter(|b| b.0 > l) {
+            self.apply_batch(*s, *d, p);
+            replayed += 1;
+        }
+        SeedOutcome::Imported { entries, replayed }
     }
 
     /// Fetches one replay from `from` while buffering live batches into

@@ -381,3 +381,137 @@ proptest! {
         }
     }
 }
+
+// ----- snapshots ----------------------------------------------------------
+
+/// The event an op sends (Store, Remove, Placeholder, Clear), if it is one.
+fn op_event(op: &Op, toks: &[Vec<u32>]) -> Option<KvEvent> {
+    Some(match *op {
+        Op::Store {
+            d, from, len, cpu, ..
+        } => KvEvent::BlockStored(BlockStored {
+            block_hashes: (from..from + len)
+                .map(|i| BlockHash::Uint(engine_hash(d, i)))
+                .collect(),
+            parent_block_hash: (from > 0).then(|| BlockHash::Uint(engine_hash(d, from - 1))),
+            token_ids: toks[d][from * WIDTH..(from + len) * WIDTH].to_vec(),
+            block_size: WIDTH as u32,
+            medium: Some(medium(cpu)),
+            ..BlockStored::default()
+        }),
+        Op::Remove { d, i, cpu, .. } => KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
+            medium: Some(medium(cpu)),
+            ..BlockRemoved::default()
+        }),
+        Op::Placeholder { d, i, cpu, .. } => KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![BlockHash::Uint(engine_hash(d, i))],
+            medium: Some(medium(cpu)),
+            ..BlockStored::default()
+        }),
+        Op::Clear { .. } => KvEvent::AllBlocksCleared,
+        Op::RemoveWorker { .. } | Op::Lookup { .. } => return None,
+    })
+}
+
+fn op_worker(op: &Op) -> Option<usize> {
+    match *op {
+        Op::Store { w, .. }
+        | Op::Remove { w, .. }
+        | Op::Placeholder { w, .. }
+        | Op::Clear { w } => Some(w),
+        Op::RemoveWorker { .. } | Op::Lookup { .. } => None,
+    }
+}
+
+/// Whether an engine could have sent `op` to an index in state `ix`: a
+/// store's parent, and a placeholder's block, are held by the same worker
+/// (engines store a block only after its parent, and copy only what they
+/// hold).
+fn causal(ix: &KvIndex, id: WorkerId, keys: &[Vec<BlockKey>], op: &Op) -> bool {
+    let holds = |d: usize, i: usize| ix.worker_keys(id).contains(&keys[d][i]);
+    match *op {
+        Op::Store { d, from, .. } => from == 0 || holds(d, from - 1),
+        Op::Placeholder { d, i, .. } => holds(d, i),
+        _ => true,
+    }
+}
+
+/// Everything lookups tell, per worker (by position in `ids`).
+fn answers(
+    ix: &KvIndex,
+    ids: &[WorkerId],
+    keys: &[Vec<BlockKey>],
+) -> Vec<(usize, usize, u32, u32, u32)> {
+    let mut out = Vec::new();
+    for (d, ks) in keys.iter().enumerate() {
+        let m = ix.find_matches(ks);
+        for (w, id) in ids.iter().enumerate() {
+            if let Some(x) = m.get(*id) {
+                out.push((d, w, x.blocks, x.gpu_blocks, x.cpu_blocks));
+            }
+        }
+    }
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// A replica that subscribes, applies the first `heard` batches after
+    /// a peer's snapshot, imports the snapshot and applies those batches
+    /// again, then the rest, ends with the peer's index: nothing removed
+    /// after the snapshot comes back, nothing stored after it is lost.
+    #[test]
+    fn a_snapshot_and_the_batches_after_it_are_the_index(
+        before in prop::collection::vec(op(), 0..60),
+        after in prop::collection::vec(op(), 0..40),
+        heard in 0usize..40,
+    ) {
+        let config = IndexConfig { shards: 4, ..IndexConfig::default() };
+        let a = KvIndex::new(config);
+        let b = KvIndex::new(config);
+        let reg = |ix: &KvIndex| -> Vec<WorkerId> {
+            (0..WORKERS)
+                .map(|w| ix.register_worker(WorkerRef::new(format!("w{w}"), 0), WIDTH as u32).expect("registers"))
+                .collect()
+        };
+        let (ia, ib) = (reg(&a), reg(&b));
+        let toks: Vec<Vec<u32>> = (0..DOCS).map(doc_tokens).collect();
+        let keys: Vec<Vec<BlockKey>> = toks.iter().map(|t| BlockKeyer::new(WIDTH as u32, None).keys(t, &ExtraKeys::none())).collect();
+        for op in &before {
+            if let (Some(w), Some(ev)) = (op_worker(op), op_event(op, &toks))
+                && causal(&a, ia[w], &keys, op)
+            {
+                a.apply_event(ia[w], &ev).expect("applies");
+            }
+        }
+        let snapshot = kinference_kvindex::Snapshot::decode(&a.export(usize::MAX)).expect("decodes");
+        // The stream after the snapshot, as the peer applies it.
+        let mut stream = Vec::new();
+        for op in &after {
+            if let (Some(w), Some(ev)) = (op_worker(op), op_event(op, &toks))
+                && causal(&a, ia[w], &keys, op)
+            {
+                a.apply_event(ia[w], &ev).expect("applies");
+                stream.push((w, ev));
+            }
+        }
+        let heard = heard.min(stream.len());
+        for (w, ev) in &stream[..heard] {
+            b.apply_event(ib[*w], ev).expect("applies");
+        }
+        for part in snapshot.workers() {
+            let w: usize = part.worker.endpoint[1..].parse().expect("w<n>");
+            b.import(ib[w], &snapshot, part.part, None).expect("imports");
+        }
+        for (w, ev) in &stream {
+            b.apply_event(ib[*w], ev).expect("applies");
+        }
+        prop_assert_eq!(answers(&b, &ib, &keys), answers(&a, &ia, &keys));
+        prop_assert_eq!(b.entries(), a.entries());
+        for (x, y) in ia.iter().zip(&ib) {
+            prop_assert_eq!(b.worker_keys(*y), a.worker_keys(*x));
+        }
+    }
+}

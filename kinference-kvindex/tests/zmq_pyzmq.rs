@@ -365,3 +365,273 @@ async fn a_publisher_that_binds_late_is_picked_up_by_the_retry_loop() {
     // Dropping the handle stops the task.
     drop(h);
 }
+
+// ----- seeding from a peer's snapshot -------------------------------------
+
+/// A payload file of `events`, and its digest (what positions carry).
+fn payload_file(dir: &Path, name: &str, events: Vec<KvEvent>) -> (PathBuf, u64) {
+    let b = EventBatch {
+        ts: 1.0,
+        events,
+        dp_rank: Some(0),
+        has_rank_field: true,
+        ..EventBatch::default()
+    };
+    let bytes = encode_batch(&b, EncodeForm::VllmMap);
+    let p = dir.join(format!("{name}.msgpack"));
+    std::fs::write(&p, &bytes).expect("writes payload");
+    (p, xxhash_rust::xxh3::xxh3_64(&bytes))
+}
+
+fn removed(hashes: &[u64]) -> KvEvent {
+    KvEvent::BlockRemoved(kinference_kvindex::BlockRemoved {
+        block_hashes: hashes.iter().map(|h| BlockHash::Uint(*h)).collect(),
+        ..kinference_kvindex::BlockRemoved::default()
+    })
+}
+
+/// The peer: an index that applied `files[..=last]` as seq 0..=last, and
+/// its snapshot.
+fn peer_snapshot(files: &[PathBuf], last: usize) -> Arc<kinference_kvindex::Snapshot> {
+    let (ix, w) = setup();
+    for (seq, f) in files[..=last].iter().enumerate() {
+        let bytes = std::fs::read(f).expect("payload");
+        let batch = kinference_kvindex::decode_batch(&bytes).expect("decodes");
+        let at = kinference_kvindex::Position {
+            seq: seq as u64,
+            digest: xxhash_rust::xxh3::xxh3_64(&bytes),
+        };
+        ix.apply_batch_at(w, &batch, at).expect("applies");
+    }
+    Arc::new(kinference_kvindex::Snapshot::decode(&ix.export(1 << 20)).expect("decodes"))
+}
+
+/// A subscriber expecting a seed, and the sender of it.
+fn seeded(
+    publ: &Publisher,
+) -> (
+    Arc<KvIndex>,
+    WorkerId,
+    SubscriberHandle,
+    tokio::sync::oneshot::Sender<Option<sub::Seed>>,
+) {
+    let (ix, w) = setup();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let h = sub::spawn_seeded(
+        SubscriberConfig::new(publ.endpoint()),
+        w,
+        Arc::clone(&ix),
+        Some(rx),
+    );
+    (ix, w, h, tx)
+}
+
+fn seed(snapshot: &Arc<kinference_kvindex::Snapshot>) -> sub::Seed {
+    sub::Seed {
+        snapshot: Arc::clone(snapshot),
+        part: 0,
+        done: None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_fills_in_what_the_stream_missed_and_what_it_heard_is_applied_again() {
+    let dir = tmpdir("seed-missed");
+    let (mut files, keys) = chained_payloads(&dir, EncodeForm::VllmMap);
+    // After the peer's snapshot (seq 1): block 6 stored, then 4 and 5
+    // removed (6 goes with them from the match: the prefix breaks at 4).
+    let (f3, _) = payload_file(&dir, "remove_5", vec![removed(&[5])]);
+    files.push(f3);
+    let plan = json!({"steps": [
+        {"op": "send", "seq": 0, "file": files[0]},
+        {"op": "send", "seq": 1, "file": files[1]},
+        {"op": "wait_sub"},
+        {"op": "sleep", "s": 0.3},
+        {"op": "send", "seq": 2, "file": files[2]},
+        {"op": "send", "seq": 3, "file": files[3]},
+        {"op": "wait_stdin"},
+    ]});
+    let mut publ = Publisher::start(&dir, &plan).await;
+    publ.expect_line("DONE send").await;
+    publ.expect_line("DONE send").await;
+    let peer = peer_snapshot(&files, 1);
+    let (ix, w, h, tx) = seeded(&publ);
+    let s = wait_for(&h, "seq 3", |s| s.last_seq == Some(3)).await;
+    // Alone, the stream knows nothing: block 6's parent was never heard.
+    assert_eq!((s.blocks_held, depth(&ix, &keys, w)), (0, 0), "{s:?}");
+    tx.send(Some(seed(&peer))).expect("the stream waits");
+    let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
+    assert_eq!(
+        s.seed,
+        Some(sub::SeedOutcome::Imported {
+            entries: 5,
+            replayed: 2
+        }),
+        "{s:?}"
+    );
+    // Blocks 1-4 and 6 held (5 was removed after the snapshot and stays
+    // removed): the usable prefix is 4 blocks.
+    assert_eq!((s.blocks_held, depth(&ix, &keys, w)), (5, 4), "{s:?}");
+    assert_eq!(
+        ix.position(w).map(|p| p.seq),
+        Some(3),
+        "the position is the stream's own"
+    );
+    publ.proceed().await;
+    publ.expect_line("PLAN DONE").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_before_any_batch_sets_where_the_stream_goes_on() {
+    let dir = tmpdir("seed-first");
+    let (files, keys) = chained_payloads(&dir, EncodeForm::VllmMap);
+    // The stream hears seq 2 only after the seed (seq 1); then a gap.
+    let plan = json!({"steps": [
+        {"op": "send", "seq": 0, "file": files[0]},
+        {"op": "send", "seq": 1, "file": files[1]},
+        {"op": "wait_sub"},
+        {"op": "wait_stdin"},
+        {"op": "send", "seq": 2, "file": files[2]},
+        {"op": "wait_stdin"},
+        {"op": "send", "seq": 4, "file": files[0]},
+        {"op": "wait_stdin"},
+    ]});
+    let mut publ = Publisher::start(&dir, &plan).await;
+    publ.expect_line("DONE send").await;
+    publ.expect_line("DONE send").await;
+    let peer = peer_snapshot(&files, 1);
+    let (ix, w, h, tx) = seeded(&publ);
+    wait_for(&h, "the connection", |s| s.connected).await;
+    tx.send(Some(seed(&peer))).expect("the stream waits");
+    let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
+    assert!(
+        matches!(
+            s.seed,
+            Some(sub::SeedOutcome::Imported {
+                entries: 5,
+                replayed: 0
+            })
+        ),
+        "{s:?}"
+    );
+    assert_eq!(depth(&ix, &keys, w), 5);
+    publ.proceed().await;
+    let s = wait_for(&h, "seq 2", |s| s.last_seq == Some(2)).await;
+    assert_eq!(
+        (s.gaps, depth(&ix, &keys, w)),
+        (0, 6),
+        "continues from the seed: {s:?}"
+    );
+    // A gap after it drops the blocks, as for any stream without replay.
+    publ.proceed().await;
+    let s = wait_for(&h, "seq 4", |s| s.last_seq == Some(4)).await;
+    assert_eq!((s.gaps, s.resets, depth(&ix, &keys, w)), (1, 1, 3), "{s:?}");
+    publ.proceed().await;
+    publ.expect_line("PLAN DONE").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_from_a_peer_ahead_is_checked_when_the_stream_catches_up() {
+    for diverged in [false, true] {
+        let dir = tmpdir(&format!("seed-ahead-{diverged}"));
+        let (files, keys) = chained_payloads(&dir, EncodeForm::VllmMap);
+        // The peer applied seq 0-2; its seq 2 is ours, or another stream's.
+        let mut peer_files = files.clone();
+        if diverged {
+            peer_files[2] = payload_file(&dir, "other", vec![removed(&[77])]).0;
+        }
+        let peer = peer_snapshot(&peer_files, 2);
+        let plan = json!({"steps": [
+            {"op": "wait_sub"},
+            {"op": "send", "seq": 0, "file": files[0]},
+            {"op": "send", "seq": 1, "file": files[1]},
+            {"op": "wait_stdin"},
+            {"op": "send", "seq": 2, "file": files[2]},
+            {"op": "wait_stdin"},
+        ]});
+        let mut publ = Publisher::start(&dir, &plan).await;
+        let (ix, w, h, tx) = seeded(&publ);
+        wait_for(&h, "seq 1", |s| s.last_seq == Some(1)).await;
+        tx.send(Some(seed(&peer))).expect("the stream waits");
+        let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
+        // The stream holds blocks 1-5 already: the import adds block 6,
+        // or nothing from the other stream.
+        let added = u64::from(!diverged);
+        assert_eq!(
+            s.seed,
+            Some(sub::SeedOutcome::Ahead { entries: added }),
+            "{s:?}"
+        );
+        assert_eq!(depth(&ix, &keys, w), if diverged { 5 } else { 6 });
+        publ.proceed().await;
+        let s = wait_for(&h, "seq 2", |s| s.last_seq == Some(2)).await;
+        if diverged {
+            // Batch 2 is not the peer's: what came from it is dropped.
+            assert_eq!(s.seed, Some(sub::SeedOutcome::DivergedLater), "{s:?}");
+            assert_eq!((s.resets, depth(&ix, &keys, w)), (1, 0), "{s:?}");
+        } else {
+            assert_eq!((s.resets, depth(&ix, &keys, w)), (0, 6), "{s:?}");
+        }
+        publ.proceed().await;
+        publ.expect_line("PLAN DONE").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_older_than_the_stream_or_from_another_stream_is_not_imported() {
+    let dir = tmpdir("seed-stale");
+    let (files, keys) = chained_payloads(&dir, EncodeForm::VllmMap);
+    // The stream hears seq 2 first; a peer at seq 0 missed what seq 1 did.
+    let plan = json!({"steps": [
+        {"op": "send", "seq": 0, "file": files[0]},
+        {"op": "send", "seq": 1, "file": files[1]},
+        {"op": "wait_sub"},
+        {"op": "sleep", "s": 0.3},
+        {"op": "send", "seq": 2, "file": files[2]},
+        {"op": "wait_stdin"},
+    ]});
+    let mut publ = Publisher::start(&dir, &plan).await;
+    publ.expect_line("DONE send").await;
+    publ.expect_line("DONE send").await;
+    let (ix, w, h, tx) = seeded(&publ);
+    wait_for(&h, "seq 2", |s| s.last_seq == Some(2)).await;
+    tx.send(Some(seed(&peer_snapshot(&files, 0))))
+        .expect("the stream waits");
+    let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
+    assert_eq!(
+        (s.seed, depth(&ix, &keys, w)),
+        (Some(sub::SeedOutcome::Stale), 0)
+    );
+    publ.proceed().await;
+    publ.expect_line("PLAN DONE").await;
+
+    // A peer whose seq 2 is another payload followed another stream.
+    let dir = tmpdir("seed-diverged");
+    let (files, keys) = chained_payloads(&dir, EncodeForm::VllmMap);
+    let mut other = files.clone();
+    other[2] = payload_file(&dir, "other", vec![removed(&[77])]).0;
+    let plan = json!({"steps": [
+        {"op": "wait_sub"},
+        {"op": "send", "seq": 0, "file": files[0]},
+        {"op": "send", "seq": 1, "file": files[1]},
+        {"op": "send", "seq": 2, "file": files[2]},
+        {"op": "wait_stdin"},
+    ]});
+    let mut publ = Publisher::start(&dir, &plan).await;
+    let (ix, w, h, tx) = seeded(&publ);
+    wait_for(&h, "seq 2", |s| s.last_seq == Some(2)).await;
+    tx.send(Some(seed(&peer_snapshot(&other, 2))))
+        .expect("the stream waits");
+    let s = wait_for(&h, "the seed", |s| s.seed.is_some()).await;
+    assert_eq!(
+        (s.seed, depth(&ix, &keys, w)),
+        (Some(sub::SeedOutcome::Diverged), 6)
+    );
+    // No seed at all: the stream goes on as it was.
+    let (_ix, _w, h, tx) = seeded(&publ);
+    drop(tx);
+    let s = wait_for(&h, "no seed", |s| s.seed.is_some()).await;
+    assert_eq!(s.seed, Some(sub::SeedOutcome::NotOffered));
+    publ.proceed().await;
+    publ.expect_line("PLAN DONE").await;
+}

@@ -83,7 +83,7 @@ pub fn handle(
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
         crate::peers::LOAD_PATH => {
             let token = shared.config.peers.as_ref().and_then(|p| p.token.as_ref());
-            if crate::peers::allowed(token, req.headers()) {
+            let resp = if crate::peers::allowed(token, req.headers()) {
                 text(
                     StatusCode::OK,
                     "application/json",
@@ -95,7 +95,9 @@ pub fn handle(
                     "text/plain",
                     "peer token required\n",
                 )
-            }
+            };
+            count_load(shared, req, &resp);
+            resp
         }
         "/readyz" => match shared.readiness() {
             Ok(()) => text(StatusCode::OK, "text/plain", "ready\n"),
@@ -115,6 +117,7 @@ pub fn handle(
                 "not_ready_because": shared.readiness().err(),
                 "problems": *shared.runtime.problems(),
                 "peers": shared.runtime.peer_state.read().clone(),
+                "kv_bootstrap": shared.kv.bootstrap_report(),
                 "worker_sets": reports::worker_set_reports(&view),
                 "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now()),
                 "kv_index": {
@@ -129,6 +132,23 @@ pub fn handle(
             "admin paths: /metrics /healthz /readyz /debug/explain /debug/endpoints /debug/kv\n",
         ),
     }
+}
+
+/// Counts a load poll answered in [`crate::peers::Traffic`].
+fn count_load(shared: &Shared, req: &Request<Incoming>, resp: &Response<Full<Bytes>>) {
+    use hyper::body::Body as _;
+    use std::sync::atomic::Ordering;
+    let t = &shared.runtime.peer_traffic;
+    let pq = req.uri().path_and_query().map_or("", |p| p.as_str());
+    t.load_received.fetch_add(
+        crate::peers::head_bytes("GET  HTTP/1.1".len() + pq.len(), req.headers()),
+        Ordering::Relaxed,
+    );
+    let body = resp.body().size_hint().exact().unwrap_or(0);
+    t.load_sent.fetch_add(
+        crate::peers::response_bytes(resp.status(), resp.headers(), body as usize, true),
+        Ordering::Relaxed,
+    );
 }
 
 /// `/debug/kv[?endpoint=ADDR]`: the block keys the KV index holds per
@@ -164,9 +184,20 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener) {
         };
         let Ok((stream, _)) = accepted else { continue };
         let (s, r) = (shared.clone(), registry.clone());
-        let service = hyper::service::service_fn(move |req| {
-            let resp = handle(&s, &r, &req);
-            async move { Ok::<_, Infallible>(resp) }
+        let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+            let (s, r) = (s.clone(), r.clone());
+            async move {
+                // The snapshot is encoded on the blocking pool; the rest
+                // answers at once.
+                let resp = if req.method() == Method::GET
+                    && req.uri().path() == crate::snapshot::SNAPSHOT_PATH
+                {
+                    crate::snapshot::serve(s, req).await
+                } else {
+                    handle(&s, &r, &req)
+                };
+                Ok::<_, Infallible>(resp)
+            }
         });
         let conn = builder
             .serve_connection(TokioIo::new(stream), service)
@@ -201,6 +232,22 @@ impl EngineLabels {
 }
 
 use crate::metrics::WorkerSetLabels;
+
+/// Labels of `peer_bytes`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PeerBytesLabels {
+    /// `load` or `snapshot`.
+    kind: String,
+    /// `sent` or `received`.
+    direction: String,
+}
+
+/// Labels of `kv_bootstrap_fallbacks`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    /// [`crate::snapshot::Fallback::label`].
+    reason: String,
+}
 
 fn gauge<L: EncodeLabelSet>(
     encoder: &mut DescriptorEncoder<'_>,
@@ -327,6 +374,54 @@ impl Collector for StateCollector {
             "Peers whose load report is fresh (within --peer-staleness); the others count for nothing",
             reporting as f64,
         )?;
+        let t = &shared.runtime.peer_traffic;
+        let bytes = |kind: &str, direction: &str, v: &std::sync::atomic::AtomicU64| {
+            (
+                PeerBytesLabels {
+                    kind: kind.into(),
+                    direction: direction.into(),
+                },
+                v.load(std::sync::atomic::Ordering::Relaxed),
+            )
+        };
+        counter(
+            &mut encoder,
+            "peer_bytes",
+            "Bytes of HTTP/1.1 messages (start lines, headers, bodies) exchanged with peer replicas: load polls and KV index snapshots, as this replica sent and received them",
+            &[
+                bytes("load", "sent", &t.load_sent),
+                bytes("load", "received", &t.load_received),
+                bytes("snapshot", "sent", &t.snapshot_sent),
+                bytes("snapshot", "received", &t.snapshot_received),
+            ],
+        )?;
+        let boot = shared.kv.bootstrap_report();
+        counter(
+            &mut encoder,
+            "kv_bootstrap_fallbacks",
+            "Starts that served without a peer's KV index snapshot, by reason (the log and /debug/endpoints say more)",
+            &crate::snapshot::Fallback::ALL
+                .iter()
+                .map(|f| {
+                    (
+                        ReasonLabels {
+                            reason: f.label().into(),
+                        },
+                        u64::from(boot.fallback == Some(*f)),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?;
+        single_gauge(
+            &mut encoder,
+            "kv_bootstrap_waiting",
+            "1 while readiness waits for a peer's KV index snapshot (at most --peer-bootstrap-timeout)",
+            if shared.kv.seeding_wait(Instant::now()).is_some() {
+                1.0
+            } else {
+                0.0
+            },
+        )?;
         single_gauge(
             &mut encoder,
             "config_problems",
@@ -336,6 +431,16 @@ impl Collector for StateCollector {
 
         let view = shared.view();
         let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now());
+        single_gauge(
+            &mut encoder,
+            "kv_bootstrap_blocks",
+            "Blocks the KV-event streams subscribed now imported from a peer's snapshot when this replica started",
+            endpoints
+                .iter()
+                .flat_map(|r| r.kv.iter().flatten())
+                .map(|k| k.seeded_blocks)
+                .sum::<u64>() as f64,
+        )?;
         let ep = |f: &dyn Fn(&crate::reports::EndpointReport) -> f64| -> Vec<(EngineLabels, f64)> {
             endpoints
                 .iter()

@@ -217,6 +217,15 @@ pub struct ServeArgs {
     /// the admin port.
     #[arg(long, env = "KINFERENCE_PEER_TOKEN_FILE")]
     pub peer_token_file: Option<PathBuf>,
+    /// How long a starting replica waits for a peer's KV index snapshot
+    /// (reporting not ready meanwhile) before it serves without one; 0:
+    /// never asks.
+    #[arg(long, env = "KINFERENCE_PEER_BOOTSTRAP_TIMEOUT", default_value = defaults::PEER_BOOTSTRAP_TIMEOUT, value_parser = parse_duration)]
+    pub peer_bootstrap_timeout: Duration,
+    /// The largest KV index snapshot this replica sends a peer or accepts
+    /// from one, in bytes.
+    #[arg(long, env = "KINFERENCE_PEER_SNAPSHOT_MAX_BYTES", default_value_t = defaults::PEER_SNAPSHOT_MAX_BYTES)]
+    pub peer_snapshot_max_bytes: usize,
     /// Share of traces kept when the client sends none (a sampled client
     /// trace is always followed).
     #[arg(long, env = "OTEL_TRACES_SAMPLER_ARG", default_value_t = 1.0)]
@@ -383,6 +392,10 @@ impl ServeArgs {
                 admin_port: self.admin_addr.port(),
             },
             (None, false) => crate::peers::Source::Fixed(self.peers.clone()),
+            // A token without peers still guards this replica's reports.
+            (None, true) if self.peer_token_file.is_some() => {
+                crate::peers::Source::Fixed(Vec::new())
+            }
             (None, true) => return Ok(None),
         };
         let token = match &self.peer_token_file {
@@ -403,6 +416,8 @@ impl ServeArgs {
             interval: self.peer_interval.max(Duration::from_millis(10)),
             staleness: self.peer_staleness,
             token,
+            bootstrap_timeout: self.peer_bootstrap_timeout,
+            snapshot_max_bytes: self.peer_snapshot_max_bytes.max(1024),
         }))
     }
 

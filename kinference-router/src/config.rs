@@ -69,6 +69,16 @@ pub mod defaults {
     /// Whether clients may ask for the decision in response headers (they
     /// name endpoints, their addresses and load: off unless asked for).
     pub const DEBUG_HEADERS: bool = false;
+    /// How long a starting replica with peers may wait for a peer's KV
+    /// index before it reports ready without one (its index then fills
+    /// from the engines' new events, as with no peers). A few seconds: the
+    /// snapshot of a busy fleet's index arrives in well under one.
+    pub const PEER_BOOTSTRAP_TIMEOUT: &str = "5s";
+    /// The largest KV-index snapshot a replica sends a peer or accepts from
+    /// one (about 17 bytes per block position: 64 MiB carry nearly four
+    /// million; a larger index sends the blocks nearest the roots, the
+    /// shared prefixes, first).
+    pub const PEER_SNAPSHOT_MAX_BYTES: usize = 64 << 20;
     /// Bytes of block keys kept per worker set for prompts seen before
     /// ([`crate::memo`]; 16 bytes per block: 32 MiB hold about two
     /// million blocks).
@@ -249,6 +259,7 @@ mod tests {
             defaults::HEADER_READ_TIMEOUT,
             defaults::BODY_READ_TIMEOUT,
             defaults::DRAIN,
+            defaults::PEER_BOOTSTRAP_TIMEOUT,
         ] {
             assert!(parse_duration(d).is_ok(), "{d}");
         }

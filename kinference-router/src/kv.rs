@@ -11,12 +11,14 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use arc_swap::ArcSwap;
-use kinference_kvindex::sub::{self, StreamHealth, SubscriberConfig, SubscriberHandle};
-use kinference_kvindex::{BlockKey, IndexConfig, KvIndex, Matches, WorkerId, WorkerRef};
-use parking_lot::Mutex;
+use kinference_kvindex::sub::{self, Seed, StreamHealth, SubscriberConfig, SubscriberHandle};
+use kinference_kvindex::{BlockKey, IndexConfig, KvIndex, Matches, Snapshot, WorkerId, WorkerRef};
+use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, EndpointId};
@@ -64,6 +66,11 @@ pub struct KvReport {
     pub resets: u64,
     /// A replay endpoint was configured but could not be reached.
     pub replay_absent: bool,
+    /// What became of a peer's KV index snapshot offered to this stream
+    /// when the router started ([`crate::snapshot`]).
+    pub seed: Option<String>,
+    /// Blocks it imported from that snapshot (and kept).
+    pub seeded_blocks: u64,
 }
 
 impl KvReport {
@@ -84,6 +91,14 @@ impl KvReport {
                 .map(|t| now.saturating_duration_since(t).as_secs_f64()),
             resets: h.resets,
             replay_absent: h.replay_absent,
+            seed: h.seed.as_ref().map(ToString::to_string),
+            seeded_blocks: match h.seed {
+                Some(
+                    sub::SeedOutcome::Imported { entries, .. }
+                    | sub::SeedOutcome::Ahead { entries },
+                ) => entries,
+                _ => 0,
+            },
         }
     }
 }
@@ -112,6 +127,58 @@ pub struct KvPlane {
     index: Arc<KvIndex>,
     owners: ArcSwap<Owners>,
     subscriptions: Mutex<HashMap<EndpointId, Subscribed>>,
+    seeding: Mutex<Seeding>,
+    /// Seeds handed to streams and not dealt with yet.
+    seeds_pending: Arc<AtomicUsize>,
+    /// The bootstrap from a peer, for reports.
+    bootstrap: RwLock<crate::snapshot::BootstrapReport>,
+    /// A snapshot for a peer is being encoded.
+    exporting: Arc<AtomicBool>,
+}
+
+/// Clears the exporting flag when the export ends, however it ends.
+struct Exporting(Arc<AtomicBool>);
+
+impl Drop for Exporting {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// Streams started while a peer's snapshot is awaited get a channel for
+/// their part of it ([`KvPlane::await_seed`], [`KvPlane::seed`]).
+#[derive(Default)]
+enum Seeding {
+    /// Not awaited (no peers, turned off), or handed out already.
+    #[default]
+    Off,
+    /// Awaited until `until` (then readiness stops waiting for it).
+    Awaiting {
+        until: Instant,
+        streams: Vec<(WorkerRef, u32, oneshot::Sender<Option<Seed>>)>,
+    },
+    /// Handed out; readiness waits for the imports until `until`.
+    Seeded { until: Instant },
+}
+
+/// Counts a seed as pending until the stream drops it.
+struct Pending(Arc<AtomicUsize>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// What [`KvPlane::seed`] handed out.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Seeded {
+    /// Streams waiting for a seed.
+    pub streams: usize,
+    /// Streams given a part of the snapshot.
+    pub offered: usize,
+    /// Entries in the parts given.
+    pub entries: u64,
 }
 
 /// An endpoint's subscriptions, and the resets seen on them so far.
@@ -145,7 +212,117 @@ impl KvPlane {
             })),
             owners: ArcSwap::from_pointee(Vec::new()),
             subscriptions: Mutex::default(),
+            seeding: Mutex::default(),
+            seeds_pending: Arc::default(),
+            bootstrap: RwLock::default(),
+            exporting: Arc::default(),
         }
+    }
+
+    /// Encodes the index for a peer ([`KvIndex::export`], at most
+    /// `max_bytes`) on the blocking pool, one export at a time: `None`
+    /// while another runs.
+    pub fn export(&self, max_bytes: usize) -> Option<tokio::task::JoinHandle<Vec<u8>>> {
+        if self.exporting.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        let guard = Exporting(self.exporting.clone());
+        let index = self.index.clone();
+        Some(tokio::task::spawn_blocking(move || {
+            let _guard = guard;
+            index.export(max_bytes)
+        }))
+    }
+
+    /// From now until `until`, streams that start expect a part of a
+    /// peer's snapshot ([`KvPlane::seed`]), and readiness waits for it.
+    pub fn await_seed(&self, until: Instant) {
+        *self.seeding.lock() = Seeding::Awaiting {
+            until,
+            streams: Vec::new(),
+        };
+    }
+
+    /// Hands each stream waiting for a seed the part of `snapshot` naming
+    /// its worker at its block width (nothing without a snapshot, or
+    /// without such a part); streams that start later get none.
+    pub fn seed(&self, snapshot: Option<&Arc<Snapshot>>) -> Seeded {
+        let streams = {
+            let mut seeding = self.seeding.lock();
+            match std::mem::take(&mut *seeding) {
+                Seeding::Awaiting { until, streams } => {
+                    *seeding = Seeding::Seeded { until };
+                    streams
+                }
+                other => {
+                    *seeding = other;
+                    return Seeded::default();
+                }
+            }
+        };
+        let mut out = Seeded {
+            streams: streams.len(),
+            ..Seeded::default()
+        };
+        for (worker, width, tx) in streams {
+            let part = snapshot.and_then(|s| {
+                s.find(&worker)
+                    .filter(|p| p.block_size == width)
+                    .map(|p| (s.clone(), p.part, p.entries))
+            });
+            let seed = part.map(|(snapshot, part, entries)| {
+                out.offered += 1;
+                out.entries += entries;
+                self.seeds_pending.fetch_add(1, Ordering::Relaxed);
+                Seed {
+                    snapshot,
+                    part,
+                    done: Some(Box::new(Pending(self.seeds_pending.clone()))),
+                }
+            });
+            // A stream gone meanwhile drops it (and its count).
+            let _ = tx.send(seed);
+        }
+        out
+    }
+
+    /// Why readiness still waits for a peer's snapshot at `now`, if it does.
+    pub fn seeding_wait(&self, now: Instant) -> Option<String> {
+        match &*self.seeding.lock() {
+            Seeding::Awaiting { until, .. } if now < *until => Some(format!(
+                "waiting (up to {:.1} s more) for a peer's KV index snapshot",
+                until.saturating_duration_since(now).as_secs_f64()
+            )),
+            Seeding::Seeded { until } if now < *until => {
+                let n = self.seeds_pending.load(Ordering::Relaxed);
+                (n > 0).then(|| format!("importing a peer's KV index snapshot into {n} stream(s)"))
+            }
+            _ => None,
+        }
+    }
+
+    /// Whether a peer's snapshot is still awaited (a bootstrap in progress).
+    pub fn awaiting_seed(&self) -> bool {
+        matches!(&*self.seeding.lock(), Seeding::Awaiting { .. })
+    }
+
+    /// Endpoints subscribed, and whether all their streams are connected.
+    pub fn streams_connected(&self) -> (usize, bool) {
+        let subs = self.subscriptions.lock();
+        let all = subs
+            .values()
+            .all(|s| s.streams.iter().all(|(_, h)| h.connected()));
+        (subs.len(), all)
+    }
+
+    /// The bootstrap from a peer, for reports.
+    pub fn bootstrap_report(&self) -> crate::snapshot::BootstrapReport {
+        self.bootstrap.read().clone()
+    }
+
+    /// Records the bootstrap's state.
+    pub fn set_bootstrap_report(&self, r: crate::snapshot::BootstrapReport) {
+        *self.bootstrap.write() = r;
     }
 
     /// The index.
@@ -213,7 +390,16 @@ impl KvPlane {
                 cfg = cfg.with_replay(r);
             }
             tracing::info!(endpoint = %e.authority, rank = p.rank, kv = %cfg.endpoint, replay = ?cfg.replay_endpoint, "subscribing to KV events");
-            subs.push((id, sub::spawn(cfg, id, self.index.clone())));
+            // While a peer's snapshot is awaited, the stream gets its part.
+            let seed = match &mut *self.seeding.lock() {
+                Seeding::Awaiting { streams, .. } => {
+                    let (tx, rx) = oneshot::channel();
+                    streams.push((WorkerRef::new(e.authority.clone(), p.rank), block_size, tx));
+                    Some(rx)
+                }
+                _ => None,
+            };
+            subs.push((id, sub::spawn_seeded(cfg, id, self.index.clone(), seed)));
         }
         let ranks = u32::try_from(subs.len()).unwrap_or(u32::MAX);
         let mut all = self.subscriptions.lock();

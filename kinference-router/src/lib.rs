@@ -34,7 +34,9 @@
 //! (Kubernetes watches or a manifests directory) through apply/delete/reset;
 //! the [`maintain`]er turns each snapshot into endpoint states, probes
 //! ([`probe`]), KV-event subscriptions and a new view. The [`admin`] port
-//! serves metrics, health and debug pages.
+//! serves metrics, health and debug pages, and what replicas share:
+//! their load ([`peers`]) and, to a replica that starts, their KV index
+//! ([`snapshot`]).
 //! Each client request is one [`exchange::Exchange`] (its id, route and
 //! ending: metrics and the access log, written once); [`auth`] holds client
 //! keys, the engines' key and TLS.
@@ -78,6 +80,7 @@ pub mod proxy;
 pub mod reports;
 pub mod runtime;
 pub mod serve;
+pub mod snapshot;
 pub mod source;
 pub mod state;
 pub mod telemetry;

@@ -450,6 +450,13 @@ pub const LABELS: &[(&str, &str)] = &[
     ("ready", ""),
     ("peers", ""),
     ("peers_reporting", ""),
+    (
+        "peer_bytes",
+        "`kind` (`load`, `snapshot`), `direction` (`sent`, `received`)",
+    ),
+    ("kv_bootstrap_fallbacks", "`reason`"),
+    ("kv_bootstrap_waiting", ""),
+    ("kv_bootstrap_blocks", ""),
     ("config_problems", ""),
     ("engine_in_flight_requests", "`engine`, `worker_set`"),
     ("engine_prefill_tokens", "`engine`, `worker_set`"),

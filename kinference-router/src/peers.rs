@@ -23,6 +23,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -110,6 +111,93 @@ pub struct Settings {
     pub staleness: Duration,
     /// `Authorization` to send and to require.
     pub token: Option<HeaderValue>,
+    /// How long a starting replica waits for a peer's KV index
+    /// ([`crate::snapshot`]); zero: it does not ask.
+    pub bootstrap_timeout: Duration,
+    /// The largest KV index snapshot sent or accepted.
+    pub snapshot_max_bytes: usize,
+}
+
+/// The peers' admin addresses as last found.
+#[derive(Debug, Default)]
+pub struct PeerList {
+    addresses: RwLock<Vec<String>>,
+    listed: AtomicBool,
+}
+
+impl PeerList {
+    /// The addresses now.
+    pub fn get(&self) -> Vec<String> {
+        self.addresses.read().clone()
+    }
+
+    /// Whether the peers were listed at least once (a fixed list always
+    /// is; a Service's once its EndpointSlices answered).
+    pub fn listed(&self) -> bool {
+        self.listed.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, addresses: Vec<String>) {
+        *self.addresses.write() = addresses;
+        self.listed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// What crossed between this replica and its peers, in bytes of HTTP/1.1
+/// messages (start line, headers, body; TCP/IP overhead not counted), per
+/// direction and kind: load polls ([`LOAD_PATH`]) and KV index snapshots
+/// ([`crate::snapshot::SNAPSHOT_PATH`]). Both the asking and the answering
+/// replica count an exchange (one as sent, the other as received), so the
+/// sum of `received` over all replicas is everything on the wire once.
+#[derive(Debug, Default)]
+pub struct Traffic {
+    /// Load polls and reports received.
+    pub load_received: AtomicU64,
+    /// Load polls and reports sent.
+    pub load_sent: AtomicU64,
+    /// Snapshot requests and snapshots received.
+    pub snapshot_received: AtomicU64,
+    /// Snapshot requests and snapshots sent.
+    pub snapshot_sent: AtomicU64,
+}
+
+/// Bytes of an HTTP/1.1 message head: start line `start` (without its
+/// CRLF), each header as `name: value`, the blank line.
+pub fn head_bytes(start: usize, headers: &http::HeaderMap) -> u64 {
+    let h: usize = headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + 2 + v.len() + 2)
+        .sum();
+    (start + 2 + h + 2) as u64
+}
+
+/// Bytes of a `GET path` request this replica sends a peer at `address`
+/// (hyper adds `host`).
+pub fn request_bytes(path_and_query: &str, address: &str, headers: &http::HeaderMap) -> u64 {
+    head_bytes("GET  HTTP/1.1".len() + path_and_query.len(), headers)
+        + ("host: ".len() + address.len() + 2) as u64
+}
+
+/// Bytes of a response with status `status`, headers and a body of
+/// `body` bytes; `server` adds what hyper's server writes beside ours
+/// (`content-length`, `date`).
+pub fn response_bytes(
+    status: http::StatusCode,
+    headers: &http::HeaderMap,
+    body: usize,
+    server: bool,
+) -> u64 {
+    let start = "HTTP/1.1 ".len() + 3 + 1 + status.canonical_reason().map_or(0, str::len);
+    let added = if server {
+        "content-length: ".len()
+            + body.to_string().len()
+            + 2
+            + "date: Thu, 01 Jan 1970 00:00:00 GMT".len()
+            + 2
+    } else {
+        0
+    };
+    head_bytes(start, headers) + (added + body) as u64
 }
 
 /// Whether `headers` carry the peer token (always, without one).
@@ -181,12 +269,25 @@ struct Known {
     error: Option<String>,
 }
 
-/// Starts polling the peers.
+/// Starts polling the peers, and (unless turned off) the bootstrap of the
+/// KV index from one of them ([`crate::snapshot::bootstrap`]).
 pub fn spawn(shared: Arc<Shared>, settings: Settings, kube: Option<kube::Client>) {
-    let addresses: Arc<RwLock<Vec<String>>> = Arc::new(RwLock::new(match &settings.source {
-        Source::Fixed(v) => v.clone(),
-        Source::Service { .. } => Vec::new(),
-    }));
+    let addresses = Arc::new(PeerList::default());
+    if let Source::Fixed(v) = &settings.source {
+        addresses.set(v.clone());
+    }
+    let alone = matches!(&settings.source, Source::Fixed(v) if v.is_empty());
+    if !settings.bootstrap_timeout.is_zero() && !alone {
+        // Before anything subscribes: every stream gets its part.
+        let until = Instant::now() + settings.bootstrap_timeout;
+        shared.kv.await_seed(until);
+        tokio::spawn(crate::snapshot::bootstrap(
+            shared.clone(),
+            settings.clone(),
+            addresses.clone(),
+            until,
+        ));
+    }
     if let (
         Source::Service {
             namespace,
@@ -214,7 +315,7 @@ async fn discover(
     namespace: String,
     service: String,
     admin_port: u16,
-    into: Arc<RwLock<Vec<String>>>,
+    into: Arc<PeerList>,
     stop: tokio_util::sync::CancellationToken,
 ) {
     use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -242,7 +343,7 @@ async fn discover(
                     .collect();
                 found.sort();
                 found.dedup();
-                *into.write() = found;
+                into.set(found);
             }
             Err(e) => {
                 tracing::warn!(error = %e, %service, "listing the router's own EndpointSlices for its peers");
@@ -278,6 +379,7 @@ async fn fetch(
     address: &str,
     token: Option<&HeaderValue>,
     timeout: Duration,
+    traffic: &Traffic,
 ) -> Result<Report, PollError> {
     let mut req = http::Request::get(format!("http://{address}{LOAD_PATH}"));
     if let Some(t) = token {
@@ -286,19 +388,26 @@ async fn fetch(
     let req = req
         .body(Empty::<Bytes>::new())
         .map_err(|e| PollError::other(e.to_string()))?;
+    let sent = request_bytes(LOAD_PATH, address, req.headers());
     let call = async {
         let resp = client.request(req).await.map_err(|e| PollError {
             gone: e.is_connect(),
             why: crate::probe::error_chain(&e),
         })?;
-        if !resp.status().is_success() {
-            return Err(PollError::other(format!("answered {}", resp.status())));
-        }
+        traffic.load_sent.fetch_add(sent, Ordering::Relaxed);
+        let (status, headers) = (resp.status(), resp.headers().clone());
         let body = http_body_util::Limited::new(resp.into_body(), MAX_REPORT_BYTES)
             .collect()
             .await
             .map_err(|e| PollError::other(e.to_string()))?
             .to_bytes();
+        traffic.load_received.fetch_add(
+            response_bytes(status, &headers, body.len(), false),
+            Ordering::Relaxed,
+        );
+        if !status.is_success() {
+            return Err(PollError::other(format!("answered {status}")));
+        }
         parse(&body).ok_or_else(|| PollError::other("not a load report"))
     };
     tokio::time::timeout(timeout, call)
@@ -306,7 +415,7 @@ async fn fetch(
         .unwrap_or_else(|_| Err(PollError::other(format!("no answer within {timeout:?}"))))
 }
 
-async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<RwLock<Vec<String>>>) {
+async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<PeerList>) {
     let client = shared.runtime.probes.clone();
     let mut known: HashMap<String, Known> = HashMap::new();
     let mut tick = tokio::time::interval(settings.interval);
@@ -316,12 +425,18 @@ async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<RwLock<Vec
             () = shared.runtime.stop.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let list = addresses.read().clone();
+        let list = addresses.get();
         known.retain(|a, _| list.contains(a));
+        let traffic = &shared.runtime.peer_traffic;
         let polls = list.iter().map(|a| {
             let client = &client;
             let token = settings.token.as_ref();
-            async move { (a.clone(), fetch(client, a, token, settings.interval).await) }
+            async move {
+                (
+                    a.clone(),
+                    fetch(client, a, token, settings.interval, traffic).await,
+                )
+            }
         });
         let now = Instant::now();
         for (address, result) in futures::future::join_all(polls).await {

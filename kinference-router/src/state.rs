@@ -54,6 +54,8 @@ pub struct Runtime {
     pub replica: String,
     /// What the peer poller knows ([`crate::peers`]).
     pub peer_state: parking_lot::RwLock<crate::peers::PeerState>,
+    /// Bytes exchanged with peers ([`crate::peers::Traffic`]).
+    pub peer_traffic: crate::peers::Traffic,
 }
 
 impl Runtime {
@@ -154,6 +156,7 @@ impl Shared {
                     format!("{:016x}", h.finish())
                 },
                 peer_state: parking_lot::RwLock::default(),
+                peer_traffic: crate::peers::Traffic::default(),
             },
             kv: KvPlane::new(config.kv_max_entries),
             explanations: Explanations::new(config.explain_buffer, config.explain_every),
@@ -178,15 +181,20 @@ impl Shared {
     }
 
     /// Whether this replica should get traffic, and if not, why: the pool's
-    /// objects listed, and every engine's first `/v1/models` answer in
-    /// (or [`READY_GRACE`] passed since the listing: an engine that never
-    /// answers does not keep the router out of service).
+    /// objects listed, a peer's KV index snapshot in (or the bootstrap
+    /// given up: `--peer-bootstrap-timeout`, see [`crate::snapshot`]), and
+    /// every engine's first `/v1/models` answer in (or [`READY_GRACE`]
+    /// passed since the listing: an engine that never answers does not
+    /// keep the router out of service).
     ///
     /// # Errors
     /// What it still waits for.
     pub fn readiness(&self) -> Result<(), String> {
         if !self.is_ready() {
             return Err("the pool's objects have not all been listed yet".into());
+        }
+        if let Some(why) = self.kv.seeding_wait(Instant::now()) {
+            return Err(why);
         }
         let since = self
             .runtime

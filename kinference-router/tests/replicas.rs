@@ -322,3 +322,405 @@ async fn a_peer_token_keeps_load_reports_between_replicas() {
     );
     r.shutdown().await;
 }
+
+// ----- a replica that starts bootstraps its KV index from a peer ----------
+
+/// Leading blocks `r`'s index gives each prompt.
+fn depths(r: &Router, prompts: &[Vec<u32>]) -> Vec<u32> {
+    prompts.iter().map(|p| router_depth(r, p)).collect()
+}
+
+/// `/debug/kv` as endpoint#rank → block keys.
+async fn kv_keys(r: &Router) -> std::collections::BTreeMap<String, Value> {
+    get(r.admin(), "/debug/kv").await.json()["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| {
+            (
+                format!("{}#{}", w["endpoint"], w["rank"]),
+                w["keys"].clone(),
+            )
+        })
+        .collect()
+}
+
+/// Waits until `r` is routable and ready (`/readyz`: a bootstrap from a
+/// peer done or given up).
+async fn routable_and_ready(r: &Router, n: usize) {
+    wait_routable(r, n, true).await;
+    let admin = r.admin();
+    eventually(Duration::from_secs(60), "/readyz says ready", || async {
+        (get(admin, "/readyz").await.status == 200).then_some(())
+    })
+    .await;
+}
+
+/// One sample of the router's metrics page.
+async fn metric(r: &Router, series: &str) -> Option<f64> {
+    let page = get(r.admin(), "/metrics").await.text();
+    page.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l[series.len()..].trim().parse().ok())
+}
+
+/// A listener that answers every connection with `reply` (raw HTTP), after
+/// reading its request; `None` never answers.
+async fn fake_peer(reply: Option<Vec<u8>>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let mut held = Vec::new();
+        while let Ok((mut s, _)) = l.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            match &reply {
+                Some(r) => {
+                    let _ = s.write_all(r).await;
+                }
+                None => held.push(s),
+            }
+        }
+    });
+    addr
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_starts_finds_the_blocks_its_peer_knows() {
+    let sims = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts {
+        kv_block_size: BLOCK,
+        ..WorkerSetOpts::default()
+    };
+    // A serves the fleet for a while; the engines have no replay.
+    let a_admin = free_addr();
+    let a = router(&addrs, &opts, &["--admin-addr", &a_admin]).await;
+    wait_routable(&a, 2, true).await;
+    let prompts: Vec<Vec<u32>> = (0..6).map(|k| prompt(k, 8)).collect();
+    for p in &prompts {
+        send_prompt(&a, p).await;
+    }
+    for s in &sims {
+        settled(&a, s, "warm").await;
+    }
+    let truth: Vec<u32> = prompts
+        .iter()
+        .map(|p| sims.iter().map(|s| truth_depth(s, p)).max().unwrap_or(0))
+        .collect();
+    let warm = depths(&a, &prompts);
+    assert_eq!(warm, truth);
+    assert!(warm.iter().all(|d| *d > 0), "{warm:?}");
+
+    // B starts with A as its peer. No request goes anywhere meanwhile, so
+    // the engines publish nothing B could learn the blocks from.
+    let b = router(&addrs, &opts, &["--peers", &a_admin]).await;
+    routable_and_ready(&b, 2).await;
+    assert_eq!(depths(&b, &prompts), warm);
+    assert_eq!(kv_keys(&b).await, kv_keys(&a).await);
+    let e = endpoints(&b).await;
+    let boot = &e["kv_bootstrap"];
+    assert_eq!(boot["state"], "seeded", "{boot:#}");
+    assert_eq!(boot["peer"], a_admin.as_str());
+    assert_eq!(
+        (boot["streams"].as_u64(), boot["offered"].as_u64()),
+        (Some(2), Some(2))
+    );
+    for ep in e["endpoints"].as_array().unwrap() {
+        let k = &ep["kv"][0];
+        assert_eq!(k["batches"], 0, "no event reached B: {k:#}");
+        assert!(
+            k["seed"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("imported")),
+            "{k:#}"
+        );
+    }
+    let imported = metric(&b, "kinference_router_kv_bootstrap_blocks").await;
+    assert_eq!(imported, Some(f64::from(warm.iter().sum::<u32>())));
+    let got = metric(
+        &b,
+        "kinference_router_peer_bytes_total{kind=\"snapshot\",direction=\"received\"}",
+    )
+    .await;
+    let sent = metric(
+        &a,
+        "kinference_router_peer_bytes_total{kind=\"snapshot\",direction=\"sent\"}",
+    )
+    .await;
+    assert!(got.is_some_and(|x| x > 0.0), "{got:?}");
+    assert_eq!(got, sent, "both ends count the same answer");
+
+    // B routes on what it imported: each prompt to the engine holding it.
+    for (i, p) in prompts.iter().enumerate() {
+        let holder = sims
+            .iter()
+            .find(|s| truth_depth(s, p) > 0)
+            .map(|s| s.http_addr().to_string())
+            .unwrap();
+        let r = post(
+            b.api(),
+            "/v1/completions",
+            &serde_json::json!({"model": MODEL, "prompt": p, "max_tokens": 2}),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.endpoint(), holder, "prompt {i}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_a_peer_snapshot_for_a_bounded_time() {
+    let sims = engines(1, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    // A peer that accepts and never answers.
+    let silent = fake_peer(None).await;
+    let r = router(
+        &addrs,
+        &WorkerSetOpts::default(),
+        &["--peers", &silent, "--peer-bootstrap-timeout", "3s"],
+    )
+    .await;
+    let (admin, api) = (r.admin(), r.api());
+    let why = eventually(Duration::from_secs(3), "readiness waits for it", || async {
+        let ready = get(admin, "/readyz").await;
+        (ready.status == 503 && ready.text().contains("peer's KV index snapshot"))
+            .then(|| ready.text())
+    })
+    .await;
+    assert!(why.contains("waiting"), "{why}");
+    assert_eq!(get(api, "/ready").await.status, 503);
+    assert_eq!(
+        metric(&r, "kinference_router_kv_bootstrap_waiting").await,
+        Some(1.0)
+    );
+    // Then it serves without one and says why.
+    routable_and_ready(&r, 1).await;
+    let e = endpoints(&r).await;
+    assert_eq!(e["kv_bootstrap"]["state"], "fallback", "{e:#}");
+    assert_eq!(e["kv_bootstrap"]["fallback"], "timeout", "{e:#}");
+    assert_eq!(
+        metric(
+            &r,
+            "kinference_router_kv_bootstrap_fallbacks_total{reason=\"timeout\"}"
+        )
+        .await,
+        Some(1.0)
+    );
+    assert_eq!(
+        metric(&r, "kinference_router_kv_bootstrap_waiting").await,
+        Some(0.0)
+    );
+    let reply = post(
+        api,
+        "/v1/completions",
+        &serde_json::json!({"model": MODEL, "prompt": "w1", "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(reply.status, 200);
+    r.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_snapshot_that_is_garbage_too_large_or_refused_falls_back() {
+    let sims = engines(1, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts {
+        kv_block_size: BLOCK,
+        ..WorkerSetOpts::default()
+    };
+    let secrets = tempfile::tempdir().unwrap();
+    let (right, wrong) = (secrets.path().join("right"), secrets.path().join("wrong"));
+    std::fs::write(&right, "peer-secret\n").unwrap();
+    std::fs::write(&wrong, "not-the-secret\n").unwrap();
+    let (right, wrong) = (right.to_str().unwrap(), wrong.to_str().unwrap());
+    let a_admin = free_addr();
+    let a = router(
+        &addrs,
+        &opts,
+        &["--admin-addr", &a_admin, "--peer-token-file", right],
+    )
+    .await;
+    wait_routable(&a, 1, true).await;
+    let prompts: Vec<Vec<u32>> = (0..16).map(|k| prompt(k, 16)).collect();
+    for p in &prompts {
+        send_prompt(&a, p).await;
+    }
+    settled(&a, &sims[0], "warm").await;
+    let warm = depths(&a, &prompts);
+
+    let junk = fake_peer(Some(
+        b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\nnot msgpack!".to_vec(),
+    ))
+    .await;
+    let mut big = b"HTTP/1.1 200 OK\r\ncontent-length: 2097152\r\n\r\n".to_vec();
+    big.resize(big.len() + (2 << 20), 0x90);
+    let huge = fake_peer(Some(big)).await;
+    let cases: [(&[&str], &str); 4] = [
+        (&["--peers", &junk], "invalid"),
+        (
+            &["--peers", &huge, "--peer-snapshot-max-bytes", "1048576"],
+            "too_large",
+        ),
+        (
+            &["--peers", &a_admin, "--peer-token-file", wrong],
+            "unauthorized",
+        ),
+        (&["--peers", &a_admin], "unauthorized"),
+    ];
+    for (flags, reason) in cases {
+        let b = router(&addrs, &opts, flags).await;
+        routable_and_ready(&b, 1).await;
+        let e = endpoints(&b).await;
+        assert_eq!(e["kv_bootstrap"]["fallback"], reason, "{flags:?}: {e:#}");
+        let series =
+            format!("kinference_router_kv_bootstrap_fallbacks_total{{reason=\"{reason}\"}}");
+        assert_eq!(metric(&b, &series).await, Some(1.0), "{flags:?}");
+        assert!(depths(&b, &prompts).iter().all(|d| *d == 0), "{flags:?}");
+        // It serves as a replica without peers would.
+        let p = &prompts[0];
+        send_prompt(&b, p).await;
+        b.shutdown().await;
+    }
+
+    // The right token, and a bound below A's index: the part nearest the
+    // roots, never more than A knows.
+    let b = router(
+        &addrs,
+        &opts,
+        &[
+            "--peers",
+            &a_admin,
+            "--peer-token-file",
+            right,
+            "--peer-snapshot-max-bytes",
+            "2048",
+        ],
+    )
+    .await;
+    routable_and_ready(&b, 1).await;
+    let boot = endpoints(&b).await["kv_bootstrap"].clone();
+    assert_eq!(
+        (boot["state"].as_str(), boot["truncated"].as_bool()),
+        (Some("seeded"), Some(true)),
+        "{boot:#}"
+    );
+    assert!(
+        boot["bytes"].as_u64().is_some_and(|n| n <= 2048),
+        "{boot:#}"
+    );
+    let part = depths(&b, &prompts);
+    assert!(
+        part.iter().zip(&warm).all(|(p, w)| p <= w),
+        "{part:?} {warm:?}"
+    );
+    assert!(part.iter().any(|d| *d > 0), "{part:?}");
+    b.shutdown().await;
+    a.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_removed_after_the_snapshot_do_not_come_back() {
+    // A small cache (63 usable blocks): new prompts evict old ones.
+    let sims = engines(1, |c| {
+        c.engine.num_gpu_blocks = 64;
+        c.max_model_len = 512;
+    })
+    .await;
+    let sim = &sims[0];
+    let addrs = [EngineAddr::of(sim)];
+    let opts = WorkerSetOpts {
+        kv_block_size: BLOCK,
+        ..WorkerSetOpts::default()
+    };
+    let a = router(&addrs, &opts, &[]).await;
+    wait_routable(&a, 1, true).await;
+    let old: Vec<Vec<u32>> = (0..3).map(|k| prompt(k, 10)).collect();
+    for p in &old {
+        send_prompt(&a, p).await;
+    }
+    settled(&a, sim, "warm").await;
+    assert!(depths(&a, &old).iter().all(|d| *d == 10));
+    // A's snapshot now, served to B later by a peer that waits to answer.
+    let snap = get(a.admin(), "/peer/snapshot").await;
+    assert_eq!(snap.status, 200);
+    assert_eq!(
+        snap.headers["content-type"],
+        "application/vnd.kinference.kv-snapshot+msgpack"
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let peer = l.local_addr().unwrap().to_string();
+    let asked = std::sync::Arc::new(tokio::sync::Notify::new());
+    let (release, released) = tokio::sync::watch::channel(false);
+    let (body, notify) = (snap.body.clone(), asked.clone());
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        while let Ok((mut s, _)) = l.accept().await {
+            let (body, notify, mut released) = (body.clone(), notify.clone(), released.clone());
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                let (kind, body) = if buf[..n].starts_with(b"GET /peer/snapshot") {
+                    notify.notify_one();
+                    let _ = released.wait_for(|r| *r).await;
+                    ("application/vnd.kinference.kv-snapshot+msgpack", body)
+                } else {
+                    // Its load polls: nothing in flight.
+                    let report = br#"{"replica":"fake","engines":{}}"#;
+                    ("application/json", bytes::Bytes::from_static(report))
+                };
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: {kind}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(&body).await;
+            });
+        }
+    });
+    let b = router(
+        &addrs,
+        &opts,
+        &["--peers", &peer, "--peer-bootstrap-timeout", "60s"],
+    )
+    .await;
+    // B subscribed and asked; the engine now evicts the old prompts.
+    tokio::time::timeout(Duration::from_secs(30), asked.notified())
+        .await
+        .expect("B asks its peer");
+    let new: Vec<Vec<u32>> = (100..105).map(|k| prompt(k, 10)).collect();
+    for p in &new {
+        send_prompt(&a, p).await;
+    }
+    settled(&a, sim, "evicted").await;
+    settled(&b, sim, "B heard the evictions").await;
+    let truth: Vec<u32> = old.iter().map(|p| truth_depth(sim, p)).collect();
+    assert!(
+        truth.iter().any(|d| *d < 10),
+        "nothing was evicted: {truth:?}"
+    );
+    // Then the snapshot (from before the evictions) arrives.
+    release.send(true).unwrap();
+    routable_and_ready(&b, 1).await;
+    let e = endpoints(&b).await;
+    let seed = e["endpoints"][0]["kv"][0]["seed"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(seed.starts_with("imported"), "{e:#}");
+    assert!(
+        !seed.contains(" 0 own batches"),
+        "B applied its own batches again: {seed}"
+    );
+    // B agrees with A, and claims nothing the engine dropped.
+    let all: Vec<Vec<u32>> = old.iter().chain(&new).cloned().collect();
+    assert_eq!(depths(&b, &all), depths(&a, &all));
+    for (i, p) in all.iter().enumerate() {
+        assert!(router_depth(&b, p) <= truth_depth(sim, p), "prompt {i}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}

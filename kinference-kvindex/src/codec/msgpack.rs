@@ -515,7 +515,6 @@ impl Writer {
         self.buf.into_vec()
     }
 
-    #[cfg(test)]
     pub(crate) fn bytes(&self) -> &[u8] {
         self.buf.as_slice()
     }

@@ -53,6 +53,7 @@ impl KvIndex {
             ws.stats.blocks_held = 0;
             ws.stats.clears += 1;
             ws.overrides = super::EngineMap::default();
+            ws.position = None;
         }
         removed
     }

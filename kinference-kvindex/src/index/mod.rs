@@ -8,6 +8,7 @@
 
 mod budget;
 mod evict;
+mod export;
 mod groups;
 mod lookup;
 mod tree;
@@ -22,6 +23,7 @@ use hashbrown::HashMap;
 
 use crate::key::BlockKey;
 pub use budget::{BYTES_PER_ENTRY, max_entries_for_budget};
+pub use export::Imported;
 use groups::Group;
 pub use lookup::{Matches, WorkerMatch};
 use tree::{Cold, Hot, NodeMut};
@@ -63,6 +65,17 @@ pub enum IndexError {
     /// A block size of 0.
     #[error("block size must be positive")]
     ZeroBlockSize,
+    /// A snapshot has no worker at that index.
+    #[error("the snapshot has no worker {0}")]
+    SnapshotPart(usize),
+    /// A snapshot's worker keys blocks at another width.
+    #[error("the snapshot keys this worker's blocks at width {theirs}, this index at {ours}")]
+    SnapshotWidth {
+        /// This index's width for the worker.
+        ours: u32,
+        /// The snapshot's.
+        theirs: u32,
+    },
 }
 
 /// Index settings.
@@ -216,11 +229,16 @@ pub struct WorkerStats {
     pub clears: u64,
     /// Entries of this worker dropped by the memory budget.
     pub evicted_blocks: u64,
+    /// Entries added from a snapshot ([`KvIndex::import`]).
+    pub imported_blocks: u64,
 }
 
 #[derive(Debug, Default)]
 struct WorkerState {
     stats: WorkerStats,
+    /// The last batch of its stream applied, when known
+    /// ([`KvIndex::apply_batch_at`]); cleared with its blocks.
+    position: Option<crate::snapshot::Position>,
     /// Tokens per key (the configured width).
     width: u32,
     /// Engine hashes this worker maps to a position whose recorded hash

@@ -2,6 +2,7 @@ use super::*;
 use crate::event::{BlockHash, BlockRemoved, BlockStored, KvEvent, Tier};
 use crate::key;
 use crate::key::{BlockKeyer, ExtraKeys};
+use crate::snapshot::Position;
 
 fn idx() -> KvIndex {
     KvIndex::new(IndexConfig {
@@ -359,4 +360,282 @@ fn re_reported_prefixes_are_idempotent() {
     assert_eq!(ix.stats(), before);
     let keys = BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none());
     assert_eq!(depth(&ix, &keys, w), (6, 6));
+}
+
+// ----- snapshots ---------------------------------------------------------
+
+/// Everything lookups can tell about an index, per worker name: for each
+/// query, (blocks, gpu, cpu, disk) per worker, and each worker's keys.
+fn fingerprint(ix: &KvIndex, queries: &[Vec<BlockKey>]) -> Vec<String> {
+    let name = |w: WorkerId| {
+        ix.workers()
+            .into_iter()
+            .find(|(i, _)| *i == w)
+            .map(|(_, r)| format!("{}#{}", r.endpoint, r.dp_rank))
+            .unwrap_or_default()
+    };
+    let mut out = Vec::new();
+    for (qi, q) in queries.iter().enumerate() {
+        let mut row: Vec<String> = ix
+            .find_matches(q)
+            .as_slice()
+            .iter()
+            .map(|m| {
+                format!(
+                    "q{qi} {} {}/{}/{}/{}",
+                    name(m.worker),
+                    m.blocks,
+                    m.gpu_blocks,
+                    m.cpu_blocks,
+                    m.disk_blocks
+                )
+            })
+            .collect();
+        row.sort();
+        out.extend(row);
+    }
+    for (id, r) in ix.workers() {
+        out.push(format!(
+            "{}#{} keys {:?}",
+            r.endpoint,
+            r.dp_rank,
+            ix.worker_keys(id)
+        ));
+    }
+    out
+}
+
+/// Two workers over a shared 6-block prefix and two branches: a CPU copy,
+/// a hole, a re-chunked event, a sliding-window group, and a worker that
+/// names a shared position by its own hash.
+fn populated() -> (KvIndex, Vec<u32>, Vec<u32>) {
+    let ix = idx();
+    let a = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    let b = ix
+        .register_worker(WorkerRef::new("b", 1), 4)
+        .expect("registers");
+    let t = tokens(52, 1);
+    let mut u = t.clone();
+    for x in &mut u[24..] {
+        *x ^= 0x55;
+    }
+    let batch = |evs: Vec<KvEvent>| crate::event::EventBatch {
+        events: evs,
+        ..crate::event::EventBatch::default()
+    };
+    ix.apply_batch_at(
+        a,
+        &batch(vec![
+            stored(&[1, 2, 3, 4, 5, 6], None, &t[..24], 4),
+            stored(&[7, 8, 9], Some(6), &t[24..36], 4),
+            // Re-chunked: 8-token blocks at width 4.
+            stored(&[10, 11], Some(9), &t[36..52], 8),
+        ]),
+        Position { seq: 41, digest: 7 },
+    )
+    .expect("applies");
+    let mut cpu = stored(&[1, 2, 3], None, &t[..12], 4);
+    if let KvEvent::BlockStored(s) = &mut cpu {
+        s.medium = Some("CPU".into());
+    }
+    ix.apply_event(a, &cpu).expect("applies");
+    ix.apply_event(a, &removed(&[8], None)).expect("applies");
+    // b: the same prefix under other hashes for two blocks, its own branch.
+    ix.apply_event(b, &stored(&[1, 2, 3, 104, 105, 106], None, &t[..24], 4))
+        .expect("applies");
+    ix.apply_event(b, &stored(&[207, 208], Some(106), &u[24..32], 4))
+        .expect("applies");
+    let mut win = stored(&[1, 2], None, &t[..8], 4);
+    if let KvEvent::BlockStored(s) = &mut win {
+        s.group_idx = Some(1);
+        s.kv_cache_spec_kind = Some("sliding_window".into());
+        s.kv_cache_spec_sliding_window = Some(8);
+    }
+    ix.apply_event(b, &win).expect("applies");
+    (ix, t, u)
+}
+
+fn queries(t: &[u32], u: &[u32]) -> Vec<Vec<BlockKey>> {
+    let k = |x: &[u32]| BlockKeyer::new(4, None).keys(x, &ExtraKeys::none());
+    vec![
+        k(t),
+        k(&t[..20]),
+        k(u),
+        k(&u[..28]),
+        k(&t[..4]),
+        k(&tokens(16, 9)),
+    ]
+}
+
+fn fresh_like(ix: &KvIndex) -> KvIndex {
+    let out = idx();
+    for (_, r) in ix.workers() {
+        out.register_worker(r, 4).expect("registers");
+    }
+    out
+}
+
+fn import_all(from: &[u8], into: &KvIndex) -> u64 {
+    let snap = crate::snapshot::Snapshot::decode(from).expect("decodes");
+    let mut n = 0;
+    for w in snap.workers() {
+        let id = into.worker_id(w.worker).expect("registered");
+        n += into
+            .import(id, &snap, w.part, w.position)
+            .expect("imports")
+            .entries;
+    }
+    n
+}
+
+#[test]
+#[allow(clippy::many_single_char_names)] // a, b: the two indexes; t, u: their token streams
+fn a_snapshot_rebuilds_the_same_index() {
+    let (a, t, u) = populated();
+    let qs = queries(&t, &u);
+    let bytes = a.export(usize::MAX);
+    let b = fresh_like(&a);
+    let n = import_all(&bytes, &b);
+    assert_eq!(n, a.entries());
+    assert_eq!(b.entries(), a.entries());
+    assert_eq!(fingerprint(&b, &qs), fingerprint(&a, &qs));
+    let wa = a.worker_id(&WorkerRef::new("a", 0)).expect("a");
+    let wb = b.worker_id(&WorkerRef::new("a", 0)).expect("a");
+    assert_eq!(b.position(wb), Some(Position { seq: 41, digest: 7 }));
+    assert_eq!(
+        b.worker_stats(wb).expect("stats").imported_blocks,
+        a.worker_stats(wa).expect("stats").blocks_held
+    );
+    // The hashes came along: the same later events do the same to both.
+    let later = [
+        (("a", 0), removed(&[3], None)),
+        (("a", 0), removed(&[1, 2], Some("CPU"))),
+        (("a", 0), stored(&[8], Some(7), &t[28..32], 4)),
+        (("b", 1), removed(&[106, 208], None)),
+        (("b", 1), stored(&[306], Some(105), &u[20..24], 4)),
+        (("a", 0), stored(&[12], Some(11), &t[..4], 4)),
+    ];
+    for ((w, r), ev) in &later {
+        for ix in [&a, &b] {
+            let id = ix.worker_id(&WorkerRef::new(*w, *r)).expect("registered");
+            ix.apply_event(id, ev).expect("applies");
+        }
+        assert_eq!(fingerprint(&b, &qs), fingerprint(&a, &qs), "after {ev:?}");
+    }
+    assert_eq!(b.entries(), a.entries());
+}
+
+#[test]
+fn an_import_adds_to_what_the_index_holds() {
+    let (a, t, u) = populated();
+    let qs = queries(&t, &u);
+    let b = fresh_like(&a);
+    // b already heard a's later events: a block under the shared prefix.
+    let id = b.worker_id(&WorkerRef::new("a", 0)).expect("a");
+    b.apply_event(id, &stored(&[1, 2, 3, 4, 5, 6], None, &t[..24], 4))
+        .expect("applies");
+    b.apply_event(id, &stored(&[99], Some(6), &u[24..28], 4))
+        .expect("applies");
+    import_all(&a.export(usize::MAX), &b);
+    // Union: a's blocks, and the branch b knew.
+    let aid = a.worker_id(&WorkerRef::new("a", 0)).expect("a");
+    a.apply_event(aid, &stored(&[99], Some(6), &u[24..28], 4))
+        .expect("applies");
+    assert_eq!(fingerprint(&b, &qs), fingerprint(&a, &qs));
+    // Importing twice changes nothing.
+    import_all(&a.export(usize::MAX), &b);
+    assert_eq!(fingerprint(&b, &qs), fingerprint(&a, &qs));
+    assert_eq!(b.entries(), a.entries());
+    // Where b's own events named a position first, the snapshot's worker
+    // still resolves it by the hash it sent: its removals apply.
+    for ix in [&a, &b] {
+        let id = ix.worker_id(&WorkerRef::new("b", 1)).expect("b");
+        ix.apply_event(id, &removed(&[208, 207], None))
+            .expect("applies");
+    }
+    assert_eq!(fingerprint(&b, &qs), fingerprint(&a, &qs));
+    assert_eq!(b.entries(), a.entries());
+}
+
+#[test]
+fn a_truncated_snapshot_keeps_the_prefixes_nearest_the_roots() {
+    let (a, t, u) = populated();
+    let qs = queries(&t, &u);
+    let full = a.export(usize::MAX);
+    let small = a.export(full.len() - 40);
+    let snap = crate::snapshot::Snapshot::decode(&small).expect("decodes");
+    assert!(snap.truncated());
+    assert!(small.len() <= full.len() - 40);
+    let b = fresh_like(&a);
+    import_all(&small, &b);
+    assert!(b.entries() < a.entries() && b.entries() > 0);
+    // Never more than the exporter: each worker's depth is at most its
+    // depth there, and the shared 6-block prefix (the root) is whole.
+    let depth = |ix: &KvIndex, q: &[BlockKey], w: &str, r: u32| {
+        let id = ix.worker_id(&WorkerRef::new(w, r)).expect("registered");
+        ix.find_matches(q).get(id).map_or(0, |m| m.blocks)
+    };
+    for q in &qs {
+        for (w, r) in [("a", 0), ("b", 1)] {
+            assert!(depth(&b, q, w, r) <= depth(&a, q, w, r));
+        }
+    }
+    assert!(depth(&b, &qs[0], "a", 0) >= 6);
+    // Too small for anything but the head: nothing to import.
+    let none = crate::snapshot::Snapshot::decode(&a.export(0)).expect("decodes");
+    assert_eq!((none.nodes(), none.workers().count()), (0, 2));
+}
+
+#[test]
+fn an_import_keeps_the_budget_and_refuses_another_width() {
+    let (a, _, _) = populated();
+    let bytes = a.export(usize::MAX);
+    let snap = crate::snapshot::Snapshot::decode(&bytes).expect("decodes");
+    let part = snap.find(&WorkerRef::new("a", 0)).expect("a").part;
+    let small = KvIndex::new(IndexConfig {
+        shards: 8,
+        max_entries: 5,
+        ..IndexConfig::default()
+    });
+    let id = small
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    let got = small.import(id, &snap, part, None).expect("imports");
+    assert!(small.entries() <= 5, "{}", small.entries());
+    assert!(got.skipped > 0);
+    assert_eq!(got.entries, small.entries());
+    let wide = idx();
+    let id = wide
+        .register_worker(WorkerRef::new("a", 0), 8)
+        .expect("registers");
+    assert_eq!(
+        wide.import(id, &snap, part, None),
+        Err(IndexError::SnapshotWidth { ours: 8, theirs: 4 })
+    );
+    assert_eq!(
+        wide.import(id, &snap, 9, None),
+        Err(IndexError::SnapshotPart(9))
+    );
+}
+
+#[test]
+fn a_worker_position_goes_with_its_blocks() {
+    let ix = idx();
+    let w = ix
+        .register_worker(WorkerRef::new("a", 0), 4)
+        .expect("registers");
+    assert_eq!(ix.position(w), None);
+    let batch = crate::event::EventBatch {
+        events: vec![stored(&[1], None, &tokens(4, 3), 4)],
+        ..crate::event::EventBatch::default()
+    };
+    let at = Position { seq: 3, digest: 99 };
+    ix.apply_batch_at(w, &batch, at).expect("applies");
+    assert_eq!(ix.position(w), Some(at));
+    let snap = crate::snapshot::Snapshot::decode(&ix.export(usize::MAX)).expect("decodes");
+    assert_eq!(snap.workers().next().and_then(|x| x.position), Some(at));
+    ix.clear_worker(w).expect("clears");
+    assert_eq!(ix.position(w), None);
 }

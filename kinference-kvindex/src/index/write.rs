@@ -54,6 +54,16 @@ impl KvIndex {
     ) -> Result<Applied, IndexError> {
         let mut wr = lock(&self.writer);
         Self::check(&wr, id)?;
+        Ok(self.apply_batch_locked(&mut wr, id.0 as usize, batch))
+    }
+
+    /// Applies a batch for worker `w` (checked) under the writer lock.
+    pub(super) fn apply_batch_locked(
+        &self,
+        wr: &mut Writer,
+        w: usize,
+        batch: &EventBatch,
+    ) -> Applied {
         if batch.events.len() > 1 {
             // Touch the engine records the batch will resolve first:
             // independent probes whose cache misses overlap (resolving them
@@ -74,9 +84,9 @@ impl KvIndex {
         }
         let mut total = Applied::default();
         for ev in &batch.events {
-            total += self.apply_locked(&mut wr, id.0 as usize, ev);
+            total += self.apply_locked(wr, w, ev);
         }
-        Ok(total)
+        total
     }
 
     /// Applies one event for one worker. `BlockStored` with token ids is
@@ -387,7 +397,7 @@ impl KvIndex {
     /// with `k`, the end of `cur`'s node (to append), or a new child or
     /// root node. `None` only if `k` already starts an unrelated node (a
     /// 64-bit collision).
-    fn next_pos(&self, cur: Option<Pos>, k: u64, stamp: u64) -> Option<Pos> {
+    pub(super) fn next_pos(&self, cur: Option<Pos>, k: u64, stamp: u64) -> Option<Pos> {
         let (start, parent, at_end) = match cur {
             None => (0u32, NONE, false),
             Some((nid, off)) => {
@@ -443,37 +453,8 @@ impl KvIndex {
         let node = sh.node_mut(self.node_slot(nid)).expect("live node");
         let (hot, cold) = (node.hot, node.cold);
         let from = off as usize;
-        let mut o = from;
-        let mut j = 0;
-        if from == hot.keys().len() {
-            // Appending: nothing exists past a node's end but children,
-            // and none starts with keys[0] (checked by the caller).
-            hot.extend(keys);
-            cold.ehash.extend_from_slice(khash);
-            j = keys.len();
-            o = from + j;
-            self.positions.fetch_add(j as u64, Ordering::Relaxed);
-            for (p, &h) in (from..o).zip(khash) {
-                if h != 0 {
-                    record_new(wr, w, h, (nid, p as u32), keys[p - from]);
-                }
-            }
-        } else {
-            while j < keys.len() && o < hot.keys().len() && hot.keys()[o] == keys[j] {
-                let h = khash[j];
-                if h != 0 && cold.ehash[o] != h {
-                    if cold.ehash[o] == 0 {
-                        cold.ehash[o] = h;
-                        record_new(wr, w, h, (nid, o as u32), keys[j]);
-                    } else {
-                        let ws = wr.workers[w].as_mut().expect("checked");
-                        ws.overrides.insert(h, (handle((nid, o as u32)), keys[j]));
-                    }
-                }
-                j += 1;
-                o += 1;
-            }
-        }
+        let o = self.cover(wr, Some(w), nid, hot, cold, from, keys, khash);
+        let j = o - from;
         let bit = spec.tier.bit();
         let holder = hot.holder_mut(w as u32, spec.group);
         let added = if spec.state_only {
@@ -495,6 +476,57 @@ impl KvIndex {
             wr.lrs.push(std::cmp::Reverse((stamp, nid)));
         }
         (j, (nid, o as u32 - 1), added)
+    }
+
+    /// Matches `keys` against node `nid`'s keys from offset `from` on, or
+    /// appends them when `from` is its end (nothing exists past a node's
+    /// end but children, and none starts with `keys[0]`: the caller
+    /// checked), and records the engine hashes `khash` of the positions
+    /// covered: the shared record where none is, else worker `w`'s own
+    /// (`None`: only where none is). Returns one past the last offset
+    /// covered.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn cover(
+        &self,
+        wr: &mut Writer,
+        w: Option<usize>,
+        nid: u32,
+        hot: &mut Hot,
+        cold: &mut Cold,
+        from: usize,
+        keys: &[u64],
+        khash: &[u64],
+    ) -> usize {
+        let mut o = from;
+        if from == hot.keys().len() {
+            hot.extend(keys);
+            cold.ehash.extend_from_slice(khash);
+            o = from + keys.len();
+            self.positions
+                .fetch_add(keys.len() as u64, Ordering::Relaxed);
+            for (p, &h) in (from..o).zip(khash) {
+                if h != 0 {
+                    record_new(wr, w, h, (nid, p as u32), keys[p - from]);
+                }
+            }
+            return o;
+        }
+        let mut j = 0;
+        while j < keys.len() && o < hot.keys().len() && hot.keys()[o] == keys[j] {
+            let h = khash[j];
+            if h != 0 && cold.ehash[o] != h {
+                if cold.ehash[o] == 0 {
+                    cold.ehash[o] = h;
+                    record_new(wr, w, h, (nid, o as u32), keys[j]);
+                } else if let Some(w) = w {
+                    let ws = wr.workers[w].as_mut().expect("checked");
+                    ws.overrides.insert(h, (handle((nid, o as u32)), keys[j]));
+                }
+            }
+            j += 1;
+            o += 1;
+        }
+        o
     }
 
     /// A placeholder store (no tokens): tier `tier` for the blocks of
@@ -757,14 +789,16 @@ struct Range {
 
 /// Records that engine hash `h` names position `p` (key `key`): the shared
 /// record if the hash is new, else (another position has it) worker
-/// `w`'s own.
-fn record_new(wr: &mut Writer, w: usize, h: u64, p: Pos, key: u64) {
+/// `w`'s own (none without a worker).
+fn record_new(wr: &mut Writer, w: Option<usize>, h: u64, p: Pos, key: u64) {
     match wr.engine.entry(h) {
         hashbrown::hash_map::Entry::Vacant(v) => {
             v.insert(handle(p));
         }
         hashbrown::hash_map::Entry::Occupied(o) => {
-            if *o.get() != handle(p) {
+            if *o.get() != handle(p)
+                && let Some(w) = w
+            {
                 let ws = wr.workers[w].as_mut().expect("checked");
                 ws.overrides.insert(h, (handle(p), key));
             }

@@ -491,6 +491,41 @@ pub fn truth_depth(sim: &SimHandle, ids: &[u32]) -> u32 {
     (sim.cached_prefix_tokens(&q)[0] / BLOCK as usize) as u32
 }
 
+/// Waits until the router has applied every batch the engine published:
+/// its publisher has numbered every batch the engine handed it (the sim
+/// hands a step's batch over before the step's tokens, as vLLM does, so
+/// this covers every response seen so far) and the router's stream has
+/// applied the last of them. Before that the router may still claim a
+/// block whose `BlockRemoved` is on the wire: the last decode step of a
+/// request evicts a block in a batch of its own, after the prompt's
+/// `BlockStored` that makes the fresh prompts agree.
+pub async fn settled(r: &Router, sim: &SimHandle, when: &str) {
+    eventually(
+        Duration::from_secs(10),
+        &format!("router applied every batch the engine published ({when})"),
+        || async {
+            let truth = sim.cache_truth(false);
+            let e = endpoints(r).await;
+            let ep = e["endpoints"]
+                .as_array()?
+                .iter()
+                .find(|ep| ep["endpoint"] == sim.http_addr().to_string())?;
+            truth
+                .engines
+                .iter()
+                .all(|rank| {
+                    let Some(p) = &rank.publisher else {
+                        return true;
+                    };
+                    let applied = ep["kv"][rank.rank as usize]["last_seq"].as_u64();
+                    p.pending == 0 && p.next_seq.checked_sub(1) == applied
+                })
+                .then_some(())
+        },
+    )
+    .await;
+}
+
 /// Sends `ids` as a completion prompt and expects a 200.
 pub async fn send_prompt(r: &Router, ids: &[u32]) {
     let reply = post(

@@ -13,6 +13,7 @@
 //!
 //! | `kinference-x3`, `kinference-x3-blind` | three replicas of the tuned router, clients spread over them request by request (as a Service spreads connections); sharing their load with `--peers` every 200 ms, or each seeing only its own requests |
 //! | `kinference-x3-kill` | `kinference-x3`, the third replica killed (SIGKILL) halfway through the measured window; the client leaves out a replica it cannot reach and sends a request that got no response to the next one (as the OpenAI SDK retries a connection error) |
+//! | `kinference-x3-join`, `kinference-x3-join-cold` | `kinference-x3` on engines without replay (vLLM's default), the third replica started halfway through the measured window and sent its share once ready: bootstrapping its KV index from a peer's snapshot, or not (`--peer-bootstrap-timeout 0`: its index fills from new events); requests ask for their usage, so each one's cached tokens say how well the replica that routed it did |
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -71,11 +72,23 @@ pub(crate) enum Contender {
         /// measured window (only with `shared`: the figure is how soon
         /// its peers stop counting it).
         kill: bool,
+        /// The last replica starts halfway through the measured window
+        /// (only with `shared`, without `kill`).
+        join: Option<Join>,
     },
     /// A peer with its policy name as its flags spell it.
     Peer(Peer, &'static str),
     /// The harness with the simulators' truth.
     GreedyTruth,
+}
+
+/// How a replica started into a warm fleet gets its KV index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Join {
+    /// From a peer's snapshot (the default).
+    Bootstrap,
+    /// From the engines' new events only (`--peer-bootstrap-timeout 0`).
+    Cold,
 }
 
 /// Router replicas the chart runs by default (`router.replicas`).
@@ -109,6 +122,8 @@ impl Contender {
         v.insert(3, "kinference-x3".into());
         v.insert(4, "kinference-x3-blind".into());
         v.insert(5, "kinference-x3-kill".into());
+        v.insert(6, "kinference-x3-join".into());
+        v.insert(7, "kinference-x3-join-cold".into());
         v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
         v.push("greedy-truth".into());
         v
@@ -125,19 +140,30 @@ impl Contender {
             return Ok(Self::GreedyTruth);
         }
         if let Some(rest) = name.strip_prefix("kinference-x") {
-            let (rest, kill) = match rest.strip_suffix("-kill") {
-                Some(r) => (r, true),
-                None => (rest, false),
+            let (rest, kill, join) = if let Some(r) = rest.strip_suffix("-kill") {
+                (r, true, None)
+            } else if let Some(r) = rest.strip_suffix("-join-cold") {
+                (r, false, Some(Join::Cold))
+            } else if let Some(r) = rest.strip_suffix("-join") {
+                (r, false, Some(Join::Bootstrap))
+            } else {
+                (rest, false, None)
             };
             let (n, shared) = match rest.strip_suffix("-blind") {
                 Some(n) => (n, false),
                 None => (rest, true),
             };
+            let event = kill || join.is_some();
             if let Ok(n) = n.parse::<u32>()
                 && (1..=9).contains(&n)
-                && (!kill || (shared && n > 1))
+                && (!event || (shared && n > 1))
             {
-                return Ok(Self::Replicas { n, shared, kill });
+                return Ok(Self::Replicas {
+                    n,
+                    shared,
+                    kill,
+                    join,
+                });
             }
         }
         if let Some((_, peer, policy)) = PEERS.iter().find(|(n, _, _)| *n == name) {
@@ -218,8 +244,33 @@ pub(crate) struct Running {
     /// Further router replicas.
     pub more: Vec<Proc>,
     /// Our routers' admin addresses, `proc`'s first (for `/debug/explain`),
-    /// then `more`'s; none for a peer or the harness.
+    /// then `more`'s (and a replica that joins later, last); none for a
+    /// peer or the harness.
     pub admins: Vec<String>,
+    /// A replica to start later (join rows).
+    pub joiner: Option<Joiner>,
+}
+
+/// A router replica not started yet: the last of [`Running::admins`],
+/// and of the route's replicas (left out until it is ready).
+pub(crate) struct Joiner {
+    bin: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+    /// Its admin address.
+    pub admin: String,
+    /// Its index among the route's replicas.
+    pub index: usize,
+}
+
+impl Joiner {
+    /// Starts it and waits until `/readyz` answers 200.
+    pub(crate) async fn start(&self) -> Result<Proc> {
+        let mut r =
+            fleet::start_router(&self.bin, "kinference-router", &self.args, &[], &self.log)?;
+        fleet::wait_ready(&self.admin, &mut r).await?;
+        Ok(r)
+    }
 }
 
 impl Contender {
@@ -231,6 +282,7 @@ impl Contender {
                 proc: None,
                 more: Vec::new(),
                 admins: Vec::new(),
+                joiner: None,
             }),
             Self::Router(policy) => {
                 let mut m = s.tuned.clone();
@@ -264,11 +316,17 @@ impl Contender {
                 // The chart's shared load: peers at the router's default
                 // interval.
                 let sharing = Sharing::Peers { interval: None };
-                self.replicas(s, &m, &flags, INSTALLED_REPLICAS, sharing, &logs)
+                self.replicas(s, &m, &flags, INSTALLED_REPLICAS, sharing, None, &logs)
                     .await
             }
-            Self::Replicas { n, shared, .. } => {
-                let flags = router_flags("kinference", "1s", 100);
+            Self::Replicas {
+                n, shared, join, ..
+            } => {
+                // A join row's engines have no replay, as vLLM's by default:
+                // what a late replica knows comes from its peers or new
+                // events.
+                let replay = if join.is_some() { 0 } else { 100 };
+                let flags = router_flags("kinference", "1s", replay);
                 let sharing = if *shared {
                     Sharing::Peers {
                         interval: Some("200ms"),
@@ -276,7 +334,8 @@ impl Contender {
                 } else {
                     Sharing::Blind
                 };
-                self.replicas(s, s.tuned, &flags, *n, sharing, &logs).await
+                self.replicas(s, s.tuned, &flags, *n, sharing, *join, &logs)
+                    .await
             }
             Self::Peer(peer, policy) => {
                 let port = s.listen.rsplit(':').next().unwrap_or("0").to_owned();
@@ -353,13 +412,16 @@ impl Contender {
                     proc: Some(proc),
                     more: Vec::new(),
                     admins: Vec::new(),
+                    joiner: None,
                 })
             }
         }
     }
 
     /// `n` routers on `m` with `flags`, on ports 10 apart from the setup's,
-    /// sharing their load or not.
+    /// sharing their load or not; with `join`, the last is not started
+    /// (see [`Running::joiner`]).
+    #[allow(clippy::too_many_arguments)]
     async fn replicas(
         &self,
         s: &Setup<'_>,
@@ -367,6 +429,7 @@ impl Contender {
         flags: &[String],
         n: u32,
         sharing: Sharing,
+        join: Option<Join>,
         logs: &Path,
     ) -> Result<Running> {
         let shift = |addr: &str, by: u16| -> String {
@@ -379,6 +442,7 @@ impl Contender {
         std::fs::create_dir_all(&dir)?;
         std::fs::write(dir.join("bench.yaml"), m.yaml())?;
         let mut procs = Vec::new();
+        let mut joiner = None;
         for i in 0..n as usize {
             let mut flags = flags.to_vec();
             if let Sharing::Peers { interval } = sharing {
@@ -393,26 +457,38 @@ impl Contender {
                     flags.extend(["--peer-interval".into(), interval.into()]);
                 }
             }
+            let log = logs.join(format!("router-{}-{i}.log", s.tag));
+            if join.is_some() && i + 1 == n as usize {
+                if join == Some(Join::Cold) {
+                    flags.extend(["--peer-bootstrap-timeout".into(), "0s".into()]);
+                }
+                joiner = Some(Joiner {
+                    bin: s.bin.to_path_buf(),
+                    args: fleet::serve_args(&dir, "bench", &listens[i], &admins[i], &flags),
+                    log,
+                    admin: admins[i].clone(),
+                    index: i,
+                });
+                continue;
+            }
             let args = fleet::serve_args(&dir, "bench", &listens[i], &admins[i], &flags);
-            let mut r = fleet::start_router(
-                s.bin,
-                "kinference-router",
-                &args,
-                &[],
-                &logs.join(format!("router-{}-{i}.log", s.tag)),
-            )?;
+            let mut r = fleet::start_router(s.bin, "kinference-router", &args, &[], &log)?;
             fleet::wait_ready(&admins[i], &mut r).await?;
             fleet::wait_connected(&admins[i], s.engines.len(), &mut r).await?;
             procs.push(r);
         }
         let mut procs = procs.into_iter();
+        let bases = listens.iter().map(|l| format!("http://{l}")).collect();
+        let replicas = match &joiner {
+            Some(j) => Replicas::joining(bases, j.index),
+            None => Replicas::new(bases),
+        };
         Ok(Running {
-            route: Route::Routers(Arc::new(Replicas::new(
-                listens.iter().map(|l| format!("http://{l}")).collect(),
-            ))),
+            route: Route::Routers(Arc::new(replicas)),
             proc: procs.next(),
             more: procs.collect(),
             admins,
+            joiner,
         })
     }
 
@@ -441,6 +517,7 @@ impl Contender {
             proc: Some(r),
             more: Vec::new(),
             admins: vec![s.admin.clone()],
+            joiner: None,
         })
     }
 }
@@ -457,10 +534,20 @@ mod tests {
                 Contender::Router(p) => p.to_string(),
                 Contender::Installed => "kinference-installed".into(),
                 Contender::Admission => "kinference-admission".into(),
-                Contender::Replicas { n, shared, kill } => format!(
-                    "kinference-x{n}{}{}",
+                Contender::Replicas {
+                    n,
+                    shared,
+                    kill,
+                    join,
+                } => format!(
+                    "kinference-x{n}{}{}{}",
                     if *shared { "" } else { "-blind" },
-                    if *kill { "-kill" } else { "" }
+                    if *kill { "-kill" } else { "" },
+                    match join {
+                        Some(Join::Bootstrap) => "-join",
+                        Some(Join::Cold) => "-join-cold",
+                        None => "",
+                    }
                 ),
                 Contender::GreedyTruth => "greedy-truth".into(),
                 Contender::Peer(peer, policy) => PEERS
@@ -481,9 +568,23 @@ mod tests {
             Ok(Contender::Replicas {
                 n: 3,
                 shared: true,
-                kill: true
+                kill: true,
+                join: None,
             })
         ));
+        assert!(matches!(
+            Contender::parse("kinference-x3-join-cold"),
+            Ok(Contender::Replicas {
+                n: 3,
+                shared: true,
+                kill: false,
+                join: Some(Join::Cold),
+            })
+        ));
+        // A late replica needs peers to bootstrap from and to share with.
+        assert!(Contender::parse("kinference-x3-blind-join").is_err());
+        assert!(Contender::parse("kinference-x1-join").is_err());
+        assert!(Contender::parse("kinference-x3-join-kill").is_err());
         // Blind replicas report no peers, so there is nothing to watch;
         // one replica leaves nobody to take over.
         assert!(Contender::parse("kinference-x3-blind-kill").is_err());

@@ -50,6 +50,9 @@ pub(crate) struct Replicas {
     bases: Vec<String>,
     next: AtomicUsize,
     down: Vec<AtomicBool>,
+    /// Requests ask for their usage (`stream_options.include_usage`): the
+    /// cached tokens of each, per replica.
+    usage: bool,
 }
 
 impl Replicas {
@@ -58,7 +61,24 @@ impl Replicas {
             down: bases.iter().map(|_| AtomicBool::new(false)).collect(),
             bases,
             next: AtomicUsize::new(0),
+            usage: false,
         }
+    }
+
+    /// Replica `late` is left out until [`Replicas::mark_up`] (it starts
+    /// later), and requests ask for their usage.
+    pub(crate) fn joining(bases: Vec<String>, late: usize) -> Self {
+        let r = Self {
+            usage: true,
+            ..Self::new(bases)
+        };
+        r.mark_down(late);
+        r
+    }
+
+    /// Replica `i` takes requests (again).
+    pub(crate) fn mark_up(&self, i: usize) {
+        self.down[i].store(false, Ordering::Relaxed);
     }
 
     /// The next replica not known to be down (any, when all are).
@@ -131,6 +151,18 @@ pub(crate) struct Sample {
     /// (`x-kinference-debug: 1`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub explain: Option<Value>,
+    /// The replica that answered (router replicas).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replica: Option<usize>,
+    /// When it was sent, from the start of the run.
+    #[serde(serialize_with = "ms")]
+    pub sent_at: Duration,
+    /// Its prompt tokens and those the engine had cached, when the
+    /// response said (`usage`, asked for by join rows).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
 }
 
 fn ms<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
@@ -286,15 +318,25 @@ async fn one(
     };
     let sent = Instant::now();
     let late = sent.saturating_duration_since(due);
-    let bytes = Bytes::from(serde_json::to_vec(&json_body).unwrap_or_default());
+    let mut bytes = Bytes::from(serde_json::to_vec(&json_body).unwrap_or_default());
+    // The hash of the request itself: equal across rows whether or not it
+    // asks for its usage.
     let body_hash = {
         let mut h = DefaultHasher::new();
         bytes.as_ref().hash(&mut h);
         h.finish()
     };
+    if let Route::Routers(r) = route
+        && r.usage
+    {
+        let mut b = json_body.clone();
+        b["stream_options"] = json!({"include_usage": true});
+        bytes = Bytes::from(serde_json::to_vec(&b).unwrap_or_default());
+    }
     if let Ok(mut s) = slot.lock() {
         s.late = late;
         s.body_hash = body_hash;
+        s.sent_at = sent.saturating_duration_since(start);
     }
     let mut replica = None;
     let (url, ticket, engine) = match route {
@@ -351,6 +393,7 @@ async fn one(
             }
             r.mark_down(i);
             i = r.pick();
+            replica = Some(i);
             let url = format!("{}{}", r.bases[i], api.path());
             result = stream(
                 client,
@@ -390,6 +433,9 @@ async fn one(
         s.engine = engine.or(result.engine).or(s.engine.take());
         s.explain = result.explain;
         s.finished_at = Instant::now().duration_since(start);
+        s.replica = replica;
+        s.prompt_tokens = result.prompt_tokens;
+        s.cached_tokens = result.cached_tokens;
     }
 }
 
@@ -409,6 +455,10 @@ pub(crate) struct Streamed {
     /// No response at all: the connection failed or closed before any
     /// header (nothing was streamed; a client may send it again).
     pub unanswered: bool,
+    /// `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`
+    /// of the last chunk, when asked for.
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
 }
 
 /// What a request asks of the router besides its body.
@@ -475,6 +525,14 @@ pub(crate) async fn stream(
             }
             SseData::Json(v) => v,
         };
+        if let Some(p) = v["usage"]["prompt_tokens"].as_u64() {
+            out.prompt_tokens = Some(p);
+            out.cached_tokens = Some(
+                v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0),
+            );
+        }
         let choice = &v["choices"][0];
         let text = match api {
             Api::Completions => choice["text"].as_str(),

@@ -124,6 +124,27 @@ pub(crate) struct Row {
     /// The two-tenant scenario's figures, per tenant and phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenants: Option<TenantFigures>,
+    /// Router replicas' rows: bytes of load polls between replicas per
+    /// measured request (every replica's received, HTTP/1.1 messages), and
+    /// bytes of KV index snapshots in the window; NaN elsewhere.
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub peer_bytes_per_req: f64,
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub snapshot_bytes: f64,
+    /// A join row's late replica: from its start to ready (ms), its hit
+    /// rate over its first [`super::routing::JOIN_WINDOW`] and its peers'
+    /// over the same interval, the requests it answered then, and its
+    /// bootstrap's state (`seeded`, `fallback`; empty when off).
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub join_ready_ms: f64,
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub join_hit_rate: f64,
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub join_peers_hit_rate: f64,
+    #[serde(default)]
+    pub join_requests: usize,
+    #[serde(default)]
+    pub join_bootstrap: String,
 }
 
 /// The two-tenant scenario: the light tenant alone and with the heavy one,
@@ -320,6 +341,13 @@ pub(crate) fn summarize(
             .count(),
         absorb_ms: f64::NAN,
         tenants: None,
+        peer_bytes_per_req: f64::NAN,
+        snapshot_bytes: f64::NAN,
+        join_ready_ms: f64::NAN,
+        join_hit_rate: f64::NAN,
+        join_peers_hit_rate: f64::NAN,
+        join_requests: 0,
+        join_bootstrap: String::new(),
     }
 }
 
@@ -416,6 +444,13 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 cut: mu(|r| r.cut),
                 absorb_ms: m(|r| r.absorb_ms),
                 tenants: TenantFigures::median_of(&rs),
+                peer_bytes_per_req: m(|r| r.peer_bytes_per_req),
+                snapshot_bytes: m(|r| r.snapshot_bytes),
+                join_ready_ms: m(|r| r.join_ready_ms),
+                join_hit_rate: m(|r| r.join_hit_rate),
+                join_peers_hit_rate: m(|r| r.join_peers_hit_rate),
+                join_requests: mu(|r| r.join_requests),
+                join_bootstrap: first.join_bootstrap.clone(),
             }
         })
         .collect()

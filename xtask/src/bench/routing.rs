@@ -563,6 +563,29 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                             t.heavy.refused
                         );
                     }
+                    if !row.join_ready_ms.is_nan() {
+                        println!(
+                            "  {:<20} late replica ready {:.0} ms after its start ({}); its first {} s: {} requests, hit {:.1}% vs its peers' {:.1}% ({:.2}×)",
+                            "",
+                            row.join_ready_ms,
+                            if row.join_bootstrap.is_empty() {
+                                "no bootstrap"
+                            } else {
+                                &row.join_bootstrap
+                            },
+                            JOIN_WINDOW.as_secs(),
+                            row.join_requests,
+                            row.join_hit_rate * 100.0,
+                            row.join_peers_hit_rate * 100.0,
+                            row.join_hit_rate / row.join_peers_hit_rate
+                        );
+                    }
+                    if !row.peer_bytes_per_req.is_nan() {
+                        println!(
+                            "  {:<20} between replicas: {:.0} B of load polls per request, {:.0} B of snapshots",
+                            "", row.peer_bytes_per_req, row.snapshot_bytes
+                        );
+                    }
                     if !row.absorb_ms.is_nan() || row.lost + row.cut > 0 {
                         println!(
                             "  {:<20} lost (no first token) {}, cut mid-stream {}, killed replica's load out of its peers' view after {:.0} ms",
@@ -632,8 +655,13 @@ async fn one_run(
     key: (&str, f64, f64, u32),
 ) -> Result<Row> {
     let logs = opts.out.join("logs");
+    let join = matches!(contender, Contender::Replicas { join: Some(_), .. });
     let mut sims = Vec::new();
-    for (i, s) in fleet.sims(kind, opts.port_base).iter().enumerate() {
+    for (i, mut s) in fleet.sims(kind, opts.port_base).into_iter().enumerate() {
+        if join {
+            // Each response says how many of its tokens were cached.
+            s = s.with_args(["--enable-prompt-tokens-details"]);
+        }
         sims.push(
             s.start(
                 bin,
@@ -671,6 +699,33 @@ async fn one_run(
         }),
         _ => None,
     };
+    // A join row: its last replica starts halfway through the measured
+    // window (timed from here, the start of the drive to a few µs).
+    let joining = running.joiner.take().map(|j| {
+        let replicas = match &running.route {
+            drive::Route::Routers(r) => Some(r.clone()),
+            _ => None,
+        };
+        let at = plan.warmup + plan.measure / 2;
+        let t0 = tokio::time::Instant::now();
+        tokio::spawn(async move {
+            tokio::time::sleep(at).await;
+            let started = t0.elapsed();
+            let proc = j.start().await?;
+            let ready = t0.elapsed();
+            if let Some(r) = &replicas {
+                r.mark_up(j.index);
+            }
+            anyhow::Ok(Joined {
+                proc,
+                admin: j.admin,
+                index: j.index,
+                started,
+                ready,
+            })
+        })
+    });
+    let admins = running.admins.clone();
     // Every replica's CPU together.
     let cpu = |pids: &[u32]| -> Option<f64> {
         pids.iter()
@@ -678,12 +733,29 @@ async fn one_run(
             .sum::<Option<f64>>()
             .filter(|_| !pids.is_empty())
     };
-    let (samples, (counters_before, cpu_before)) =
+    let (samples, (counters_before, cpu_before, peer_bytes_before)) =
         drive::drive(plan, &running.route, MODEL, opts.drain, || async {
-            (load::prefix_cache_counters(engines).await, cpu(&pids))
+            (
+                load::prefix_cache_counters(engines).await,
+                cpu(&pids),
+                peer_bytes(&admins).await,
+            )
         })
         .await;
     let counters_after = load::prefix_cache_counters(engines).await;
+    let peer_bytes_after = peer_bytes(&admins).await;
+    let joined = match joining {
+        Some(t) => Some(t.await.context("the late replica's task")??),
+        None => None,
+    };
+    let mut bootstrap = serde_json::Value::Null;
+    if let Some(j) = &joined
+        && let Ok((200, body)) = load::get(&format!("http://{}/debug/endpoints", j.admin)).await
+    {
+        bootstrap = serde_json::from_slice::<serde_json::Value>(&body)
+            .map(|v| v["kv_bootstrap"].clone())
+            .unwrap_or_default();
+    }
     let mut absorbed = None;
     if let Some(k) = killer
         && let Ok((victim, a)) = k.await
@@ -712,6 +784,17 @@ async fn one_run(
     for r in running.more {
         r.stop().await;
     }
+    let joined = joined.map(|j| {
+        let figures = (j.index, j.started, j.ready);
+        (j.proc, figures)
+    });
+    let joined = match joined {
+        Some((p, figures)) => {
+            p.stop().await;
+            Some(figures)
+        }
+        None => None,
+    };
     for s in sims {
         s.stop().await;
     }
@@ -741,7 +824,101 @@ async fn one_run(
         });
     }
     row.absorb_ms = absorbed.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+    // Bytes between replicas: every replica counts what it received (a
+    // killed one's are lost with it, so a kill row has none).
+    if !matches!(contender, Contender::Replicas { kill: true, .. }) && !admins.is_empty() {
+        let load = peer_bytes_after.0 - peer_bytes_before.0;
+        row.peer_bytes_per_req = load / row.requests.max(1) as f64;
+        row.snapshot_bytes = peer_bytes_after.1 - peer_bytes_before.1;
+    }
+    if let Some((index, started, ready)) = joined {
+        let w = join_window(&samples, index, ready, JOIN_WINDOW);
+        row.join_ready_ms = ready.saturating_sub(started).as_secs_f64() * 1e3;
+        (
+            row.join_hit_rate,
+            row.join_peers_hit_rate,
+            row.join_requests,
+        ) = w;
+        bootstrap["state"]
+            .as_str()
+            .unwrap_or("")
+            .clone_into(&mut row.join_bootstrap);
+    }
     Ok(row)
+}
+
+/// A late replica in a join row.
+struct Joined {
+    proc: Proc,
+    admin: String,
+    index: usize,
+    /// When it was started, and when it was ready, from the start of the
+    /// drive.
+    started: Duration,
+    ready: Duration,
+}
+
+/// How long after a late replica is ready its hit rate is compared with
+/// its peers' (issue 17: "within 10 s").
+pub(crate) const JOIN_WINDOW: Duration = Duration::from_secs(10);
+
+/// The prefix-cache hit rate (cached ÷ prompt tokens, from each response's
+/// usage) of the requests replica `index` answered that were sent within
+/// `window` of `from`, that of the other replicas' in the same interval,
+/// and how many the replica answered.
+pub(crate) fn join_window(
+    samples: &[drive::Sample],
+    index: usize,
+    from: Duration,
+    window: Duration,
+) -> (f64, f64, usize) {
+    let mut sums = [(0u64, 0u64, 0usize); 2];
+    for s in samples {
+        let (Some(r), Some(p), Some(c)) = (s.replica, s.prompt_tokens, s.cached_tokens) else {
+            continue;
+        };
+        if s.sent_at < from || s.sent_at >= from + window {
+            continue;
+        }
+        let x = &mut sums[usize::from(r != index)];
+        x.0 += c;
+        x.1 += p;
+        x.2 += 1;
+    }
+    let rate = |(c, p, _): (u64, u64, usize)| {
+        if p == 0 {
+            f64::NAN
+        } else {
+            c as f64 / p as f64
+        }
+    };
+    (rate(sums[0]), rate(sums[1]), sums[0].2)
+}
+
+/// Bytes every reachable replica received from its peers: load polls and
+/// their answers, snapshots and their requests
+/// (`kinference_router_peer_bytes_total{direction="received"}`).
+async fn peer_bytes(admins: &[String]) -> (f64, f64) {
+    let mut out = (0.0, 0.0);
+    for a in admins {
+        let Ok((200, body)) = load::get(&format!("http://{a}/metrics")).await else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&body);
+        for s in kinference_api::engine::prometheus::samples(&text) {
+            if s.name != "kinference_router_peer_bytes_total"
+                || s.label("direction") != Some("received")
+            {
+                continue;
+            }
+            match s.label("kind") {
+                Some("load") => out.0 += s.value,
+                Some("snapshot") => out.1 += s.value,
+                _ => {}
+            }
+        }
+    }
+    out
 }
 
 /// Kills router `victim` (SIGKILL, as an OOM kill does: its port refuses
@@ -817,6 +994,39 @@ fn slow_share(samples: &[drive::Sample], slowdowns: &[f64], port_base: u16) -> f
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_late_replica_is_compared_with_its_peers_over_the_same_window() {
+        let s = |replica: usize, at: u64, prompt: u64, cached: u64| drive::Sample {
+            replica: Some(replica),
+            sent_at: Duration::from_secs(at),
+            prompt_tokens: Some(prompt),
+            cached_tokens: Some(cached),
+            ..drive::Sample::default()
+        };
+        let samples = [
+            // Before it was ready, after its window: not counted.
+            s(0, 4, 100, 0),
+            s(2, 21, 100, 0),
+            // Its requests, and its peers', in [5 s, 15 s).
+            s(2, 5, 100, 50),
+            s(2, 14, 300, 250),
+            s(0, 6, 100, 90),
+            s(1, 10, 100, 70),
+            // No usage (an error): not counted.
+            drive::Sample {
+                replica: Some(2),
+                sent_at: Duration::from_secs(7),
+                ..drive::Sample::default()
+            },
+        ];
+        let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(5), JOIN_WINDOW);
+        assert!((own - 0.75).abs() < 1e-12, "{own}");
+        assert!((peers - 0.8).abs() < 1e-12, "{peers}");
+        assert_eq!(n, 2);
+        let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(30), JOIN_WINDOW);
+        assert!(own.is_nan() && peers.is_nan() && n == 0);
+    }
 
     #[test]
     fn proc_stat_cpu_fields() {
