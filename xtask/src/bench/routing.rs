@@ -549,19 +549,7 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                         loadavg()
                     );
                     if let Some(t) = &row.tenants {
-                        println!(
-                            "  {:<20} light tenant TTFT p90 alone {:.0} ms, with the heavy one {:.0} ms ({:.2}×, {}/{} ok); heavy p90 {:.0} ms, {}/{} ok, {} refused",
-                            "",
-                            t.light_alone.ttft_p90_ms,
-                            t.light_with_heavy.ttft_p90_ms,
-                            t.ratio(),
-                            t.light_with_heavy.ok,
-                            t.light_with_heavy.requests,
-                            t.heavy.ttft_p90_ms,
-                            t.heavy.ok,
-                            t.heavy.requests,
-                            t.heavy.refused
-                        );
+                        println!("  {:<20} {t}", "");
                     }
                     if !row.join_ready_ms.is_nan() {
                         println!(
