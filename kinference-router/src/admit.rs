@@ -19,7 +19,9 @@
 //! starves), then between
 //! tenants weighted fair sharing by uncached prefill tokens (the tenant
 //! that has been sent the fewest tokens per weight goes first; weights from
-//! `spec.admission.tenants`, [`Tenants`]), then arrival. Only the queue's
+//! `spec.admission.tenants`, [`Tenants`]), then arrival. A tenant far
+//! ahead of another active one is also sent only while an engine is left
+//! with nothing prefilling ([`SHARE_WINDOW`]). Only the queue's
 //! head re-decides, on every freed capacity and at least every
 //! [`HEAD_TICK`]; the others sleep until they become head or their deadline
 //! passes.
@@ -68,6 +70,21 @@ pub const MAX_PRIORITY: i64 = 100;
 
 /// Tenant names are cut to this many characters.
 pub const MAX_TENANT_CHARS: usize = 64;
+
+/// A tenant counts as active for this long after its last request. While
+/// an active tenant asks for less than a quarter of the tokens per weight of
+/// another (its requests' uncached prefill tokens as they arrive, served
+/// or not, decaying with a half-life of [`RATE_HALF_LIFE`]), the one ahead
+/// is released only while an engine other than the one it goes to has
+/// nothing prefilling ([`Queue::ahead_of_share`]): one engine is kept free
+/// for the tenant behind, whose requests then start their prefill at once
+/// instead of sharing an engine's batch with the flood.
+pub const SHARE_WINDOW: Duration = Duration::from_secs(10);
+
+/// The half-life of the tokens tenants ask for, as compared for
+/// [`SHARE_WINDOW`]: short, so that a tenant that starts a flood is seen
+/// ahead of a steady one within a second.
+pub const RATE_HALF_LIFE: Duration = Duration::from_secs(2);
 
 /// Virtual-time units per uncached prefill token of a tenant of weight 1
 /// (a tenant of weight w advances by this ÷ w per token, rounded up).
@@ -261,6 +278,27 @@ struct Tenant {
     /// Of its requests waiting, in virtual-time units.
     queued: u64,
     waiting: usize,
+    /// Tokens asked for in virtual-time units, decaying with a half-life
+    /// of [`RATE_HALF_LIFE`], as of `at`.
+    recent: f64,
+    at: Option<Instant>,
+    /// Its last request (queued or sent).
+    seen: Option<Instant>,
+}
+
+impl Tenant {
+    /// Its decayed recent tokens at `now`.
+    fn recent(&self, now: Instant) -> f64 {
+        self.at.map_or(0.0, |at| {
+            let age = now.saturating_duration_since(at).as_secs_f64();
+            self.recent * 0.5f64.powf(age / RATE_HALF_LIFE.as_secs_f64())
+        })
+    }
+
+    fn active(&self, now: Instant) -> bool {
+        self.seen
+            .is_some_and(|t| now.saturating_duration_since(t) < SHARE_WINDOW)
+    }
 }
 
 #[derive(Default)]
@@ -326,6 +364,24 @@ impl Queue {
         if s.tenants.len() > 4096 {
             s.tenants.retain(|_, t| t.waiting > 0 || t.sent > vtime);
         }
+    }
+
+    /// Records a request of `tenant` asking for `tokens` uncached prefill
+    /// tokens at `now`, and answers whether the tenant is ahead of its
+    /// share: another tenant active within [`SHARE_WINDOW`] asks for less
+    /// than a quarter of its recent tokens per weight. Tenants near equal shares
+    /// are not, so that sharing costs no throughput between them.
+    fn arrive(&self, tenant: &str, tokens: u64, now: Instant) -> bool {
+        let tokens = self.tenants.virtual_cost(tenant, tokens) as f64;
+        let mut s = self.state.lock();
+        let t = s.tenants.entry(tenant.to_owned()).or_default();
+        t.recent = t.recent(now) + tokens;
+        t.at = Some(now);
+        t.seen = Some(now);
+        let mine = t.recent;
+        s.tenants
+            .iter()
+            .any(|(name, t)| name != tenant && t.active(now) && 4.0 * t.recent(now) < mine)
     }
 
     fn join(
@@ -457,6 +513,8 @@ pub fn fastest_ms(d: &Decision) -> f64 {
 pub struct Gate {
     runtime: Arc<crate::runtime::WsRuntime>,
     worker_set: String,
+    /// Its index in the request's view.
+    ws: usize,
     limits: Option<Limits>,
     /// When its TTFT target runs out.
     target: Option<Instant>,
@@ -488,6 +546,7 @@ impl Gate {
         Some(Self {
             runtime: ws.runtime.clone(),
             worker_set: ws.route.name.clone(),
+            ws: route.target.worker_set,
             limits,
             target,
             class,
@@ -521,6 +580,32 @@ impl Gate {
             (None, Some(t)) => t,
             (None, None) => self.arrived,
         }
+    }
+
+    /// Whether `d` leaves an engine free for the tenants behind: another
+    /// healthy endpoint of the worker set than `d`'s has no request before
+    /// its first token (this replica's or, with shared load, its peers').
+    /// A worker set with one healthy endpoint keeps none free.
+    fn leaves_one_free(&self, view: &crate::view::View, d: &Decision, now: Instant) -> bool {
+        let Some(ws) = view.worker_sets.get(self.ws) else {
+            return true;
+        };
+        let mut healthy = 0usize;
+        let mut free = false;
+        for e in ws.endpoints.iter().filter(|e| e.healthy(now)) {
+            healthy += 1;
+            free |= e.id != d.endpoint.id
+                && e.load.prefilling.load(Ordering::Relaxed) == 0
+                && e.load.peers.prefilling.load(Ordering::Relaxed) == 0;
+        }
+        healthy < 2 || free
+    }
+
+    /// Whether `d` may be sent at `now`: its fastest prediction within the
+    /// bound and, for a tenant ahead of its share (`ahead`), an engine left
+    /// free.
+    fn may_send(&self, view: &crate::view::View, d: &Decision, now: Instant, ahead: bool) -> bool {
+        fastest_ms(d) <= self.bound(now) && (!ahead || self.leaves_one_free(view, d, now))
     }
 
     fn max_queue(&self) -> usize {
@@ -572,20 +657,20 @@ impl Gate {
     pub async fn hold(
         &self,
         shared: &Shared,
+        view: &crate::view::View,
         first: Decision,
         mut redecide: impl FnMut(Now) -> Result<Decision, ApiError>,
     ) -> Result<Decision, ApiError> {
         let q = &self.runtime.queue;
+        let tenant = &self.class.tenant;
         let start = Instant::now();
         let fastest = fastest_ms(&first);
-        if fastest <= self.bound(start) && q.depth() == 0 {
-            q.served(
-                &self.class.tenant,
-                u64::from(first.choice.uncached_tokens()),
-            );
+        let cost = u64::from(first.choice.uncached_tokens());
+        let ahead = q.arrive(tenant, cost, start);
+        if q.depth() == 0 && self.may_send(view, &first, start, ahead) {
+            q.served(tenant, cost);
             return Ok(first);
         }
-        let cost = u64::from(first.choice.uncached_tokens());
         drop(first);
         let deadline = self.deadline();
         if start >= deadline {
@@ -622,9 +707,9 @@ impl Gate {
                     Err(e) => return Err(e),
                 };
                 fastest = fastest_ms(&d);
-                if fastest <= self.bound(now) {
+                if self.may_send(view, &d, now, ahead) {
                     held.released = true;
-                    q.served(&self.class.tenant, u64::from(d.choice.uncached_tokens()));
+                    q.served(tenant, u64::from(d.choice.uncached_tokens()));
                     return Ok(d);
                 }
             }
@@ -769,6 +854,52 @@ mod tests {
                 "gold", "gold", "free", "gold", "gold", "gold",
             ]
         );
+    }
+
+    #[test]
+    fn a_tenant_is_ahead_of_its_share_only_while_one_far_behind_it_is_active() {
+        let q = Queue::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        // Alone, the heavy tenant is never ahead, however much it asks.
+        for i in 0..20 {
+            assert!(!q.arrive("heavy", 5_000, t0 + ms(100 * i)));
+        }
+        // A light tenant appears: it is not ahead; the heavy one, asking
+        // ten times its tokens, is.
+        let t1 = t0 + ms(2_000);
+        assert!(!q.arrive("light", 5_000, t1));
+        assert!(q.arrive("heavy", 5_000, t1 + ms(100)));
+        assert!(!q.arrive("light", 5_000, t1 + ms(1_000)));
+        // A flood that starts beside a steady tenant is seen within a
+        // second: the steady one asked for 5,000 tokens a second for 10 s.
+        let q = Queue::default();
+        for i in 0..10 {
+            assert!(!q.arrive("steady", 5_000, t0 + ms(1_000 * i)));
+        }
+        let flood = t0 + ms(10_000);
+        let ahead: Vec<bool> = (0..10)
+            .map(|i| q.arrive("flood", 5_000, flood + ms(100 * i)))
+            .collect();
+        assert!(ahead[9], "{ahead:?}");
+        assert!(!q.arrive("steady", 5_000, flood + ms(1_000)));
+        // Near equal shares: neither is.
+        let q = Queue::default();
+        for i in 0..10 {
+            assert!(!q.arrive("a", 5_000, t0 + ms(100 * i)));
+            assert!(!q.arrive("b", 5_000, t0 + ms(100 * i + 50)));
+        }
+        // Weights count: a tenant of weight 10 asking ten times the tokens
+        // is at its share.
+        let q = Queue::new(Tenants::from_spec(&[tenant("big", Some(10), &[])]));
+        assert!(!q.arrive("small", 5_000, t0));
+        assert!(!q.arrive("big", 50_000, t0));
+        // A tenant gone quiet for the window no longer holds the other back.
+        let q = Queue::default();
+        assert!(!q.arrive("light", 1_000, t0));
+        assert!(q.arrive("heavy", 50_000, t0));
+        let later = t0 + SHARE_WINDOW + ms(1);
+        assert!(!q.arrive("heavy", 50_000, later));
     }
 
     #[test]

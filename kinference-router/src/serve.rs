@@ -452,7 +452,7 @@ async fn route(
                         &view, &shared.kv, &prepared, &excluded, at, &mut rng, explain,
                     )
                 };
-                let d = gate.hold(shared, d, redecide).await?;
+                let d = gate.hold(shared, &view, d, redecide).await?;
                 (
                     d,
                     Now {
