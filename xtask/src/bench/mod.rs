@@ -97,6 +97,11 @@ pub(crate) struct RoutingArgs {
     /// Simulated engines.
     #[arg(long, default_value_t = 8)]
     engines: usize,
+    /// The slow-burst fleet's last engine's slowdown; 1 gives the same
+    /// burst on a fleet without a slow engine (with one engine fewer:
+    /// the reference the slow engine's cost is read against).
+    #[arg(long, default_value_t = routing::SLOW_BURST_SLOWDOWN)]
+    burst_slowdown: f64,
     /// Token scale k: token counts ÷ k, per-token costs × k.
     #[arg(long, default_value_t = 10)]
     scale: u32,
@@ -190,6 +195,10 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
                 bail!("--engines must be at least 1");
             }
             o.engines = a.engines;
+            if a.burst_slowdown.is_nan() || a.burst_slowdown < 1.0 {
+                bail!("--burst-slowdown must be at least 1");
+            }
+            o.burst_slowdown = a.burst_slowdown;
             o.scale = a.scale.max(1);
             o.population = a.population.max(1);
             if let Some(w) = a.warmup {

@@ -734,6 +734,8 @@ pub(crate) fn past_the_knee(rows: &[Row]) -> String {
     for r in rows
         .iter()
         .filter(|r| r.workload == "slow-burst" && r.policy == "kinference")
+        // A fleet without a slow engine (`--burst-slowdown 1`) has no share.
+        .filter(|r| !r.slow_share.is_nan())
     {
         push(
             "slow-burst",
@@ -1177,6 +1179,11 @@ mod tests {
             "{g}"
         );
         assert!(g.contains("| 7.9 % | **missed** |"), "{g}");
+        // The reference fleet without a slow engine has no share to judge.
+        let mut reference = row("kinference", 0, 900.0);
+        reference.workload = "slow-burst".into();
+        let g = past_the_knee(&[reference]);
+        assert!(!g.contains("slower engine gets"), "{g}");
     }
 
     #[test]

@@ -54,6 +54,8 @@ pub(crate) struct RoutingOptions {
     pub loads: Option<Vec<f64>>,
     pub policies: Vec<String>,
     pub engines: usize,
+    /// The slow-burst fleet's last engine's slowdown.
+    pub burst_slowdown: f64,
     pub scale: u32,
     /// Population scale: groups and KV capacity ÷ this.
     pub population: u32,
@@ -87,6 +89,7 @@ impl RoutingOptions {
             loads: None,
             policies: Contender::all_names(),
             engines: 8,
+            burst_slowdown: SLOW_BURST_SLOWDOWN,
             scale: 10,
             population: 5,
             warmup: Duration::from_secs(10),
@@ -111,6 +114,8 @@ impl RoutingOptions {
 #[derive(Clone, Copy, Debug, serde::Serialize)]
 pub(crate) struct Fleet {
     pub engines: usize,
+    /// The slow-burst fleet's last engine's slowdown.
+    pub burst_slowdown: f64,
     pub scale: Scale,
     pub population: u32,
     pub step: StepModel,
@@ -124,6 +129,7 @@ impl Fleet {
         let kf = f64::from(scale.k);
         Self {
             engines,
+            burst_slowdown: SLOW_BURST_SLOWDOWN,
             scale,
             population,
             step: StepModel {
@@ -158,10 +164,24 @@ impl Fleet {
         Workload::of(kind).with_population(self.population)
     }
 
+    /// Each engine's slowdown for `kind` ([`WorkloadKind::slowdowns`],
+    /// the slow-burst engine's as set).
+    pub(crate) fn slowdowns(&self, kind: WorkloadKind) -> Vec<f64> {
+        let mut v = kind.slowdowns(self.engines);
+        if kind == WorkloadKind::SlowBurst {
+            for x in &mut v {
+                if *x > 1.0 {
+                    *x = self.burst_slowdown;
+                }
+            }
+        }
+        v
+    }
+
     /// Engines' worth of prefill throughput for `kind`'s fleet: Σ 1 ÷
     /// slowdown.
     pub(crate) fn capacity(&self, kind: WorkloadKind) -> f64 {
-        kind.slowdowns(self.engines).iter().map(|s| 1.0 / s).sum()
+        self.slowdowns(kind).iter().map(|s| 1.0 / s).sum()
     }
 
     /// The rate at which the fleet's prefill saturates when nothing is
@@ -179,7 +199,7 @@ impl Fleet {
     /// on HTTP `base + i`, KV `base + 100 + i`, replay `base + 200 + i`.
     fn sims(&self, kind: WorkloadKind, port_base: u16) -> Vec<Sim> {
         let s = self.step;
-        let speeds = kind.slowdowns(self.engines);
+        let speeds = self.slowdowns(kind);
         let mut out = Vec::new();
         let mut i = 0;
         while i < speeds.len() {
@@ -294,6 +314,10 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
 /// no warm-up.
 const SLOW_BURST: f64 = 150.0;
 
+/// The slow-burst fleet's last engine is this many times slower
+/// (`--burst-slowdown`).
+pub(crate) const SLOW_BURST_SLOWDOWN: f64 = 10.0;
+
 /// The two-tenant scenario's phases: 3 s of warm-up, then the light tenant
 /// alone and both together, each for the run's `measure`.
 fn two_tenants(measure: Duration) -> workload::TwoTenants {
@@ -367,7 +391,8 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
     for (_, c) in &contenders {
         c.check_available()?;
     }
-    let fleet = Fleet::new(opts.engines, opts.scale, opts.population);
+    let mut fleet = Fleet::new(opts.engines, opts.scale, opts.population);
+    fleet.burst_slowdown = opts.burst_slowdown;
     let bin = if let Some(dir) = &opts.bin_dir {
         dir.clone()
     } else {
@@ -459,7 +484,7 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
             "shape_real_tokens": w,
             "knee_req_per_s": knee,
             "knee_with_reuse_req_per_s": fleet.knee_with_reuse(kind, &w),
-            "slowdowns": kind.slowdowns(opts.engines),
+            "slowdowns": fleet.slowdowns(kind),
             "resident_tokens_real": w.resident_tokens(),
             "resident_fraction_of_fleet_kv": w.resident_tokens() / (fleet.kv_tokens_per_engine() * opts.engines as f64),
             "rates": rates,
@@ -802,7 +827,7 @@ async fn one_run(
         plan.measure.as_secs_f64(),
         (workload, rate, load, policy, repeat),
     );
-    row.slow_share = slow_share(&samples, &kind.slowdowns(fleet.engines), opts.port_base);
+    row.slow_share = slow_share(&samples, &fleet.slowdowns(kind), opts.port_base);
     if kind == WorkloadKind::TwoTenants {
         use workload::TwoTenants;
         row.tenants = Some(report::TenantFigures {
@@ -1150,6 +1175,19 @@ mod tests {
         let page = "# HELP kinference_router_peers Other replicas\n# TYPE kinference_router_peers gauge\nkinference_router_peers 2\n# TYPE kinference_router_peers_reporting gauge\nkinference_router_peers_reporting 1\n";
         assert_eq!(peers_reporting(page), Some(1.0));
         assert_eq!(peers_reporting("kinference_router_peers 2\n"), None);
+    }
+
+    #[test]
+    fn the_slow_burst_fleet_is_as_slow_as_asked_and_other_fleets_are_not_touched() {
+        let mut f = Fleet::new(4, 10, 5);
+        assert_eq!(f.slowdowns(WorkloadKind::SlowBurst), [1.0, 1.0, 1.0, 10.0]);
+        f.burst_slowdown = 1.0;
+        assert_eq!(f.slowdowns(WorkloadKind::SlowBurst), [1.0; 4]);
+        assert!((f.capacity(WorkloadKind::SlowBurst) - 4.0).abs() < 1e-12);
+        assert_eq!(
+            f.slowdowns(WorkloadKind::Heterogeneous),
+            WorkloadKind::Heterogeneous.slowdowns(4)
+        );
     }
 
     #[test]
