@@ -71,12 +71,15 @@ pub const MAX_PRIORITY: i64 = 100;
 /// Tenant names are cut to this many characters.
 pub const MAX_TENANT_CHARS: usize = 64;
 
+/// Tenants a queue remembers before it forgets idle ones.
+const MAX_TENANTS: usize = 4096;
+
 /// A tenant counts as active for this long after its last request. While
 /// an active tenant asks for less than a quarter of the tokens per weight of
 /// another (its requests' uncached prefill tokens as they arrive, served
 /// or not, decaying with a half-life of [`RATE_HALF_LIFE`]), the one ahead
 /// is released only while an engine other than the one it goes to has
-/// nothing prefilling ([`Queue::ahead_of_share`]): one engine is kept free
+/// nothing prefilling (`Queue::arrive`): one engine is kept free
 /// for the tenant behind, whose requests then start their prefill at once
 /// instead of sharing an engine's batch with the flood.
 pub const SHARE_WINDOW: Duration = Duration::from_secs(10);
@@ -312,6 +315,20 @@ struct State {
     vtime: u64,
 }
 
+impl State {
+    /// Keeps the tenants map bounded (tenant names come from clients'
+    /// headers): past [`MAX_TENANTS`], tenants with nothing waiting, not
+    /// active and not ahead of the virtual time are forgotten; they would
+    /// start at the virtual time and count as inactive anyway.
+    fn bound_tenants(&mut self, now: Instant) {
+        if self.tenants.len() > MAX_TENANTS {
+            let vtime = self.vtime;
+            self.tenants
+                .retain(|_, t| t.waiting > 0 || t.sent > vtime || t.active(now));
+        }
+    }
+}
+
 /// One worker set's admission queue.
 #[derive(Default)]
 pub struct Queue {
@@ -359,11 +376,7 @@ impl Queue {
             t.sent = t.sent.max(vtime);
         }
         t.sent = t.sent.saturating_add(tokens);
-        // Bounded: tenants far behind the virtual time with nothing waiting
-        // are forgotten (they would start at the virtual time anyway).
-        if s.tenants.len() > 4096 {
-            s.tenants.retain(|_, t| t.waiting > 0 || t.sent > vtime);
-        }
+        s.bound_tenants(Instant::now());
     }
 
     /// Records a request of `tenant` asking for `tokens` uncached prefill
@@ -379,9 +392,12 @@ impl Queue {
         t.at = Some(now);
         t.seen = Some(now);
         let mine = t.recent;
-        s.tenants
+        let ahead = s
+            .tenants
             .iter()
-            .any(|(name, t)| name != tenant && t.active(now) && 4.0 * t.recent(now) < mine)
+            .any(|(name, t)| name != tenant && t.active(now) && 4.0 * t.recent(now) < mine);
+        s.bound_tenants(now);
+        ahead
     }
 
     fn join(
@@ -894,6 +910,17 @@ mod tests {
         let q = Queue::new(Tenants::from_spec(&[tenant("big", Some(10), &[])]));
         assert!(!q.arrive("small", 5_000, t0));
         assert!(!q.arrive("big", 50_000, t0));
+        // Tenant names from headers cannot grow the map without bound.
+        let q = Queue::default();
+        for i in 0..(MAX_TENANTS + 100) {
+            q.arrive(&format!("t{i}"), 1, t0);
+        }
+        let later = t0 + SHARE_WINDOW + ms(1);
+        q.arrive("last", 1, later);
+        assert!(
+            q.state.lock().tenants.len() <= MAX_TENANTS,
+            "forgotten when idle"
+        );
         // A tenant gone quiet for the window no longer holds the other back.
         let q = Queue::default();
         assert!(!q.arrive("light", 1_000, t0));
