@@ -19,9 +19,10 @@
 //! starves), then between
 //! tenants weighted fair sharing by uncached prefill tokens (the tenant
 //! that has been sent the fewest tokens per weight goes first; weights from
-//! `spec.admission.tenants`, [`Tenants`]), then arrival. A tenant far
-//! ahead of another active one is also sent only while an engine is left
-//! with nothing prefilling ([`SHARE_WINDOW`]). Only the queue's
+//! `spec.admission.tenants`, [`Tenants`]), then arrival. A waiting
+//! request of a tenant far ahead of another active one is also released
+//! only while an engine is left with nothing prefilling ([`SHARE_WINDOW`]).
+//! Only the queue's
 //! head re-decides, on every freed capacity and at least every
 //! [`HEAD_TICK`]; the others sleep until they become head or their deadline
 //! passes.
@@ -77,11 +78,13 @@ const MAX_TENANTS: usize = 4096;
 /// A tenant counts as active for this long after its last request. While
 /// an active tenant asks for less than a quarter of the tokens per weight of
 /// another (its requests' uncached prefill tokens as they arrive, served
-/// or not, decaying with a half-life of [`RATE_HALF_LIFE`]), the one ahead
-/// is released only while an engine other than the one it goes to has
-/// nothing prefilling (`Queue::arrive`): one engine is kept free
-/// for the tenant behind, whose requests then start their prefill at once
-/// instead of sharing an engine's batch with the flood.
+/// or not, decaying with a half-life of [`RATE_HALF_LIFE`]), a waiting
+/// request of the one ahead is released only while an engine other than
+/// the one it goes to has nothing prefilling (`Queue::arrive`): past the
+/// knee, one engine is kept free for the tenant behind, whose requests
+/// then start their prefill at once instead of sharing an engine's batch
+/// with the flood. Below the knee nothing waits and the rule does not
+/// apply.
 pub const SHARE_WINDOW: Duration = Duration::from_secs(10);
 
 /// The half-life of the tokens tenants ask for, as compared for
@@ -284,9 +287,8 @@ struct Tenant {
     /// Tokens asked for in virtual-time units, decaying with a half-life
     /// of [`RATE_HALF_LIFE`], as of `at`.
     recent: f64,
+    /// Its last request's arrival.
     at: Option<Instant>,
-    /// Its last request (queued or sent).
-    seen: Option<Instant>,
 }
 
 impl Tenant {
@@ -299,7 +301,7 @@ impl Tenant {
     }
 
     fn active(&self, now: Instant) -> bool {
-        self.seen
+        self.at
             .is_some_and(|t| now.saturating_duration_since(t) < SHARE_WINDOW)
     }
 }
@@ -365,9 +367,9 @@ impl Queue {
         self.depth.load(Ordering::Relaxed)
     }
 
-    /// Records `tokens` uncached prefill tokens sent for `tenant` (while
-    /// admission applies to the worker set), for fair sharing.
-    pub fn served(&self, tenant: &str, tokens: u64) {
+    /// Records `tokens` uncached prefill tokens sent for `tenant` at `now`
+    /// (while admission applies to the worker set), for fair sharing.
+    pub fn served(&self, tenant: &str, tokens: u64, now: Instant) {
         let tokens = self.tenants.virtual_cost(tenant, tokens);
         let mut s = self.state.lock();
         let vtime = s.vtime;
@@ -376,7 +378,7 @@ impl Queue {
             t.sent = t.sent.max(vtime);
         }
         t.sent = t.sent.saturating_add(tokens);
-        s.bound_tenants(Instant::now());
+        s.bound_tenants(now);
     }
 
     /// Records a request of `tenant` asking for `tokens` uncached prefill
@@ -387,10 +389,12 @@ impl Queue {
     fn arrive(&self, tenant: &str, tokens: u64, now: Instant) -> bool {
         let tokens = self.tenants.virtual_cost(tenant, tokens) as f64;
         let mut s = self.state.lock();
-        let t = s.tenants.entry(tenant.to_owned()).or_default();
+        let t = match s.tenants.get_mut(tenant) {
+            Some(t) => t,
+            None => s.tenants.entry(tenant.to_owned()).or_default(),
+        };
         t.recent = t.recent(now) + tokens;
         t.at = Some(now);
-        t.seen = Some(now);
         let mine = t.recent;
         let ahead = s
             .tenants
@@ -610,17 +614,21 @@ impl Gate {
         let mut free = false;
         for e in ws.endpoints.iter().filter(|e| e.healthy(now)) {
             healthy += 1;
-            free |= e.id != d.endpoint.id
-                && e.load.prefilling.load(Ordering::Relaxed) == 0
-                && e.load.peers.prefilling.load(Ordering::Relaxed) == 0;
+            free |= e.id != d.endpoint.id && e.load.snapshot().prefilling == 0;
         }
         healthy < 2 || free
     }
 
-    /// Whether `d` may be sent at `now`: its fastest prediction within the
-    /// bound and, for a tenant ahead of its share (`ahead`), an engine left
-    /// free.
-    fn may_send(&self, view: &crate::view::View, d: &Decision, now: Instant, ahead: bool) -> bool {
+    /// Whether a waiting request may be sent on `d` at `now`: its fastest
+    /// prediction within the bound and, for a tenant ahead of its share at
+    /// the request's arrival (`ahead`), an engine left free.
+    fn may_release(
+        &self,
+        view: &crate::view::View,
+        d: &Decision,
+        now: Instant,
+        ahead: bool,
+    ) -> bool {
         fastest_ms(d) <= self.bound(now) && (!ahead || self.leaves_one_free(view, d, now))
     }
 
@@ -683,8 +691,8 @@ impl Gate {
         let fastest = fastest_ms(&first);
         let cost = u64::from(first.choice.uncached_tokens());
         let ahead = q.arrive(tenant, cost, start);
-        if q.depth() == 0 && self.may_send(view, &first, start, ahead) {
-            q.served(tenant, cost);
+        if fastest <= self.bound(start) && q.depth() == 0 {
+            q.served(tenant, cost, start);
             return Ok(first);
         }
         drop(first);
@@ -723,9 +731,9 @@ impl Gate {
                     Err(e) => return Err(e),
                 };
                 fastest = fastest_ms(&d);
-                if self.may_send(view, &d, now, ahead) {
+                if self.may_release(view, &d, now, ahead) {
                     held.released = true;
-                    q.served(tenant, u64::from(d.choice.uncached_tokens()));
+                    q.served(tenant, u64::from(d.choice.uncached_tokens()), now);
                     return Ok(d);
                 }
             }
@@ -856,7 +864,7 @@ mod tests {
                 .map(|e| e.id)
                 .unwrap();
             q.leave(head, t0, true);
-            q.served(who[&head], 1000);
+            q.served(who[&head], 1000, t0);
             order.push(who[&head]);
         }
         // Virtual starts per token of weight 1 (costs rounded up, so that a
@@ -947,10 +955,10 @@ mod tests {
         assert_eq!(q.depth(), 6);
         assert!(q.is_head(urgent, t0), "strict priority first");
         q.leave(urgent, t0, true);
-        q.served("heavy", 1000);
+        q.served("heavy", 1000, t0);
         assert!(q.is_head(heavy[0], t0), "then the lowest virtual start");
         q.leave(heavy[0], t0, true);
-        q.served("heavy", 1000);
+        q.served("heavy", 1000, t0);
         assert!(q.is_head(light, t0), "the light tenant's share comes next");
         q.leave(light, t0, true);
         assert!(q.is_head(heavy[1], t0));
@@ -968,7 +976,7 @@ mod tests {
         // tenant's share: a light tenant's fresh request still goes before
         // a heavy tenant's requests that have waited 5 s.
         let q2 = Queue::default();
-        q2.served("heavy", 5000);
+        q2.served("heavy", 5000, t0);
         let old: Vec<_> = (0..3)
             .map(|_| q2.join(&class("heavy", 0), 1000, t0, 10).unwrap().0)
             .collect();
@@ -990,7 +998,7 @@ mod tests {
         }
         // A tenant idle for long starts at the virtual time, not far
         // behind it with a burst of credit.
-        q.served("idle", 0);
+        q.served("idle", 0, t0);
         let (x, _) = q.join(&class("idle", 0), 1, t0, 10).unwrap();
         let (y, _) = q.join(&class("heavy", 0), 1, t0, 10).unwrap();
         let s = q.state.lock();

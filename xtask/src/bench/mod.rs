@@ -97,10 +97,11 @@ pub(crate) struct RoutingArgs {
     /// Simulated engines.
     #[arg(long, default_value_t = 8)]
     engines: usize,
-    /// The slow-burst fleet's last engine's slowdown; 1 gives the same
-    /// burst on a fleet without a slow engine (with one engine fewer:
-    /// the reference the slow engine's cost is read against).
-    #[arg(long, default_value_t = routing::SLOW_BURST_SLOWDOWN)]
+    /// The slow-burst fleet's last engine's slowdown. 1 makes every engine
+    /// fast: with `--engines` one fewer, that is the same burst on the
+    /// fleet without its slow engine, the reference the slow engine's cost
+    /// is read against.
+    #[arg(long, default_value_t = workload::SLOW_BURST_SLOWDOWN)]
     burst_slowdown: f64,
     /// Token scale k: token counts ÷ k, per-token costs × k.
     #[arg(long, default_value_t = 10)]

@@ -24,7 +24,7 @@ use super::contender::{Contender, Setup};
 use super::drive;
 use super::oracle::StepModel;
 use super::report::{self, Row, Window};
-use super::workload::{self, Scale, Workload, WorkloadKind};
+use super::workload::{self, SLOW_BURST_SLOWDOWN, Scale, Workload, WorkloadKind};
 use super::{floor, trace};
 use crate::fleet::{EngineSpec, Manifests, Sim};
 use crate::load;
@@ -164,18 +164,9 @@ impl Fleet {
         Workload::of(kind).with_population(self.population)
     }
 
-    /// Each engine's slowdown for `kind` ([`WorkloadKind::slowdowns`],
-    /// the slow-burst engine's as set).
+    /// Each engine's slowdown for `kind` on this fleet.
     pub(crate) fn slowdowns(&self, kind: WorkloadKind) -> Vec<f64> {
-        let mut v = kind.slowdowns(self.engines);
-        if kind == WorkloadKind::SlowBurst {
-            for x in &mut v {
-                if *x > 1.0 {
-                    *x = self.burst_slowdown;
-                }
-            }
-        }
-        v
+        kind.slowdowns(self.engines, self.burst_slowdown)
     }
 
     /// Engines' worth of prefill throughput for `kind`'s fleet: Σ 1 ÷
@@ -313,10 +304,6 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
 /// The slow-burst scenario: this many requests per second for one second,
 /// no warm-up.
 const SLOW_BURST: f64 = 150.0;
-
-/// The slow-burst fleet's last engine is this many times slower
-/// (`--burst-slowdown`).
-pub(crate) const SLOW_BURST_SLOWDOWN: f64 = 10.0;
 
 /// The two-tenant scenario's phases: 3 s of warm-up, then the light tenant
 /// alone and both together, each for the run's `measure`.
@@ -1186,7 +1173,7 @@ mod tests {
         assert!((f.capacity(WorkloadKind::SlowBurst) - 4.0).abs() < 1e-12);
         assert_eq!(
             f.slowdowns(WorkloadKind::Heterogeneous),
-            WorkloadKind::Heterogeneous.slowdowns(4)
+            WorkloadKind::Heterogeneous.slowdowns(4, 1.0)
         );
     }
 

@@ -99,13 +99,14 @@ impl WorkloadKind {
 
     /// Each engine's step-time multiplier (the simulator's `--slowdown`):
     /// on the two-speed fleets the last quarter (at least one) is 3× slower;
-    /// on the slow-burst fleet the last engine is 10× slower.
-    pub(crate) fn slowdowns(self, engines: usize) -> Vec<f64> {
+    /// on the slow-burst fleet the last engine is `burst` times slower
+    /// ([`SLOW_BURST_SLOWDOWN`] by default; 1: no slow engine).
+    pub(crate) fn slowdowns(self, engines: usize, burst: f64) -> Vec<f64> {
         if self == Self::SlowBurst {
             return (0..engines)
                 .map(|i| {
                     if engines > 1 && i == engines - 1 {
-                        10.0
+                        burst
                     } else {
                         1.0
                     }
@@ -121,6 +122,10 @@ impl WorkloadKind {
             .collect()
     }
 }
+
+/// The slow-burst fleet's last engine is this many times slower
+/// (`--burst-slowdown`).
+pub(crate) const SLOW_BURST_SLOWDOWN: f64 = 10.0;
 
 /// A workload's shape in real tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -866,13 +871,16 @@ mod tests {
     #[test]
     fn two_speed_fleets_slow_a_quarter() {
         assert_eq!(
-            WorkloadKind::Heterogeneous.slowdowns(8),
+            WorkloadKind::Heterogeneous.slowdowns(8, SLOW_BURST_SLOWDOWN),
             [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0]
         );
-        assert_eq!(WorkloadKind::Agent.slowdowns(2), [1.0, 3.0]);
+        assert_eq!(
+            WorkloadKind::Agent.slowdowns(2, SLOW_BURST_SLOWDOWN),
+            [1.0, 3.0]
+        );
         assert!(
             WorkloadKind::SharedPrefix
-                .slowdowns(8)
+                .slowdowns(8, SLOW_BURST_SLOWDOWN)
                 .iter()
                 .all(|s| (*s - 1.0).abs() < 1e-12)
         );
