@@ -57,6 +57,9 @@ pub fn commit(view: &View, prepared: &Prepared, d: &Decision, now: Now) -> Commi
         u64::from(d.choice.uncached_tokens()),
         u64::from(route.request.prompt_tokens),
     );
+    if let Some(a) = &route.adapter {
+        inflight.for_adapter(a);
+    }
     // Until its first token, its age is evidence about the engine.
     inflight.waiting_since(
         now.since_start,

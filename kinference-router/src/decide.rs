@@ -14,7 +14,9 @@
 //! arrive), or from the record alone (approximate mode). Load is the
 //! router's in-flight accounting, the scraped figures, and the evidence of
 //! requests still waiting there for a first token and of the engine's
-//! recent 503s ([`kinference_scoring::Evidence`], ages taken at `now`). The set's policy
+//! recent 503s ([`kinference_scoring::Evidence`], ages taken at `now`). A
+//! request that names a LoRA adapter also reads where each candidate's
+//! adapter slots stand ([`crate::adapters`]). The set's policy
 //! proposes; across routes the lowest predicted time to first token wins.
 //!
 //! A request with a TTFT target (`x-kinference-ttft-target-ms`) carries
@@ -29,8 +31,8 @@ use std::time::Duration;
 
 use kinference_kvindex::Matches;
 use kinference_scoring::{
-    CacheSource, CachedBlocks, Candidate, Choice, EngineMetrics, Evidence, Explanation, InFlight,
-    Pick, RandomSource,
+    AdapterSlot, CacheSource, CachedBlocks, Candidate, Choice, EngineMetrics, Evidence,
+    Explanation, InFlight, Pick, RandomSource,
 };
 use tokio::time::Instant;
 
@@ -222,7 +224,15 @@ fn decide_route(
     let candidates: Vec<Candidate> = endpoints
         .iter()
         .zip(&cached)
-        .map(|(e, c)| candidate(e, *c, now))
+        .map(|(e, c)| {
+            let mut cand = candidate(e, *c, now);
+            if let Some(a) = &route.adapter {
+                cand.adapter = e
+                    .adapters
+                    .slot(a, now.instant, ws.runtime.params.metrics_max_age);
+            }
+            cand
+        })
         .collect();
     let request = kinference_scoring::Request {
         ttft_target: target,
@@ -288,6 +298,7 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now) -> Candidate {
             oldest_predicted,
             refused_age: e.refused_age(now.since_start),
         },
+        adapter: AdapterSlot::Unknown,
     }
 }
 

@@ -319,6 +319,9 @@ pub struct Endpoint {
     pub load: Load,
     /// Of it, the requests waiting for their first token, by age.
     pub waiting: Waiting,
+    /// The LoRA adapters the engine runs and this router's adapter
+    /// requests there.
+    pub adapters: crate::adapters::Adapters,
     /// When the engine last refused a request with 503 (ms since the router
     /// started, + 1; 0: never).
     refused_at: AtomicU64,
@@ -356,6 +359,7 @@ impl Endpoint {
             refused_at: AtomicU64::new(0),
             health: RwLock::default(),
             down: tokio::sync::Notify::new(),
+            adapters: crate::adapters::Adapters::default(),
             models: RwLock::default(),
             models_error: RwLock::default(),
             scraped: RwLock::default(),
@@ -632,6 +636,7 @@ impl Endpoint {
             context_tokens,
             phase: Phase::Prefilling,
             waiting_slot: None,
+            adapter: None,
         }
     }
 }
@@ -651,9 +656,19 @@ pub struct InFlight {
     phase: Phase,
     /// Its slot in the endpoint's [`Waiting`] until the first token.
     waiting_slot: Option<usize>,
+    /// The LoRA adapter it names, counted in the endpoint's adapters.
+    adapter: Option<Arc<str>>,
 }
 
 impl InFlight {
+    /// Counts the request as one for `adapter` there until it ends.
+    pub fn for_adapter(&mut self, adapter: &Arc<str>) {
+        if self.adapter.is_none() {
+            self.endpoint.adapters.begin(adapter);
+            self.adapter = Some(adapter.clone());
+        }
+    }
+
     /// Tracks the request as waiting for its first token since `sent` (time
     /// since the router started), predicted to take `predicted`.
     pub fn waiting_since(&mut self, sent: Duration, predicted: Duration) {
@@ -697,6 +712,9 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         self.stop_waiting();
+        if let Some(a) = self.adapter.take() {
+            self.endpoint.adapters.end(&a);
+        }
         let l = &self.endpoint.load;
         match self.phase {
             Phase::Prefilling => {

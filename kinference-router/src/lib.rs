@@ -16,7 +16,8 @@
 //!    bound: the profile's `spec.admission` or the request's TTFT target.
 //! 2. [`decide`], per attempt: a synchronous decision over the current
 //!    state (candidates, cached blocks from the KV index and the prefix
-//!    record, load, the policy's proposal). No I/O, no clock read.
+//!    record, load, the LoRA adapter slots of requests that name one
+//!    ([`adapters`]), the policy's proposal). No I/O, no clock read.
 //! 3. [`commit`], for the attempt sent: in-flight load, the policy's
 //!    rotation, the prefix record; withdrawn if the engine refuses.
 //! 4. [`proxy`]: the body to the engine over pooled connections, the answer
@@ -47,8 +48,10 @@
 //!   and per-endpoint load as atomics; every change to the view goes
 //!   through the one maintainer task. The only locks a request takes are
 //!   its worker set's policy and prefix-record locks, each for an in-memory
-//!   computation, and, where admission is on, its worker set's queue lock
-//!   (a few entries scanned; never held across an await). A request leaves
+//!   computation, where admission is on, its worker set's queue lock
+//!   (a few entries scanned; never held across an await), and, for a
+//!   request that names a LoRA adapter, each candidate's adapter list
+//!   ([`adapters`]: a few entries). A request leaves
 //!   the admission queue on every path, the client going away included, by
 //!   a guard.
 //! - Load accounting is released exactly once per request, on every path
@@ -56,6 +59,7 @@
 //! - The router only connects to endpoints listed in EndpointSlices (or the
 //!   manifests); nothing in a request chooses an upstream.
 
+pub mod adapters;
 pub mod admin;
 pub mod admit;
 pub mod args;

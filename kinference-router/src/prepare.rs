@@ -57,6 +57,7 @@ impl Route {
             },
             keys: block_keys.iter().map(|k| k.0).collect(),
             block_keys: block_keys.into(),
+            adapter: None,
         }
     }
 }
@@ -76,6 +77,9 @@ pub struct Route {
     pub keys: Arc<[u64]>,
     /// The same keys for the KV index (exact mode only).
     pub block_keys: Arc<[BlockKey]>,
+    /// The LoRA adapter the request names (the engines list the model with
+    /// a parent): where it already runs matters ([`crate::adapters`]).
+    pub adapter: Option<Arc<str>>,
 }
 
 /// A request, prepared.
@@ -232,6 +236,8 @@ async fn route(
     let ws = &view.worker_sets[target.worker_set];
     let rt = &ws.runtime;
     let block_size = ws.route.kv_block_size.max(1);
+    let endpoints = ws.serving(&target.model, Instant::now(), &[]);
+    let lora = lora_name(&endpoints, &target.model);
     if !api.cache_aware() {
         // Passed through and routed on load: the body's size stands for
         // its prefill work.
@@ -246,10 +252,9 @@ async fn route(
             },
             keys: Arc::new([]),
             block_keys: Arc::new([]),
+            adapter: lora.clone(),
         };
     }
-    let endpoints = ws.serving(&target.model, Instant::now(), &[]);
-    let lora = lora_name(&endpoints, &target.model);
     let mode = rt.effective_mode();
     let memo_key = (mode != TokenizationMode::Approximate).then(|| {
         memo::key(
@@ -271,6 +276,7 @@ async fn route(
             request: m.request,
             keys: m.keys,
             block_keys: m.block_keys,
+            adapter: lora.clone(),
         };
     }
     // Ask the least loaded endpoint when the engine tokenizes, preferring
@@ -308,6 +314,7 @@ async fn route(
             request: m.request,
             keys: m.keys,
             block_keys: m.block_keys,
+            adapter: lora.clone(),
         };
     }
     let text = prompt_text(api, fields);
@@ -332,6 +339,7 @@ async fn route(
             },
             keys: keys.into(),
             block_keys: Arc::new([]),
+            adapter: lora.clone(),
         };
     }
     shared.metrics.routed_without_tokens.inc();
@@ -346,17 +354,18 @@ async fn route(
         },
         keys: Arc::new([]),
         block_keys: Arc::new([]),
+        adapter: lora.clone(),
     }
 }
 
-/// The LoRA adapter name when the model is an adapter (its card has a parent).
-fn lora_name(endpoints: &[Arc<Endpoint>], model: &str) -> Option<String> {
-    endpoints.iter().find_map(|e| {
-        e.models()
-            .into_iter()
-            .find(|m| m.id == model && m.parent.is_some())
-            .map(|m| m.id)
-    })
+/// The LoRA adapter name when the model is an adapter: the first endpoint
+/// that lists the model says, by its card's parent.
+fn lora_name(endpoints: &[Arc<Endpoint>], model: &str) -> Option<Arc<str>> {
+    endpoints
+        .iter()
+        .find_map(|e| e.models().into_iter().find(|m| m.id == model))
+        .filter(|m| m.parent.is_some())
+        .map(|m| Arc::from(m.id))
 }
 
 fn xxhash_seed(model: &str, lora: Option<&str>) -> u64 {

@@ -302,10 +302,15 @@ pub fn spawn(
                 {
                     Ok(b) => {
                         let after = endpoint.load.snapshot();
-                        let mut s = scraped(&String::from_utf8_lossy(&b), Instant::now());
+                        let text = String::from_utf8_lossy(&b);
+                        let at = Instant::now();
+                        let mut s = scraped(&text, at);
                         s.own_requests = before.requests.max(after.requests);
                         s.own_prefilling = before.prefilling.max(after.prefilling);
                         endpoint.set_scraped(s);
+                        endpoint
+                            .adapters
+                            .set_scraped(engine::parse_adapters(&text), at);
                     }
                     Err(e) => {
                         tracing::debug!(endpoint = %endpoint.authority, error = %e, "metrics scrape failed");

@@ -110,8 +110,44 @@ pub struct EndpointReport {
     pub models_error: Option<String>,
     /// Scraped metrics.
     pub scraped: Option<Scraped>,
+    /// LoRA adapters: the engine's last `vllm:lora_requests_info` and this
+    /// router's adapter requests there (absent when neither exists).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdaptersReport>,
     /// KV-event streams (one per DP rank), when subscribed.
     pub kv: Option<Vec<KvReport>>,
+}
+
+/// An endpoint's LoRA adapters, for `/debug/endpoints`.
+#[derive(Clone, Debug, Serialize)]
+pub struct AdaptersReport {
+    /// The engine's figures as last scraped.
+    pub scraped: Option<kinference_api::engine::AdapterFigures>,
+    /// Their age, milliseconds.
+    pub scraped_age_ms: Option<u64>,
+    /// This router's requests in flight there, by adapter.
+    pub in_flight: Vec<(String, u32)>,
+}
+
+impl AdaptersReport {
+    fn of(a: &crate::adapters::Adapters, now: Instant) -> Option<Self> {
+        let scraped = a.scraped(now);
+        let in_flight: Vec<(String, u32)> = a
+            .in_flight()
+            .into_iter()
+            .map(|(name, n)| (name.to_string(), n))
+            .collect();
+        if scraped.is_none() && in_flight.is_empty() {
+            return None;
+        }
+        Some(Self {
+            scraped_age_ms: scraped
+                .as_ref()
+                .map(|(_, age)| u64::try_from(age.as_millis()).unwrap_or(u64::MAX)),
+            scraped: scraped.map(|(f, _)| (*f).clone()),
+            in_flight,
+        })
+    }
 }
 
 /// One worker set, for `/debug/endpoints` and metrics.
@@ -156,6 +192,7 @@ pub fn endpoint_reports(view: &View, kv: &KvPlane, now: Instant) -> Vec<Endpoint
                 models: e.models().into_iter().map(|m| m.id).collect(),
                 models_error: e.models_error(),
                 scraped: e.scraped(),
+                adapters: AdaptersReport::of(&e.adapters, now),
                 kv: kv.reports(e.id, now),
             });
         }

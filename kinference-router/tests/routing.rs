@@ -420,3 +420,97 @@ async fn problems_are_shown_and_slow_clients_are_cut_off() {
     assert!(head.starts_with("HTTP/1.1 408"), "{head}");
     r.shutdown().await;
 }
+
+/// A request for a LoRA adapter goes where the adapter already runs, or
+/// where a slot is free, rather than to a less loaded engine whose only
+/// slot (`--max-loras 1`) runs another adapter: there it would wait until
+/// that adapter's requests had all finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_request_avoids_an_engine_whose_slots_run_other_adapters() {
+    let sims = engines(2, |c| {
+        c.lora.max_loras = 1;
+        c.lora.modules = ["sql", "math"]
+            .iter()
+            .map(|n| kinference_sim::LoraModule {
+                name: (*n).into(),
+                path: format!("/adapters/{n}"),
+            })
+            .collect();
+    })
+    .await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    // Each decoding sequence costs a step 20 ms: six of them make an engine
+    // clearly slower to a first token than one.
+    let opts = WorkerSetOpts {
+        profile_spec: Some("  latency: {decodeCostMillis: 20}\n".into()),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &[]).await;
+    wait_routable(&r, 2, true).await;
+    let long = |model: &str, start: usize| json!({"model": model, "prompt": words(start, 64), "max_tokens": 4000, "stream": true});
+
+    // One long `sql` generation, through the router: its engine's only
+    // slot now runs `sql`.
+    let sql = post_streaming(r.api(), "/v1/completions", &long("sql", 0)).await;
+    assert_eq!(sql.status(), 200);
+    let busy = sql.headers()["x-kinference-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let other = sims
+        .iter()
+        .find(|s| s.http_addr().to_string() != busy)
+        .expect("two engines");
+    // The other engine decodes six long base-model generations the router
+    // did not send: by load alone, the worse choice.
+    let mut held = vec![sql];
+    for i in 0..6 {
+        let body = long(MODEL, 1000 + i * 100);
+        let resp = post_streaming(other.http_addr(), "/v1/completions", &body).await;
+        assert_eq!(resp.status(), 200);
+        held.push(resp);
+    }
+    let free = other.http_addr().to_string();
+    eventually(
+        Duration::from_secs(10),
+        "the router scrapes both engines' adapters and batches",
+        || async {
+            let e = endpoints(&r).await;
+            let eps = e["endpoints"].as_array()?;
+            let of = |addr: &str| eps.iter().find(|ep| ep["endpoint"] == addr);
+            let batch = of(&free)?["scraped"]["running"].as_f64()? >= 6.0;
+            let running = of(&busy)?["adapters"]["scraped"]["running"]
+                .as_array()?
+                .iter()
+                .any(|a| a == "sql");
+            (batch && running).then_some(())
+        },
+    )
+    .await;
+
+    let send = |model: &'static str, start: usize| {
+        let api = r.api();
+        async move {
+            let reply = post(
+                api,
+                "/v1/completions",
+                &json!({"model": model, "prompt": words(start, 64), "max_tokens": 2}),
+            )
+            .await;
+            assert_eq!(reply.status, 200, "{}", reply.text());
+            reply.endpoint()
+        }
+    };
+    assert_eq!(
+        send("math", 5000).await,
+        free,
+        "a free slot beside six decodes beats waiting for the `sql` slot"
+    );
+    assert_eq!(
+        send("sql", 6000).await,
+        busy,
+        "where `sql` runs, a `sql` request needs no slot"
+    );
+    drop(held);
+    r.shutdown().await;
+}

@@ -62,6 +62,7 @@ fn fleet(seed: u64) -> Vec<Candidate> {
                     own_prefilling: 0,
                 }),
                 evidence: kinference_scoring::Evidence::default(),
+                adapter: kinference_scoring::AdapterSlot::Unknown,
             }
         })
         .collect()

@@ -215,6 +215,7 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                         in_flight: in_flight[idx],
                         engine: None,
                         evidence: kinference_scoring::Evidence::default(),
+                        adapter: kinference_scoring::AdapterSlot::Unknown,
                     });
                 }
                 let request = Request {

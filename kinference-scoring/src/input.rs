@@ -145,6 +145,44 @@ pub struct Candidate {
     /// refusals, say about it now.
     #[serde(default)]
     pub evidence: Evidence,
+    /// Whether the request's LoRA adapter can run there at once
+    /// ([`AdapterSlot::Unknown`] for base-model requests).
+    #[serde(default)]
+    pub adapter: AdapterSlot,
+}
+
+/// Where a LoRA adapter request stands on an engine whose running batch
+/// holds at most `max_loras` distinct adapters (vLLM `--max-loras`): a
+/// request whose adapter would exceed that waits, while later requests go
+/// ahead, until every running request of some other adapter has finished.
+/// Base-model requests never wait for a slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum AdapterSlot {
+    /// Not an adapter request, or nothing known about the engine's adapters:
+    /// no term.
+    #[default]
+    Unknown,
+    /// The adapter is running or waiting there already: no term.
+    Resident,
+    /// A slot is free: the adapter loads first
+    /// ([`crate::LatencyParams::adapter_load_millis`]).
+    Free,
+    /// Every slot holds an adapter with running requests: the request waits
+    /// for one to drain ([`crate::LatencyParams::adapter_slot_wait_millis`]).
+    Full,
+}
+
+impl AdapterSlot {
+    /// A label for explanations and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unknown => "unknown",
+            Self::Resident => "resident",
+            Self::Free => "free",
+            Self::Full => "full",
+        }
+    }
 }
 
 /// Evidence about an endpoint *now*, from requests that have not answered

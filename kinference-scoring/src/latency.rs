@@ -22,7 +22,10 @@
 //! `unseen_request_tokens` each, and running requests beyond its own at the
 //! scrape as decoding sequences, weighted down linearly with the scrape's
 //! age. KV usage above `kv_pressure_start` adds up
-//! to `kv_full_penalty_millis`.
+//! to `kv_full_penalty_millis`. A LoRA adapter request adds
+//! `adapter_load_millis` where its adapter must be loaded into a free slot
+//! and `adapter_slot_wait_millis` where every slot holds another adapter
+//! with running requests ([`crate::AdapterSlot`]).
 //!
 //! Cached blocks reduce the request's own uncached tokens at their tier's
 //! credit; a fully cached prompt still computes its last token, as vLLM does.
@@ -52,7 +55,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::calibrate::Calibration;
-use crate::input::{CacheSource, CachedBlocks, Candidate, Request};
+use crate::input::{AdapterSlot, CacheSource, CachedBlocks, Candidate, Request};
 use crate::profile::{LatencyParams, TierCredits};
 
 /// One candidate's predicted time to first token, with its terms.
@@ -67,7 +70,7 @@ pub struct Prediction {
     /// The profile's `base_millis`.
     pub base_ms: f64,
     /// The part calibration scales: `queue_ms + prefill_ms + step_ms +
-    /// kv_pressure_ms`. Keep it (or the whole prediction) for
+    /// kv_pressure_ms + adapter_ms`. Keep it (or the whole prediction) for
     /// [`crate::Pick::observe`].
     pub load_ms: f64,
     /// Prefill work ahead of the request ÷ throughput.
@@ -80,6 +83,9 @@ pub struct Prediction {
     pub step_ms: f64,
     /// KV-cache pressure.
     pub kv_pressure_ms: f64,
+    /// The LoRA adapter's load or wait for a slot ([`crate::AdapterSlot`]).
+    #[serde(default)]
+    pub adapter_ms: f64,
     /// Prefill tokens ahead of the request (own accounting plus unseen work).
     pub pending_tokens: f64,
     /// Decoding sequences sharing each step (effective).
@@ -206,6 +212,8 @@ pub(crate) struct Model {
     overdue_slack: f64,
     overdue_max_scale: f64,
     refusal_penalty: f64,
+    adapter_load: f64,
+    adapter_wait: f64,
 }
 
 /// The load terms of one candidate.
@@ -220,6 +228,7 @@ pub(crate) struct Terms {
     pub prefill_ms: f64,
     pub step_ms: f64,
     pub kv_ms: f64,
+    pub adapter_ms: f64,
     pub load_ms: f64,
 }
 
@@ -269,6 +278,8 @@ impl Model {
             overdue_slack: params.overdue_slack_millis,
             overdue_max_scale: params.overdue_max_scale,
             refusal_penalty: params.refusal_penalty_millis,
+            adapter_load: params.adapter_load_millis,
+            adapter_wait: params.adapter_slot_wait_millis,
         }
     }
 
@@ -358,6 +369,11 @@ impl Model {
         let queue_ms = pending * self.ms_per_token;
         let prefill_ms = uncached * self.ms_per_token;
         let step_ms = steps * (self.step_overhead + self.decode_cost * sharing);
+        let adapter_ms = match candidate.adapter {
+            AdapterSlot::Unknown | AdapterSlot::Resident => 0.0,
+            AdapterSlot::Free => self.adapter_load,
+            AdapterSlot::Full => self.adapter_wait,
+        };
         Terms {
             cached,
             uncached,
@@ -368,7 +384,8 @@ impl Model {
             prefill_ms,
             step_ms,
             kv_ms,
-            load_ms: queue_ms + prefill_ms + step_ms + kv_ms,
+            adapter_ms,
+            load_ms: queue_ms + prefill_ms + step_ms + kv_ms + adapter_ms,
         }
     }
 
@@ -440,6 +457,7 @@ impl Model {
             steps: t.steps.min(f64::from(u32::MAX)) as u32,
             step_ms: t.step_ms,
             kv_pressure_ms: t.kv_ms,
+            adapter_ms: t.adapter_ms,
             pending_tokens: t.pending,
             decoding: t.sharing,
             cached_tokens: t.cached,
@@ -735,6 +753,29 @@ mod tests {
         assert!((at(1.0) - p.kv_full_penalty_millis).abs() < 1e-9);
         assert!((at(7.0) - p.kv_full_penalty_millis).abs() < 1e-9);
         assert!(at(f64::NAN).abs() < 1e-12);
+    }
+
+    #[test]
+    fn an_adapter_pays_its_load_or_its_wait_for_a_slot() {
+        let p = LatencyParams::default();
+        let at = |slot: AdapterSlot| {
+            let c = Candidate {
+                adapter: slot,
+                ..idle()
+            };
+            predict(&p, &req(100), &c, None, Duration::ZERO)
+        };
+        let base = at(AdapterSlot::Unknown);
+        assert!(base.adapter_ms.abs() < 1e-12);
+        assert!((at(AdapterSlot::Resident).ttft_ms - base.ttft_ms).abs() < 1e-9);
+        let free = at(AdapterSlot::Free);
+        assert!((free.adapter_ms - p.adapter_load_millis).abs() < 1e-9);
+        assert!((free.ttft_ms - base.ttft_ms - p.adapter_load_millis).abs() < 1e-9);
+        let full = at(AdapterSlot::Full);
+        assert!((full.adapter_ms - p.adapter_slot_wait_millis).abs() < 1e-9);
+        assert!(full.ttft_ms > free.ttft_ms, "{full:?} vs {free:?}");
+        // Part of the load calibration scales.
+        assert!((full.load_ms - base.load_ms - p.adapter_slot_wait_millis).abs() < 1e-9);
     }
 
     #[test]

@@ -51,6 +51,7 @@
 //!         in_flight: InFlight { requests: 3, decoding: 2, prefill_tokens: 400, context_tokens: 9000 },
 //!         engine: None,
 //!         evidence: kinference_scoring::Evidence::default(),
+//!         adapter: kinference_scoring::AdapterSlot::Unknown, // a base-model request
 //!     },
 //!     Candidate { endpoint: EndpointId(1), ..Candidate::default() },
 //! ];
@@ -103,7 +104,8 @@ pub use crate::approx::{PrefixRecord, RecordMark};
 pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 pub use crate::error::ScoringError;
 pub use crate::input::{
-    CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, Evidence, InFlight, Request,
+    AdapterSlot, CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, Evidence,
+    InFlight, Request,
 };
 pub use crate::latency::{Prediction, predict};
 pub use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};

@@ -135,6 +135,15 @@ pub struct LatencyParams {
     /// 503 (admission control) just now, fading linearly to 0 over
     /// `metrics_max_age`.
     pub refusal_penalty_millis: f64,
+    /// Added when a LoRA adapter request goes where its adapter must first
+    /// be loaded into a free slot ([`crate::AdapterSlot::Free`]).
+    #[serde(default = "default_adapter_load_millis")]
+    pub adapter_load_millis: f64,
+    /// Added when every adapter slot there holds another adapter with
+    /// running requests ([`crate::AdapterSlot::Full`]): the request waits
+    /// until one of them drains.
+    #[serde(default = "default_adapter_slot_wait_millis")]
+    pub adapter_slot_wait_millis: f64,
     /// The online calibrator.
     pub calibration: CalibrationParams,
 }
@@ -218,6 +227,14 @@ const DEFAULT: LatencyParams = LatencyParams {
     // An engine at its admission limit refuses again until its queue
     // drains: about one long prefill, so that any engine with room wins.
     refusal_penalty_millis: 1_000.0,
+    // vLLM loads an adapter from its CPU cache (`--max-cpu-loras`) into a
+    // GPU slot in a few milliseconds, from local disk in tens: 25 ms, the
+    // simulator's default too.
+    adapter_load_millis: 25.0,
+    // A slot frees when every running request of some adapter has
+    // finished: a few hundred decode steps at ~10 ms. Heuristic, sized so
+    // that any engine with a free slot wins unless it is seconds busier.
+    adapter_slot_wait_millis: 2_000.0,
     calibration: CalibrationParams {
         forgetting: 0.98,
         offset_prior_sd_millis: 50.0,
@@ -232,6 +249,14 @@ const DEFAULT: LatencyParams = LatencyParams {
         stale_half_life: Duration::from_secs(120),
     },
 };
+
+fn default_adapter_load_millis() -> f64 {
+    DEFAULT.adapter_load_millis
+}
+
+fn default_adapter_slot_wait_millis() -> f64 {
+    DEFAULT.adapter_slot_wait_millis
+}
 
 impl Default for LatencyParams {
     /// The built-in `default` profile.
@@ -388,6 +413,8 @@ impl LatencyParams {
             });
         }
         non_negative("refusalPenaltyMillis", self.refusal_penalty_millis)?;
+        non_negative("adapterLoadMillis", self.adapter_load_millis)?;
+        non_negative("adapterSlotWaitMillis", self.adapter_slot_wait_millis)?;
         let c = &self.calibration;
         if !(c.forgetting > 0.0 && c.forgetting <= 1.0) {
             return Err(ParamsError {

@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use kinference_scoring::approx::{PrefixRecord, text_block_keys};
 use kinference_scoring::{
-    CacheSource, CachedBlocks, Calibration, Candidate, EndpointId, EngineMetrics, InFlight,
-    LatencyParams, Overrides, Pick, Policy, PolicyName, Prediction, RandomSource, Request,
-    SplitMix64, predict,
+    AdapterSlot, CacheSource, CachedBlocks, Calibration, Candidate, EndpointId, EngineMetrics,
+    InFlight, LatencyParams, Overrides, Pick, Policy, PolicyName, Prediction, RandomSource,
+    Request, SplitMix64, predict,
 };
 use proptest::prelude::*;
 
@@ -63,17 +63,28 @@ fn arb_engine() -> impl Strategy<Value = Option<EngineMetrics>> {
     )
 }
 
+fn arb_adapter() -> impl Strategy<Value = AdapterSlot> {
+    prop_oneof![
+        Just(AdapterSlot::Unknown),
+        Just(AdapterSlot::Resident),
+        Just(AdapterSlot::Free),
+        Just(AdapterSlot::Full),
+    ]
+}
+
 fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
     (
         (0u32..3000, 0u32..3000, 0u32..3000),
         (0u32..400, 0u32..400, 0u64..300_000, 0u64..2_000_000),
         arb_engine(),
+        arb_adapter(),
     )
         .prop_map(
             move |(
                 (gpu, cpu, disk),
                 (requests, decoding, prefill_tokens, context_tokens),
                 engine,
+                adapter,
             )| {
                 Candidate {
                     endpoint: EndpointId(endpoint),
@@ -91,6 +102,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                     },
                     engine,
                     evidence: kinference_scoring::Evidence::default(),
+                    adapter,
                 }
             },
         )
@@ -186,7 +198,7 @@ proptest! {
     #[test]
     fn more_queued_work_never_predicts_an_earlier_first_token(
         (params, r, c, cal, now) in setting(),
-        knob in 0usize..8,
+        knob in 0usize..9,
         extra in 1u32..500,
         fresh_engine in (0u32..600, 0u32..600, 0.0f64..1.0, 0u64..4000),
     ) {
@@ -234,6 +246,18 @@ proptest! {
                 base.engine = None;
                 more = base;
                 more.engine = Some(EngineMetrics { running, waiting, kv_usage, age: Duration::from_millis(age), own_requests: 0, own_prefilling: 0 });
+            }
+            7 => {
+                // The adapter must load, or wait for a slot.
+                base.adapter = AdapterSlot::Resident;
+                more = base;
+                more.adapter = if extra % 2 == 0 { AdapterSlot::Free } else { AdapterSlot::Full };
+            }
+            8 if base.adapter != AdapterSlot::Full => {
+                // A free slot fills.
+                base.adapter = AdapterSlot::Free;
+                more = base;
+                more.adapter = AdapterSlot::Full;
             }
             _ => {
                 // The same figures, fresher.

@@ -178,6 +178,8 @@ pub(crate) struct Shared {
     pub(crate) faults: LiveFaults,
     /// `vllm:admission_rejections_total` by reason.
     pub(crate) admission_rejections: metrics::Rejections,
+    /// `vllm:lora_requests_info`, every label combination set so far.
+    pub(crate) lora_series: metrics::LoraSeries,
     /// The W3C `traceparent` of recent generation requests (vLLM started
     /// with `--otlp-traces-endpoint` makes its request span their child).
     pub(crate) trace_parents: std::sync::Mutex<std::collections::VecDeque<String>>,
@@ -329,7 +331,7 @@ impl Shared {
                     }
                 }
             }
-            metrics::render_lora_info(
+            self.lora_series.render(
                 &mut out,
                 &running,
                 &waiting,
@@ -481,6 +483,7 @@ impl SimEngine {
             id_salt: xxhash_rust::xxh3::xxh3_64(format!("{http_addr}/{}", cfg.seed).as_bytes()),
             faults: LiveFaults::new(&cfg.faults),
             admission_rejections: metrics::Rejections::default(),
+            lora_series: metrics::LoraSeries::default(),
             trace_parents: std::sync::Mutex::default(),
             cfg,
             tok,

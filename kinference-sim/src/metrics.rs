@@ -319,28 +319,68 @@ pub(crate) fn render(
     out
 }
 
-/// vLLM's `vllm:lora_requests_info` (only with adapters configured): one
-/// series whose labels name the adapters of the running and waiting
-/// requests (comma-separated, each once) and `max_lora`, with the Unix time
-/// of the update as its value (`set_to_current_time`), labels in vLLM's
-/// declaration order.
-pub(crate) fn render_lora_info(
-    out: &mut String,
-    running: &[&str],
-    waiting: &[&str],
-    max_lora: usize,
-    now: f64,
-) {
-    let _ = writeln!(
-        out,
-        "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge"
-    );
-    let _ = writeln!(
-        out,
-        "vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {now:?}",
-        escape(&waiting.join(",")),
-        escape(&running.join(",")),
-    );
+/// vLLM's `vllm:lora_requests_info` (only with adapters configured): a
+/// gauge whose labels name the adapters of the running and waiting requests
+/// (comma-separated, each once) and `max_lora`, set to the Unix time of the
+/// update (`set_to_current_time`), labels in vLLM's declaration order. The
+/// Prometheus client keeps every label combination ever set, each with the
+/// time it was last set, so earlier states linger in the output beside the
+/// current one; readers take the series with the largest value.
+#[derive(Debug, Default)]
+pub(crate) struct LoraSeries {
+    /// `(running, waiting, time last set)`, in first-set order.
+    series: std::sync::Mutex<Vec<(String, String, f64)>>,
+}
+
+impl LoraSeries {
+    /// The most label combinations kept (the oldest-set go first): vLLM
+    /// keeps all; this bounds a long-running simulator's output.
+    const KEEP: usize = 64;
+
+    /// Sets the current combination to `now` and renders every series.
+    pub(crate) fn render(
+        &self,
+        out: &mut String,
+        running: &[&str],
+        waiting: &[&str],
+        max_lora: usize,
+        now: f64,
+    ) {
+        let (running, waiting) = (running.join(","), waiting.join(","));
+        let mut series = self
+            .series
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(s) = series
+            .iter_mut()
+            .find(|(r, w, _)| *r == running && *w == waiting)
+        {
+            s.2 = now;
+        } else {
+            if series.len() == Self::KEEP
+                && let Some(oldest) = series
+                    .iter()
+                    .enumerate()
+                    .min_by(|a, b| a.1.2.total_cmp(&b.1.2))
+                    .map(|(i, _)| i)
+            {
+                series.remove(oldest);
+            }
+            series.push((running, waiting, now));
+        }
+        let _ = writeln!(
+            out,
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge"
+        );
+        for (running, waiting, at) in series.iter() {
+            let _ = writeln!(
+                out,
+                "vllm:lora_requests_info{{max_lora=\"{max_lora}\",waiting_lora_adapters=\"{}\",running_lora_adapters=\"{}\"}} {at:?}",
+                escape(waiting),
+                escape(running),
+            );
+        }
+    }
 }
 
 /// Renders SGLang's `/metrics`: per scheduler (DP rank) gauges labelled as
@@ -490,12 +530,47 @@ mod tests {
     }
 
     #[test]
-    fn lora_info_lists_adapters_once_with_the_time() {
+    fn lora_info_lists_adapters_once_with_the_time_and_keeps_earlier_states() {
+        let lora = LoraSeries::default();
         let mut s = String::new();
-        render_lora_info(&mut s, &["a", "b"], &[], 2, 1_767_225_600.5);
+        lora.render(&mut s, &["a", "b"], &[], 2, 1_767_225_600.5);
         assert!(s.contains("# TYPE vllm:lora_requests_info gauge"));
         assert!(s.contains(
             "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"a,b\"} 1767225600.5\n"
         ));
+        // A later state is a new series; the earlier one stays with its time.
+        let mut s = String::new();
+        lora.render(&mut s, &["a"], &["c"], 2, 1_767_225_601.5);
+        let lines: Vec<&str> = s.lines().filter(|l| l.starts_with("vllm:")).collect();
+        assert_eq!(
+            lines,
+            [
+                "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"\",running_lora_adapters=\"a,b\"} 1767225600.5",
+                "vllm:lora_requests_info{max_lora=\"2\",waiting_lora_adapters=\"c\",running_lora_adapters=\"a\"} 1767225601.5",
+            ]
+        );
+        // Back to the first state: its series is set again, not repeated.
+        let mut s = String::new();
+        lora.render(&mut s, &["a", "b"], &[], 2, 1_767_225_602.5);
+        assert_eq!(s.matches("vllm:lora_requests_info{").count(), 2);
+        assert!(s.contains("running_lora_adapters=\"a,b\"} 1767225602.5"));
+        // Bounded.
+        for i in 0..100 {
+            let name = format!("x{i}");
+            lora.render(
+                &mut String::new(),
+                &[&name],
+                &[],
+                2,
+                1_767_225_700.0 + f64::from(i),
+            );
+        }
+        let mut s = String::new();
+        lora.render(&mut s, &["last"], &[], 2, 1_767_226_000.0);
+        assert_eq!(
+            s.matches("vllm:lora_requests_info{").count(),
+            LoraSeries::KEEP
+        );
+        assert!(s.contains("running_lora_adapters=\"last\"} 1767226000.0"));
     }
 }

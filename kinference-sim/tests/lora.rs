@@ -68,26 +68,29 @@ fn stored(payload: &[u8]) -> Vec<BlockStored> {
         .collect()
 }
 
-/// A label's value on the `vllm:lora_requests_info` line, and the line's
-/// value.
+/// The labels of the current `vllm:lora_requests_info` series (the one
+/// with the largest value: earlier label combinations linger, as in vLLM),
+/// and its value.
 fn lora_info(metrics: &str) -> Option<(String, String, String, f64)> {
+    let value_of = |l: &str| -> f64 {
+        l.rsplit_once(' ')
+            .and_then(|(_, v)| v.parse().ok())
+            .expect("a value")
+    };
     let line = metrics
         .lines()
-        .find(|l| l.starts_with("vllm:lora_requests_info{"))?;
+        .filter(|l| l.starts_with("vllm:lora_requests_info{"))
+        .max_by(|a, b| value_of(a).total_cmp(&value_of(b)))?;
     let label = |name: &str| {
         let from = line.find(&format!("{name}=\"")).expect("the label") + name.len() + 2;
         let len = line[from..].find('"').expect("a closing quote");
         line[from..from + len].to_owned()
     };
-    let value = line
-        .rsplit_once(' ')
-        .and_then(|(_, v)| v.parse().ok())
-        .expect("a value");
     Some((
         label("running_lora_adapters"),
         label("waiting_lora_adapters"),
         label("max_lora"),
-        value,
+        value_of(line),
     ))
 }
 

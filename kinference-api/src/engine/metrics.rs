@@ -102,6 +102,87 @@ pub fn parse_load(text: &str) -> LoadFigures {
     l
 }
 
+/// The LoRA adapters an engine runs, from vLLM's `vllm:lora_requests_info`
+/// (present only when the engine serves adapters).
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub struct AdapterFigures {
+    /// `max_lora`: distinct adapters one running batch may hold
+    /// (`--max-loras`).
+    pub max_loras: u32,
+    /// Adapters with running requests (`running_lora_adapters`).
+    pub running: Vec<String>,
+    /// Adapters with waiting requests (`waiting_lora_adapters`).
+    pub waiting: Vec<String>,
+}
+
+impl AdapterFigures {
+    /// Whether `adapter` is running or waiting there.
+    pub fn has(&self, adapter: &str) -> bool {
+        self.running
+            .iter()
+            .chain(&self.waiting)
+            .any(|a| a == adapter)
+    }
+}
+
+/// Reads `vllm:lora_requests_info` from an engine's `/metrics` text: `None`
+/// when the engine exports none (no adapters, or not vLLM).
+///
+/// vLLM sets the gauge to the current Unix time under labels naming the
+/// adapters, and a label combination set once stays in the output with its
+/// old time: the series with the largest value is the current one.
+pub fn parse_adapters(text: &str) -> Option<AdapterFigures> {
+    let mut best: Option<(f64, Sample<'_>)> = None;
+    for s in samples(text) {
+        if s.name != "vllm:lora_requests_info" || s.value.is_nan() {
+            continue;
+        }
+        if best.as_ref().is_none_or(|(v, _)| s.value > *v) {
+            best = Some((s.value, s));
+        }
+    }
+    let (_, s) = best?;
+    let list = |key: &str| -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for name in s.label(key).unwrap_or("").split(',') {
+            let name = unescape(name.trim());
+            if !name.is_empty() && !out.contains(&name) {
+                out.push(name);
+            }
+        }
+        out
+    };
+    Some(AdapterFigures {
+        max_loras: s
+            .label("max_lora")
+            .and_then(|m| m.trim().parse().ok())
+            .unwrap_or(0),
+        running: list("running_lora_adapters"),
+        waiting: list("waiting_lora_adapters"),
+    })
+}
+
+/// A label value as the text format escapes it (`\\`, `\"`, `\n`), unescaped.
+fn unescape(v: &str) -> String {
+    if !v.contains('\\') {
+        return v.to_owned();
+    }
+    let mut out = String::with_capacity(v.len());
+    let mut chars = v.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some(other) => out.push(other),
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
 /// Counters and gauges of an engine's `/metrics` that tell whether it served
 /// requests, summed over the DP ranks read.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -271,6 +352,29 @@ sglang:cached_tokens_total{model_name="Qwen/Qwen3"} 600
 sglang:generation_tokens_total{model_name="Qwen/Qwen3"} 50
 sglang:num_requests_total{model_name="Qwen/Qwen3"} 9
 "#;
+
+    #[test]
+    fn adapters_come_from_the_newest_lora_series() {
+        // vLLM keeps every label combination it ever set, each with the
+        // time it was last set; the newest is the state now.
+        let text = r#"# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="",running_lora_adapters="sql"} 1.7672256e+09
+vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="chat",running_lora_adapters="sql,math"} 1.7672257e+09
+vllm:lora_requests_info{max_lora="2",waiting_lora_adapters="",running_lora_adapters=""} 1.76722565e+09
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+"#;
+        let a = parse_adapters(text).expect("the gauge");
+        assert_eq!(a.max_loras, 2);
+        assert_eq!(a.running, ["sql", "math"]);
+        assert_eq!(a.waiting, ["chat"]);
+        assert!(a.has("chat") && a.has("sql") && !a.has("other"));
+        assert_eq!(parse_adapters(VLLM), None, "no adapters configured");
+        // Escaped names come back unescaped; a missing max_lora reads 0.
+        let odd = r#"vllm:lora_requests_info{waiting_lora_adapters="",running_lora_adapters="a\\b,a\\b, c"} 5"#;
+        let a = parse_adapters(odd).expect("the gauge");
+        assert_eq!(a.running, ["a\\b", "c"]);
+        assert_eq!(a.max_loras, 0);
+    }
 
     #[test]
     fn vllm_load_sums_ranks_and_ignores_timestamps() {

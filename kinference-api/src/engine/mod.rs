@@ -24,7 +24,8 @@ pub mod prometheus;
 mod sources;
 
 pub use metrics::{
-    EngineActivity, EngineCounters, EngineFamily, LoadFigures, parse_counters, parse_load,
+    AdapterFigures, EngineActivity, EngineCounters, EngineFamily, LoadFigures, parse_adapters,
+    parse_counters, parse_load,
 };
 pub use models::{ModelCard, Version, parse_models, parse_version};
 pub use sources::{KvSource, ServerInfo, parse_kv_event_sources, parse_server_info, publishers};

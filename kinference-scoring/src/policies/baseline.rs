@@ -178,6 +178,7 @@ pub(super) mod test_support {
             },
             engine: None,
             evidence: crate::input::Evidence::default(),
+            adapter: crate::input::AdapterSlot::Unknown,
         }
     }
 

@@ -531,6 +531,7 @@ mod tests {
             },
             engine: None,
             evidence: crate::input::Evidence::default(),
+            adapter: crate::input::AdapterSlot::Unknown,
         }
     }
 
