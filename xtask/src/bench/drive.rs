@@ -183,7 +183,8 @@ struct Conversation {
     messages: Vec<Value>,
 }
 
-/// Sends `plan` along `route` with model `model`; gives up on requests still
+/// Sends `plan` along `route` with model `model` (or the arrival's own,
+/// a LoRA adapter's); gives up on requests still
 /// running `drain` after the last arrival. Calls `at_window` once when the
 /// measured window starts (at `plan.warmup`), for counter snapshots.
 pub(crate) async fn drive<F, Fut>(
@@ -228,7 +229,7 @@ where
         let (client, route, model, slot) = (
             client.clone(),
             route.clone(),
-            model.to_owned(),
+            a.model.unwrap_or(model).to_owned(),
             slot.clone(),
         );
         let conv = match &a.body {
@@ -559,4 +560,126 @@ pub(crate) async fn stream(
     }
     out.text = out.text.trim().to_owned();
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+
+    use super::*;
+    use crate::bench::workload::Arrival;
+
+    /// A server answering every completion with one token, recording the
+    /// bodies it was sent.
+    async fn recording_server() -> (String, Arc<Mutex<Vec<Value>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
+        let base = format!("http://{}", listener.local_addr().expect("addr"));
+        let bodies = Arc::new(Mutex::new(Vec::new()));
+        let seen = bodies.clone();
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                let seen = seen.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    loop {
+                        // One request: headers, then content-length bytes.
+                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            match sock.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                            continue;
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .and_then(|v| v.trim().parse().ok())
+                            .unwrap_or(0);
+                        while buf.len() < end + 4 + len {
+                            match sock.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        let body: Vec<u8> = buf.drain(..end + 4 + len).skip(end + 4).collect();
+                        if let Ok(v) = serde_json::from_slice(&body) {
+                            seen.lock().expect("lock").push(v);
+                        }
+                        let sse = "data: {\"choices\":[{\"text\":\"w1\"}]}\n\ndata: [DONE]\n\n";
+                        let resp = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{sse}",
+                            sse.len()
+                        );
+                        if sock.write_all(resp.as_bytes()).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (base, bodies)
+    }
+
+    #[tokio::test]
+    async fn each_request_names_its_adapter_or_the_base_model() {
+        let (base, bodies) = recording_server().await;
+        let arrival = |index: usize, model: Option<&'static str>| Arrival {
+            index,
+            at: Duration::from_millis(index as u64),
+            body: Body::Completion {
+                prompt: format!("w{index}"),
+                max_tokens: 1,
+            },
+            label: format!("a{index}"),
+            tenant: None,
+            model,
+        };
+        let plan = Plan {
+            arrivals: vec![
+                arrival(0, None),
+                arrival(1, Some("lora-2")),
+                arrival(2, None),
+                arrival(3, Some("lora-7")),
+            ],
+            warmup: Duration::ZERO,
+            measure: Duration::from_millis(10),
+            conversations: 0,
+        };
+        let (samples, ()) = drive(
+            &plan,
+            &Route::Router(base, false),
+            "base/model",
+            Duration::from_secs(5),
+            || async {},
+        )
+        .await;
+        assert!(samples.iter().all(|s| s.ok), "{samples:?}");
+        let mut sent: Vec<(String, String)> = bodies
+            .lock()
+            .expect("lock")
+            .iter()
+            .map(|b| {
+                (
+                    b["prompt"].as_str().unwrap_or_default().to_owned(),
+                    b["model"].as_str().unwrap_or_default().to_owned(),
+                )
+            })
+            .collect();
+        sent.sort();
+        let want: Vec<(String, String)> = [
+            ("w0", "base/model"),
+            ("w1", "lora-2"),
+            ("w2", "base/model"),
+            ("w3", "lora-7"),
+        ]
+        .iter()
+        .map(|(p, m)| ((*p).to_owned(), (*m).to_owned()))
+        .collect();
+        assert_eq!(sent, want);
+    }
 }

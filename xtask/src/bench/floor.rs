@@ -3,7 +3,8 @@
 //! fastest kind, with everything seen before cached.
 //!
 //! Per arrival, in order: the prompt's leading full blocks that any earlier
-//! request already had are free; the rest (at least its last token, as vLLM
+//! request of the same model already had are free (a LoRA adapter's blocks
+//! are its own, as the engines hash them); the rest (at least its last token, as vLLM
 //! computes it) is prefilled alone in steps of at most the token budget, each
 //! step `base + prefill × tokens`; the first token comes at the end of the
 //! last step. No queueing, no decoding neighbours, no eviction, no slow
@@ -40,10 +41,13 @@ pub(crate) fn idle_prefill_ms(step: &StepModel, tokens: u64) -> f64 {
 }
 
 /// Uncached tokens of `text` given the block-prefix hashes `seen` (which it
-/// extends).
-fn uncached(text: &str, block: usize, seen: &mut HashSet<u64>) -> u64 {
+/// extends); `adapter`'s blocks are a namespace of their own.
+fn uncached(text: &str, adapter: Option<&str>, block: usize, seen: &mut HashSet<u64>) -> u64 {
     let toks: Vec<&str> = text.split_whitespace().collect();
     let mut h = DefaultHasher::new();
+    if let Some(a) = adapter {
+        a.hash(&mut h);
+    }
     let mut cached = 0usize;
     let mut still = true;
     for (i, chunk) in toks.chunks(block).enumerate() {
@@ -70,14 +74,14 @@ pub(crate) fn ttfts(plan: &Plan, step: &StepModel) -> Vec<f64> {
         .iter()
         .map(|a| {
             let tokens = match &a.body {
-                Body::Completion { prompt, .. } => uncached(prompt, block, &mut seen),
+                Body::Completion { prompt, .. } => uncached(prompt, a.model, block, &mut seen),
                 Body::ChatTurn { restart, user, .. } => {
                     let mut t = user.split_whitespace().count() as u64 + TEMPLATE_TOKENS;
                     if let Some(m) = restart {
                         for (i, msg) in m.iter().enumerate() {
                             let content = msg["content"].as_str().unwrap_or_default();
                             t += if i == 0 {
-                                uncached(content, block, &mut seen)
+                                uncached(content, a.model, block, &mut seen)
                             } else {
                                 content.split_whitespace().count() as u64
                             } + TEMPLATE_TOKENS;
@@ -118,7 +122,36 @@ mod tests {
             },
             label: String::new(),
             tenant: None,
+            model: None,
         }
+    }
+
+    #[test]
+    fn an_adapter_s_blocks_are_its_own() {
+        let as_model = |i: usize, model: Option<&'static str>| Arrival {
+            model,
+            ..completion(i, "a b c d e f g h x")
+        };
+        let plan = Plan {
+            arrivals: vec![
+                as_model(0, None),
+                // Another adapter's, the same text: nothing cached.
+                as_model(1, Some("lora-1")),
+                as_model(2, Some("lora-2")),
+                // The same adapter's again: its two full blocks are free.
+                as_model(3, Some("lora-1")),
+                as_model(4, None),
+            ],
+            warmup: Duration::ZERO,
+            measure: Duration::from_secs(1),
+            conversations: 0,
+        };
+        let f = ttfts(&plan, &step());
+        let want = [14.0, 14.0, 14.0, 6.0, 6.0];
+        assert!(
+            f.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-9),
+            "{f:?}"
+        );
     }
 
     #[test]

@@ -2,9 +2,11 @@
 //!
 //! For each request it tokenizes the prompt once (the engines' own
 //! `/tokenize`), asks every engine how many leading prompt tokens it holds
-//! right now (`POST /debug/prefix_match`), and adds what requests it sent
-//! there and that are still prefilling will have cached by the time this
-//! one is scheduled (their common prefix with it, in whole blocks). With
+//! right now (`POST /debug/prefix_match`, in the cache of the request's
+//! model: a LoRA adapter's blocks are its own), and adds what requests of
+//! the same model it sent there and that are still prefilling will have
+//! cached by the time this one is scheduled (their common prefix with it,
+//! in whole blocks). It does not model LoRA adapter slots. With
 //! its own exact accounting of each engine's queue (it is the only client),
 //! it predicts the time to first token with the simulator's true step model
 //! and picks the minimum; equal predictions go to the least recently chosen.
@@ -56,6 +58,8 @@ impl StepModel {
 
 #[derive(Debug)]
 struct InFlight {
+    /// The request's `model` (the cache namespace its blocks are in).
+    model: Value,
     ids: Vec<u32>,
     uncached: u64,
     decoding: bool,
@@ -148,7 +152,7 @@ impl Oracle {
             .iter()
             .filter_map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()))
             .collect();
-        let q = json!({"tokens": ids});
+        let q = json!({"tokens": ids, "model": body["model"]});
         let truths = futures::future::join_all(
             self.engines
                 .iter()
@@ -187,7 +191,9 @@ impl Oracle {
                 } else {
                     ahead += f.uncached;
                     ahead_requests += 1;
-                    hit = hit.max(common_blocks_tokens(&f.ids, &ids, self.model.block_size));
+                    if f.model == body["model"] {
+                        hit = hit.max(common_blocks_tokens(&f.ids, &ids, self.model.block_size));
+                    }
                 }
             }
             // At most len − 1 prompt tokens hit, as in vLLM.
@@ -215,6 +221,7 @@ impl Oracle {
         st.engines[i].in_flight.insert(
             id,
             InFlight {
+                model: body["model"].clone(),
                 ids,
                 uncached,
                 decoding: false,

@@ -124,6 +124,9 @@ pub(crate) struct Row {
     /// The two-tenant scenario's figures, per tenant and phase.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenants: Option<TenantFigures>,
+    /// The LoRA workload's figures: base-model and adapter requests apart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraFigures>,
     /// Router replicas' rows: bytes of load polls between replicas per
     /// measured request (every replica's received, HTTP/1.1 messages), and
     /// bytes of KV index snapshots in the window; NaN elsewhere.
@@ -173,10 +176,15 @@ pub(crate) struct Share {
 impl Share {
     /// The figures of the samples whose label starts with `prefix`.
     pub(crate) fn of(samples: &[Sample], prefix: &str) -> Self {
-        let mine: Vec<&Sample> = samples
-            .iter()
-            .filter(|s| s.label.starts_with(prefix))
-            .collect();
+        Self::of_these(
+            &samples
+                .iter()
+                .filter(|s| s.label.starts_with(prefix))
+                .collect::<Vec<_>>(),
+        )
+    }
+
+    fn of_these(mine: &[&Sample]) -> Self {
         let mut ttft: Vec<f64> = mine
             .iter()
             .filter(|s| s.ok)
@@ -244,6 +252,70 @@ impl TenantFigures {
             light_with_heavy: of(|t| t.light_with_heavy),
             heavy: of(|t| t.heavy),
         })
+    }
+}
+
+/// The LoRA workload: its measured requests to the base model and to the
+/// adapters, apart.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct LoraFigures {
+    pub base: Share,
+    pub adapters: Share,
+}
+
+impl LoraFigures {
+    /// The measured samples' figures, by label (see
+    /// [`super::workload::LORA_BASE_LABEL`]).
+    pub(crate) fn of(samples: &[Sample]) -> Self {
+        use super::workload::{LORA_ADAPTER_LABEL, LORA_BASE_LABEL};
+        let class = |prefix: &str| {
+            Share::of_these(
+                &samples
+                    .iter()
+                    .filter(|s| s.measured && s.label.starts_with(prefix))
+                    .collect::<Vec<_>>(),
+            )
+        };
+        Self {
+            base: class(LORA_BASE_LABEL),
+            adapters: class(LORA_ADAPTER_LABEL),
+        }
+    }
+
+    /// The adapters' TTFT p90 ÷ the base model's.
+    pub(crate) fn ratio(&self) -> f64 {
+        self.adapters.ttft_p90_ms / self.base.ttft_p90_ms
+    }
+
+    fn median_of(rows: &[&Row]) -> Option<Self> {
+        let all: Vec<&Self> = rows.iter().filter_map(|r| r.lora.as_ref()).collect();
+        if all.is_empty() {
+            return None;
+        }
+        let of =
+            |f: fn(&Self) -> Share| Share::median_of(&all.iter().map(|t| f(t)).collect::<Vec<_>>());
+        Some(Self {
+            base: of(|t| t.base),
+            adapters: of(|t| t.adapters),
+        })
+    }
+}
+
+impl std::fmt::Display for LoraFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "base model TTFT p50 {:.0} p90 {:.0} ms ({}/{} ok); adapters p50 {:.0} p90 {:.0} ms ({}/{} ok), p90 {:.2}× the base's",
+            self.base.ttft_p50_ms,
+            self.base.ttft_p90_ms,
+            self.base.ok,
+            self.base.requests,
+            self.adapters.ttft_p50_ms,
+            self.adapters.ttft_p90_ms,
+            self.adapters.ok,
+            self.adapters.requests,
+            self.ratio()
+        )
     }
 }
 
@@ -359,6 +431,7 @@ pub(crate) fn summarize(
             .count(),
         absorb_ms: f64::NAN,
         tenants: None,
+        lora: None,
         peer_bytes_per_req: f64::NAN,
         snapshot_bytes: f64::NAN,
         join_ready_ms: f64::NAN,
@@ -462,6 +535,7 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 cut: mu(|r| r.cut),
                 absorb_ms: m(|r| r.absorb_ms),
                 tenants: TenantFigures::median_of(&rs),
+                lora: LoraFigures::median_of(&rs),
                 peer_bytes_per_req: m(|r| r.peer_bytes_per_req),
                 snapshot_bytes: m(|r| r.snapshot_bytes),
                 join_ready_ms: m(|r| r.join_ready_ms),
@@ -539,6 +613,9 @@ pub(crate) fn table(rows: &[Row]) -> String {
         );
         if let Some(t) = &r.tenants {
             let _ = writeln!(s, "{:<24} {t}", "");
+        }
+        if let Some(l) = &r.lora {
+            let _ = writeln!(s, "{:<24} {l}", "");
         }
     }
     s
@@ -1021,6 +1098,49 @@ mod tests {
         );
         r.ttft_p90_ms = ttft;
         r
+    }
+
+    #[test]
+    fn lora_figures_split_measured_base_and_adapter_requests() {
+        // Index < 2: warm-up, not counted (and far slower, to show it).
+        let mut samples: Vec<Sample> = (0..22)
+            .map(|i| {
+                let warm = if i < 2 { 5_000 } else { 0 };
+                let mut s = if i % 2 == 0 {
+                    sample(i, warm + 100 + i as u64, true)
+                } else {
+                    sample(i, warm + 1_000 + i as u64, true)
+                };
+                s.label = if i % 2 == 0 {
+                    format!("base-g{i}p0")
+                } else {
+                    format!("lora-{}-g{i}p0", i % 8 + 1)
+                };
+                s
+            })
+            .collect();
+        samples[21].ok = false;
+        let l = LoraFigures::of(&samples);
+        assert_eq!((l.base.requests, l.base.ok), (10, 10));
+        assert_eq!((l.adapters.requests, l.adapters.ok), (10, 9));
+        // Base: 102, 104, …, 120 ms; adapters 1,003 … 1,019 ms (1,021 failed).
+        assert!((l.base.ttft_p90_ms - 118.0).abs() < 1e-9, "{l:?}");
+        assert!((l.adapters.ttft_p90_ms - 1_019.0).abs() < 1e-9, "{l:?}");
+        assert!((l.ratio() - 1_019.0 / 118.0).abs() < 1e-9);
+        let mut r = row("kinference", 0, 1.0);
+        r.workload = "lora".into();
+        r.lora = Some(l.clone());
+        let m = medians(&[r.clone(), r.clone()]);
+        let ml = m[0].lora.as_ref().expect("the median keeps the split");
+        assert_eq!((ml.base.requests, ml.adapters.ok), (10, 9));
+        assert!((ml.ratio() - l.ratio()).abs() < 1e-9, "{ml:?}");
+        assert!(table(&[r.clone()]).contains("adapters p50 1011 p90 1019 ms (9/10 ok)"));
+        let back: Row =
+            serde_json::from_str(&serde_json::to_string(&r).expect("json")).expect("parses back");
+        let bl = back.lora.expect("the split is written and read back");
+        assert_eq!((bl.base.requests, bl.adapters.ok), (10, 9));
+        assert!((bl.ratio() - l.ratio()).abs() < 1e-9, "{bl:?}");
+        assert!(row("kinference", 0, 1.0).lora.is_none());
     }
 
     #[test]

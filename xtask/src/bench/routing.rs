@@ -187,7 +187,8 @@ impl Fleet {
     }
 
     /// The simulator processes for `kind`: one per engine speed, engine i
-    /// on HTTP `base + i`, KV `base + 100 + i`, replay `base + 200 + i`.
+    /// on HTTP `base + i`, KV `base + 100 + i`, replay `base + 200 + i`,
+    /// with the workload's own flags (LoRA adapters) last.
     fn sims(&self, kind: WorkloadKind, port_base: u16) -> Vec<Sim> {
         let s = self.step;
         let speeds = self.slowdowns(kind);
@@ -219,7 +220,8 @@ impl Fleet {
                     speeds[i].to_string(),
                     "--seed".into(),
                     "1".into(),
-                ]);
+                ])
+                .with_args(kind.engine_args());
             out.push(sim);
             i += n;
         }
@@ -282,7 +284,8 @@ fn default_loads(kind: WorkloadKind, quick: bool) -> Vec<f64> {
     match (kind, quick) {
         (WorkloadKind::SharedPrefix, false) => vec![0.25, 0.5, 0.75, 1.0, 1.5],
         (WorkloadKind::SharedPrefix, true) | (WorkloadKind::NoReuse, false) => vec![0.5, 1.0],
-        (WorkloadKind::MultiTurn, false) => vec![0.5, 1.0, 1.5],
+        // LoRA: adapter slots run short as the batches grow.
+        (WorkloadKind::MultiTurn | WorkloadKind::Lora, false) => vec![0.5, 1.0, 1.5],
         (
             WorkloadKind::Heterogeneous
             | WorkloadKind::Agent
@@ -563,6 +566,9 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                     if let Some(t) = &row.tenants {
                         println!("  {:<20} {t}", "");
                     }
+                    if let Some(l) = &row.lora {
+                        println!("  {:<20} {l}", "");
+                    }
                     if !row.join_ready_ms.is_nan() {
                         println!(
                             "  {:<20} late replica ready {:.0} ms after its start ({}); its first {} s: {} requests, hit {:.1}% vs its peers' {:.1}% ({:.2}×)",
@@ -815,6 +821,9 @@ async fn one_run(
         (workload, rate, load, policy, repeat),
     );
     row.slow_share = slow_share(&samples, &fleet.slowdowns(kind), opts.port_base);
+    if kind == WorkloadKind::Lora {
+        row.lora = Some(report::LoraFigures::of(&samples));
+    }
     if kind == WorkloadKind::TwoTenants {
         use workload::TwoTenants;
         row.tenants = Some(report::TenantFigures {
@@ -1200,6 +1209,43 @@ mod tests {
         assert!(y.contains("port: 19002}, {name: kv, port: 19102}"));
         assert!(y.contains("prefillTokensPerSecond: 1162.8"));
         assert!(y.contains("path: /repo/examples/word-level"));
+    }
+
+    #[test]
+    fn only_the_lora_fleet_serves_adapters_in_two_slots() {
+        let f = Fleet::new(4, 10, 5);
+        for kind in WorkloadKind::ALL {
+            for sim in f.sims(kind, 18500) {
+                let args = sim.args();
+                let flag = |name: &str| {
+                    args.iter()
+                        .position(|a| a == name)
+                        .map(|i| args[i + 1].as_str())
+                };
+                if kind == WorkloadKind::Lora {
+                    assert_eq!(
+                        flag("--lora-modules"),
+                        Some("lora-1,lora-2,lora-3,lora-4,lora-5,lora-6,lora-7,lora-8")
+                    );
+                    assert_eq!(flag("--max-loras"), Some("2"));
+                    // The default adapter load time.
+                    assert_eq!(flag("--lora-load-ms"), None);
+                    // The fleet's own flags are still there.
+                    assert_eq!(flag("--slowdown"), Some("1"));
+                } else {
+                    assert!(
+                        !args.iter().any(|a| a.contains("lora")),
+                        "{kind:?}: {args:?}"
+                    );
+                }
+            }
+        }
+        // The shared-prefix fleet's knee and the same prompts.
+        let (lora, sp) = (WorkloadKind::Lora, WorkloadKind::SharedPrefix);
+        assert!((f.knee(lora, &f.workload(lora)) - f.knee(sp, &f.workload(sp))).abs() < 1e-9);
+        assert!(
+            (f.workload(lora).resident_tokens() - f.workload(sp).resident_tokens()).abs() < 1e-6
+        );
     }
 
     #[test]

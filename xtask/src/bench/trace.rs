@@ -250,6 +250,7 @@ pub(crate) fn plan(
             },
             label: format!("r{}", r.hash_ids.first().copied().unwrap_or(0)),
             tenant: None,
+            model: None,
         });
     }
     Plan {

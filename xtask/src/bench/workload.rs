@@ -66,10 +66,14 @@ pub(crate) enum WorkloadKind {
     /// one at 10× its rate, together past the knee (`x-kinference-tenant`):
     /// the light tenant's TTFT with the heavy one against alone.
     TwoTenants,
+    /// The shared-prefix prompts split between the base model (40 %) and
+    /// 8 LoRA adapters (60 %, Zipf-skewed), on engines holding at most 2
+    /// adapters per running batch: slot contention.
+    Lora,
 }
 
 impl WorkloadKind {
-    pub(crate) const ALL: [Self; 10] = [
+    pub(crate) const ALL: [Self; 11] = [
         Self::SharedPrefix,
         Self::MultiTurn,
         Self::NoReuse,
@@ -80,6 +84,7 @@ impl WorkloadKind {
         Self::Overload,
         Self::SlowBurst,
         Self::TwoTenants,
+        Self::Lora,
     ];
 
     pub(crate) fn name(self) -> &'static str {
@@ -94,6 +99,26 @@ impl WorkloadKind {
             Self::Overload => "overload",
             Self::SlowBurst => "slow-burst",
             Self::TwoTenants => "two-tenants",
+            Self::Lora => "lora",
+        }
+    }
+
+    /// The simulator flags this workload's engines need besides the
+    /// fleet's: the LoRA workload's adapters (`--lora-modules`, every
+    /// engine serving all of them) and its GPU slots (`--max-loras`).
+    pub(crate) fn engine_args(self) -> Vec<String> {
+        match Workload::of(self) {
+            Workload::Lora {
+                adapters,
+                max_loras,
+                ..
+            } => vec![
+                "--lora-modules".to_owned(),
+                lora_adapters(adapters).join(","),
+                "--max-loras".into(),
+                max_loras.to_string(),
+            ],
+            _ => Vec::new(),
         }
     }
 
@@ -169,6 +194,24 @@ pub(crate) enum Workload {
         on_ms: u32,
         off_ms: u32,
     },
+    /// Shared-prefix groups, each belonging to the base model or to one of
+    /// `adapters` LoRA adapters ([`LORA_ADAPTERS`]): an arrival goes to the
+    /// base model with probability `base_percent` %, else to adapter k
+    /// (counted from 1) with probability ∝ 1/k (Zipf, s = 1); then to one of
+    /// its model's groups and prompts uniformly. A model's groups are in
+    /// proportion to its share of the requests (at least one each; see
+    /// [`lora_groups`]). Every engine serves every adapter, at most
+    /// `max_loras` per running batch.
+    Lora {
+        groups: u32,
+        prompts_per_group: u32,
+        system_tokens: u32,
+        question_tokens: u32,
+        output_tokens: u32,
+        adapters: u32,
+        base_percent: u32,
+        max_loras: u32,
+    },
     /// A trace (see [`super::trace`]): its mean input and never-seen tokens.
     Trace {
         requests: usize,
@@ -232,6 +275,19 @@ impl Workload {
                 question_tokens: 2_000,
                 output_tokens: 500,
             },
+            // The shared-prefix prompts (llm-d's sizes) over the base model
+            // and 8 adapters, 2 GPU slots per engine (fewer than adapters,
+            // as fleets run them).
+            WorkloadKind::Lora => Self::Lora {
+                groups: 150,
+                prompts_per_group: 5,
+                system_tokens: 6_000,
+                question_tokens: 1_200,
+                output_tokens: 1_000,
+                adapters: LORA_ADAPTERS.len() as u32,
+                base_percent: 40,
+                max_loras: 2,
+            },
             // Replaced by the trace's own figures when it is loaded.
             WorkloadKind::Agent => Self::Trace {
                 requests: 0,
@@ -252,6 +308,10 @@ impl Workload {
             | Self::Bursts { groups, .. } => {
                 *groups = (*groups / p.max(1)).max(1);
             }
+            // Every model keeps a group of its own.
+            Self::Lora {
+                groups, adapters, ..
+            } => *groups = (*groups / p.max(1)).max(*adapters + 1),
             Self::NoReuse { .. } | Self::Trace { .. } => {}
         }
         self
@@ -266,6 +326,11 @@ impl Workload {
                 ..
             }
             | Self::Bursts {
+                system_tokens,
+                question_tokens,
+                ..
+            }
+            | Self::Lora {
                 system_tokens,
                 question_tokens,
                 ..
@@ -295,7 +360,7 @@ impl Workload {
     pub(crate) fn mean_new_tokens(&self) -> f64 {
         match *self {
             // Exact repeats: in steady state only the last token.
-            Self::SharedPrefix { .. } | Self::Bursts { .. } => 1.0,
+            Self::SharedPrefix { .. } | Self::Bursts { .. } | Self::Lora { .. } => 1.0,
             Self::Trace {
                 mean_new_tokens, ..
             } => mean_new_tokens,
@@ -315,6 +380,13 @@ impl Workload {
                 ..
             }
             | Self::Bursts {
+                groups,
+                prompts_per_group,
+                system_tokens,
+                question_tokens,
+                ..
+            }
+            | Self::Lora {
                 groups,
                 prompts_per_group,
                 system_tokens,
@@ -371,6 +443,9 @@ pub(crate) struct Arrival {
     pub label: String,
     /// The tenant it is sent as (`x-kinference-tenant`), if any.
     pub tenant: Option<&'static str>,
+    /// The `model` it names when not the base model's: a LoRA adapter
+    /// (each adapter's prefix cache is its own).
+    pub model: Option<&'static str>,
 }
 
 /// A run's requests: arrivals in `[0, warmup + measure)`; those before
@@ -527,6 +602,7 @@ pub(crate) fn plan(
                     },
                     label: format!("g{g}p{p}"),
                     tenant: None,
+                    model: None,
                 });
             }
         }
@@ -546,6 +622,7 @@ pub(crate) fn plan(
                     },
                     label: format!("n{index}"),
                     tenant: None,
+                    model: None,
                 });
             }
         }
@@ -605,8 +682,67 @@ pub(crate) fn plan(
                     },
                     label: format!("c{c}t{}", turn[c]),
                     tenant: None,
+                    model: None,
                 });
                 turn[c] += 1;
+            }
+        }
+        Workload::Lora {
+            groups,
+            prompts_per_group,
+            system_tokens,
+            question_tokens,
+            output_tokens,
+            adapters,
+            base_percent,
+            ..
+        } => {
+            let (sys, q, out) = (
+                scale.tokens(system_tokens),
+                scale.tokens(question_tokens),
+                scale.tokens(output_tokens),
+            );
+            let names = lora_adapters(adapters);
+            let shares = lora_shares(names.len(), base_percent);
+            let counts = lora_groups(groups, &shares);
+            // Model m's groups are firsts[m]..firsts[m] + counts[m].
+            let firsts: Vec<u32> = counts
+                .iter()
+                .scan(0, |next, c| {
+                    let first = *next;
+                    *next += c;
+                    Some(first)
+                })
+                .collect();
+            for (index, at) in times.into_iter().enumerate() {
+                // Model `chosen` (0: the base model, k: adapter k).
+                let mut draw = pick.unit();
+                let mut chosen = shares.len() - 1;
+                for (i, share) in shares.iter().enumerate() {
+                    if draw < *share {
+                        chosen = i;
+                        break;
+                    }
+                    draw -= share;
+                }
+                let g = u64::from(firsts[chosen]) + pick.below(u64::from(counts[chosen]));
+                let p = pick.below(u64::from(prompts_per_group));
+                let prompt = format!("{} {}", words(key(8, g, 0), sys), words(key(9, g, p), q));
+                let (label, model) = match chosen.checked_sub(1).map(|a| names[a]) {
+                    Some(name) => (format!("{name}-g{g}p{p}"), Some(name)),
+                    None => (format!("{LORA_BASE_LABEL}g{g}p{p}"), None),
+                };
+                arrivals.push(Arrival {
+                    index,
+                    at,
+                    body: Body::Completion {
+                        prompt,
+                        max_tokens: out,
+                    },
+                    label,
+                    tenant: None,
+                    model,
+                });
             }
         }
         // Traces are planned by `super::trace::plan`.
@@ -618,6 +754,65 @@ pub(crate) fn plan(
         measure,
         conversations,
     }
+}
+
+/// The LoRA workload's adapters, hottest first (each engine's
+/// `--lora-modules`; a request for one names it as its `model`).
+pub(crate) const LORA_ADAPTERS: [&str; 8] = [
+    "lora-1", "lora-2", "lora-3", "lora-4", "lora-5", "lora-6", "lora-7", "lora-8",
+];
+/// Label prefixes of the LoRA workload's requests: the base model's, and
+/// every adapter's (each adapter's name starts with it).
+pub(crate) const LORA_BASE_LABEL: &str = "base-";
+pub(crate) const LORA_ADAPTER_LABEL: &str = "lora-";
+
+/// The first `n` of [`LORA_ADAPTERS`] (at least one).
+pub(crate) fn lora_adapters(n: u32) -> &'static [&'static str] {
+    &LORA_ADAPTERS[..(n as usize).clamp(1, LORA_ADAPTERS.len())]
+}
+
+/// Each model's share of the requests, the base model's first: `base_percent`
+/// %, then adapter k (from 1) ∝ 1/k (Zipf, s = 1). Sums to 1.
+pub(crate) fn lora_shares(adapters: usize, base_percent: u32) -> Vec<f64> {
+    let base = f64::from(base_percent.min(100)) / 100.0;
+    let harmonic: f64 = (1..=adapters).map(|k| 1.0 / k as f64).sum();
+    std::iter::once(base)
+        .chain((1..=adapters).map(|k| (1.0 - base) / k as f64 / harmonic))
+        .collect()
+}
+
+/// Groups per model (in [`lora_shares`] order): `groups` in proportion to
+/// the shares by largest remainder, at least one each, so every group gets
+/// about the same rate.
+pub(crate) fn lora_groups(groups: u32, shares: &[f64]) -> Vec<u32> {
+    let groups = groups.max(shares.len() as u32);
+    let ideal: Vec<f64> = shares.iter().map(|s| s * f64::from(groups)).collect();
+    let mut counts: Vec<u32> = ideal.iter().map(|x| (x.floor() as u32).max(1)).collect();
+    // The first model furthest from its ideal, by `gap` (greatest first).
+    let furthest = |counts: &[u32], gap: &dyn Fn(usize, u32) -> Option<f64>| {
+        let mut best: Option<(usize, f64)> = None;
+        for (i, c) in counts.iter().enumerate() {
+            if let Some(d) = gap(i, *c)
+                && best.is_none_or(|(_, b)| d > b)
+            {
+                best = Some((i, d));
+            }
+        }
+        best.map(|(i, _)| i)
+    };
+    while counts.iter().sum::<u32>() > groups {
+        let Some(i) = furthest(&counts, &|i, c| (c > 1).then(|| f64::from(c) - ideal[i])) else {
+            break;
+        };
+        counts[i] -= 1;
+    }
+    while counts.iter().sum::<u32>() < groups {
+        let Some(i) = furthest(&counts, &|i, c| Some(ideal[i] - f64::from(c))) else {
+            break;
+        };
+        counts[i] += 1;
+    }
+    counts
 }
 
 /// The two-tenant scenario (`WorkloadKind::TwoTenants`): the light tenant
@@ -690,6 +885,7 @@ impl TwoTenants {
                     },
                     label: format!("{label}n{index}"),
                     tenant: Some(tenant),
+                    model: None,
                 }
             })
             .collect();
@@ -768,6 +964,133 @@ mod tests {
             assert_ne!(a, plan_of(kind, 8), "{kind:?}");
             assert!(!a.arrivals.is_empty());
         }
+    }
+
+    /// A long LoRA plan (about 10,000 arrivals).
+    fn lora_plan(seed: u64) -> Plan {
+        plan(
+            &Workload::of(WorkloadKind::Lora).with_population(5),
+            Scale { k: 10 },
+            50.0,
+            Duration::from_secs(10),
+            Duration::from_secs(190),
+            seed,
+        )
+    }
+
+    #[test]
+    fn lora_plans_are_identical_for_a_seed_and_differ_across_seeds() {
+        let a = lora_plan(7);
+        assert_eq!(a, lora_plan(7));
+        let b = lora_plan(8);
+        assert_ne!(a, b);
+        // Not only the times: which model each request names differs too.
+        let models = |p: &Plan| p.arrivals.iter().map(|a| a.model).collect::<Vec<_>>();
+        assert_ne!(models(&a)[..1000], models(&b)[..1000]);
+    }
+
+    #[test]
+    fn lora_sends_forty_percent_to_the_base_model_and_a_zipf_share_to_each_adapter() {
+        let p = lora_plan(3);
+        let n = p.arrivals.len() as f64;
+        assert!((n - 10_000.0).abs() < 400.0, "{n}");
+        let count = |m: Option<&str>| p.arrivals.iter().filter(|a| a.model == m).count() as f64;
+        let base = count(None) / n;
+        assert!((base - 0.4).abs() < 0.02, "base share {base}");
+        let adapters: Vec<f64> = LORA_ADAPTERS.iter().map(|a| count(Some(a))).collect();
+        let total: f64 = adapters.iter().sum();
+        assert!(
+            (total + count(None) - n).abs() < 0.5,
+            "only the base model and the adapters"
+        );
+        // Adapter k gets 1/k ÷ H(8) of the adapter requests: the hottest
+        // 37 %, the two hottest 55 %, the rarest under 5 %.
+        let h8: f64 = (1..=8).map(|k| 1.0 / f64::from(k)).sum();
+        for (k, c) in adapters.iter().enumerate() {
+            let expected = total / (k as f64 + 1.0) / h8;
+            assert!(
+                (c - expected).abs() < 4.0 * expected.sqrt() + 10.0,
+                "lora-{}: {c} vs {expected:.0}",
+                k + 1
+            );
+        }
+        assert!((adapters[0] + adapters[1]) / total > 0.5, "{adapters:?}");
+        assert!(adapters[7] / total < 0.06, "{adapters:?}");
+        assert!(adapters[0] > 6.0 * adapters[7], "{adapters:?}");
+    }
+
+    #[test]
+    fn lora_requests_name_only_the_engines_adapters_and_a_group_keeps_its_model() {
+        let args = WorkloadKind::Lora.engine_args();
+        let i = args
+            .iter()
+            .position(|a| a == "--lora-modules")
+            .expect("--lora-modules");
+        let served: Vec<&str> = args[i + 1].split(',').collect();
+        assert_eq!(served.len(), 8);
+        let mut group_model = std::collections::HashMap::new();
+        for a in &lora_plan(5).arrivals {
+            let group = a.label.rsplit_once('-').map_or(&a.label[..], |(_, g)| g);
+            let group = group.split('p').next().expect("g<n>p<m>");
+            assert!(group.starts_with('g'), "{}", a.label);
+            match a.model {
+                Some(m) => {
+                    assert!(served.contains(&m), "{m} is not served");
+                    assert!(m.starts_with(LORA_ADAPTER_LABEL));
+                    assert!(a.label.starts_with(&format!("{m}-g")), "{}", a.label);
+                }
+                None => assert!(a.label.starts_with(LORA_BASE_LABEL), "{}", a.label),
+            }
+            let first = *group_model.entry(group.to_owned()).or_insert(a.model);
+            assert_eq!(first, a.model, "group {group} under two models");
+        }
+        // 30 groups at population 5, every one of them sent to.
+        assert_eq!(group_model.len(), 30);
+    }
+
+    #[test]
+    fn lora_groups_follow_the_shares_with_one_at_least() {
+        let shares = lora_shares(8, 40);
+        assert!((shares.iter().sum::<f64>() - 1.0).abs() < 1e-12);
+        assert!((shares[0] - 0.4).abs() < 1e-12);
+        assert!(shares[1..].windows(2).all(|w| w[0] > w[1]));
+        // 12 base groups, 18 over the adapters by 1/k: 6.6, 3.3, 2.2, 1.7,
+        // 1.3, 1.1, 0.95, 0.83.
+        assert_eq!(lora_groups(30, &shares), [12, 7, 3, 2, 2, 1, 1, 1, 1]);
+        assert_eq!(lora_groups(150, &shares).iter().sum::<u32>(), 150);
+        assert_eq!(lora_groups(3, &shares), [1; 9]);
+        // A population too small for a group per model keeps one each.
+        let w = Workload::of(WorkloadKind::Lora).with_population(1000);
+        assert!(matches!(w, Workload::Lora { groups: 9, .. }), "{w:?}");
+    }
+
+    #[test]
+    fn only_the_lora_workload_gives_its_engines_adapters_and_names_them() {
+        assert_eq!(
+            WorkloadKind::Lora.engine_args(),
+            [
+                "--lora-modules",
+                "lora-1,lora-2,lora-3,lora-4,lora-5,lora-6,lora-7,lora-8",
+                "--max-loras",
+                "2"
+            ]
+        );
+        for kind in WorkloadKind::ALL
+            .into_iter()
+            .filter(|k| *k != WorkloadKind::Lora)
+        {
+            assert!(kind.engine_args().is_empty(), "{kind:?}");
+            if kind != WorkloadKind::Agent && kind != WorkloadKind::TwoTenants {
+                assert!(plan_of(kind, 3).arrivals.iter().all(|a| a.model.is_none()));
+            }
+        }
+        assert!(
+            LORA_ADAPTERS
+                .iter()
+                .all(|a| a.starts_with(LORA_ADAPTER_LABEL))
+        );
+        assert_eq!(WorkloadKind::Lora.name(), "lora");
+        assert!(WorkloadKind::ALL.contains(&WorkloadKind::Lora));
     }
 
     #[test]
