@@ -81,24 +81,6 @@ pub fn handle(
             }
         }
         "/healthz" => text(StatusCode::OK, "text/plain", "ok\n"),
-        crate::peers::LOAD_PATH => {
-            let token = shared.config.peers.as_ref().and_then(|p| p.token.as_ref());
-            let resp = if crate::peers::allowed(token, req.headers()) {
-                text(
-                    StatusCode::OK,
-                    "application/json",
-                    serde_json::to_vec(&crate::peers::report(shared)).unwrap_or_default(),
-                )
-            } else {
-                text(
-                    StatusCode::UNAUTHORIZED,
-                    "text/plain",
-                    "peer token required\n",
-                )
-            };
-            count_load(shared, req, &resp);
-            resp
-        }
         "/readyz" => match shared.readiness() {
             Ok(()) => text(StatusCode::OK, "text/plain", "ready\n"),
             Err(why) => text(
@@ -173,6 +155,40 @@ fn kv_keys(shared: &Shared, query: Option<&str>) -> serde_json::Value {
     serde_json::json!({ "workers": workers })
 }
 
+/// `GET /peer/load`: this replica's load report, with its version; with
+/// `?after=V&wait_ms=W`, once the version differs from `V` or after `W`
+/// (a long poll, [`crate::peers`]).
+async fn load(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let token = shared.config.peers.as_ref().and_then(|p| p.token.as_ref());
+    let resp = if crate::peers::allowed(token, req.headers()) {
+        let version = match crate::peers::long_poll_query(req.uri().query()) {
+            Some((after, wait)) => {
+                tokio::select! {
+                    v = crate::peers::wait_for_change(after, wait) => v,
+                    () = shared.runtime.stop.cancelled() => crate::peers::version(),
+                }
+            }
+            None => crate::peers::version(),
+        };
+        let mut r = text(
+            StatusCode::OK,
+            "application/json",
+            serde_json::to_vec(&crate::peers::report(shared)).unwrap_or_default(),
+        );
+        r.headers_mut()
+            .insert(crate::peers::VERSION_HEADER, HeaderValue::from(version));
+        r
+    } else {
+        text(
+            StatusCode::UNAUTHORIZED,
+            "text/plain",
+            "peer token required\n",
+        )
+    };
+    count_load(shared, req, &resp);
+    resp
+}
+
 /// Serves the admin port until `shared.stop`.
 pub async fn run(shared: Arc<Shared>, listener: TcpListener) {
     let registry = Arc::new(registry(&shared));
@@ -189,10 +205,11 @@ pub async fn run(shared: Arc<Shared>, listener: TcpListener) {
             async move {
                 // The snapshot is encoded on the blocking pool; the rest
                 // answers at once.
-                let resp = if req.method() == Method::GET
-                    && req.uri().path() == crate::snapshot::SNAPSHOT_PATH
-                {
+                let get = req.method() == Method::GET;
+                let resp = if get && req.uri().path() == crate::snapshot::SNAPSHOT_PATH {
                     crate::snapshot::serve(s, req).await
+                } else if get && req.uri().path() == crate::peers::LOAD_PATH {
+                    load(&s, &req).await
                 } else {
                     handle(&s, &r, &req)
                 };

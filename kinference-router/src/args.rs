@@ -206,7 +206,10 @@ pub struct ServeArgs {
     /// separated or repeated), e.g. outside Kubernetes.
     #[arg(long, env = "KINFERENCE_PEERS", value_delimiter = ',')]
     pub peers: Vec<String>,
-    /// Between polls of each peer's load (and the longest one may take).
+    /// Between polls of a peer that does not long-poll (an older release),
+    /// between retries of an unreachable one, and between checks of the
+    /// peer list. Peers of this release answer as soon as their load
+    /// changes (and at least every half `--peer-staleness`).
     #[arg(long, env = "KINFERENCE_PEER_INTERVAL", default_value = "200ms", value_parser = parse_duration)]
     pub peer_interval: Duration,
     /// A peer's report older than this counts for nothing.

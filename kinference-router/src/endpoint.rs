@@ -630,6 +630,7 @@ impl Endpoint {
         self.load
             .prefill_tokens
             .fetch_add(prefill_tokens, Ordering::Relaxed);
+        crate::peers::load_changed();
         InFlight {
             endpoint: self.clone(),
             prefill_tokens,
@@ -700,6 +701,7 @@ impl InFlight {
             l.decoding.fetch_add(1, Ordering::Relaxed);
             self.phase = Phase::Decoding;
             crate::admit::capacity_freed();
+            crate::peers::load_changed();
         }
     }
 
@@ -730,6 +732,7 @@ impl Drop for InFlight {
             .fetch_sub(self.context_tokens, Ordering::Relaxed);
         l.requests.fetch_sub(1, Ordering::Relaxed);
         crate::admit::capacity_freed();
+        crate::peers::load_changed();
     }
 }
 

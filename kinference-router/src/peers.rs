@@ -5,9 +5,19 @@
 //! engines' own figures yet (scraped every few seconds). So every replica
 //! serves its own per-engine in-flight load on its admin port
 //! (`GET /peer/load`, five counters per engine, tens of bytes each) and
-//! polls its peers' every `--peer-interval` (default 200 ms). Decisions read
-//! this replica's load plus the sum of its peers' fresh reports
-//! ([`crate::endpoint::Load::snapshot`]).
+//! asks each peer for theirs. Decisions read this replica's load plus the
+//! sum of its peers' fresh reports ([`crate::endpoint::Load::snapshot`]).
+//!
+//! The asking is a long poll: `GET /peer/load?after=V&wait_ms=W` answers as
+//! soon as the peer's load has changed since its version `V` (the answer's
+//! `x-kinference-load-version`), or after `W` ms with the same figures, so a
+//! replica learns what a peer sent within milliseconds instead of a poll
+//! interval later (measured: with 200 ms polls three replicas herded onto
+//! the same engines, multi-turn TTFT p90 1.4× one router's). A report
+//! arrives at least every `--peer-staleness` ÷ 2 while nothing changes,
+//! and at most every [`MIN_GAP`] while load changes. A peer that answers
+//! without a version (an older release, or anything that ignores the query)
+//! is polled every `--peer-interval` (default 200 ms) as before.
 //!
 //! Peers are the other pods of the router's own Service (`--peer-service`,
 //! its EndpointSlices in the router's namespace, at the admin port), or a
@@ -44,6 +54,73 @@ pub const MAX_REPORT_BYTES: usize = 1 << 20;
 pub const MAX_REQUESTS: u32 = 100_000;
 /// Most tokens a peer may claim on one engine.
 pub const MAX_TOKENS: u64 = 1 << 32;
+/// The response header carrying a report's load version.
+pub const VERSION_HEADER: &str = "x-kinference-load-version";
+/// Least time between two long polls of one peer: bounds the exchange rate
+/// (at most 50 reports a second per peer) while load changes constantly.
+pub const MIN_GAP: Duration = Duration::from_millis(20);
+/// Longest wait a peer may ask for.
+pub const MAX_WAIT: Duration = Duration::from_secs(5);
+
+/// This replica's load version: bumped whenever a request of this replica
+/// starts, gets its first token or ends anywhere.
+static VERSION: AtomicU64 = AtomicU64::new(1);
+/// Long polls waiting for the version to move.
+static WAITING: AtomicU64 = AtomicU64::new(0);
+static CHANGED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// This replica's load changed. Free when no peer waits.
+pub fn load_changed() {
+    VERSION.fetch_add(1, Ordering::Relaxed);
+    if WAITING.load(Ordering::Relaxed) > 0 {
+        CHANGED.notify_waiters();
+    }
+}
+
+/// The current load version.
+pub fn version() -> u64 {
+    VERSION.load(Ordering::Relaxed)
+}
+
+/// What a long poll asks: `after` (the version the asker has) and `wait_ms`.
+pub fn long_poll_query(query: Option<&str>) -> Option<(u64, Duration)> {
+    let (mut after, mut wait) = (None, None);
+    for pair in query?.split('&') {
+        match pair.split_once('=') {
+            Some(("after", v)) => after = v.parse().ok(),
+            Some(("wait_ms", v)) => wait = v.parse().ok().map(Duration::from_millis),
+            _ => {}
+        }
+    }
+    Some((after?, wait?.min(MAX_WAIT)))
+}
+
+/// Waits until the load version differs from `after` or `wait` has passed;
+/// returns the version then.
+pub async fn wait_for_change(after: u64, wait: Duration) -> u64 {
+    struct Waiting;
+    impl Drop for Waiting {
+        fn drop(&mut self) {
+            WAITING.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+    WAITING.fetch_add(1, Ordering::Relaxed);
+    let _waiting = Waiting;
+    let deadline = Instant::now() + wait;
+    loop {
+        let notified = CHANGED.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        let v = version();
+        if v != after {
+            return v;
+        }
+        tokio::select! {
+            () = notified => {}
+            () = tokio::time::sleep_until(deadline) => return version(),
+        }
+    }
+}
 
 /// One replica's load report.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -105,7 +182,9 @@ pub enum Source {
 pub struct Settings {
     /// Who.
     pub source: Source,
-    /// Between polls (and the most one poll may take).
+    /// Between polls of a peer that does not long-poll, between retries,
+    /// and between checks of the peer list (also what an answer may take
+    /// beyond a long poll's wait).
     pub interval: Duration,
     /// Reports older than this count for nothing.
     pub staleness: Duration,
@@ -374,21 +453,29 @@ impl PollError {
     }
 }
 
+/// One report and its load version (`None`: the peer does not long-poll).
+type Answer = (Report, Option<u64>);
+
 async fn fetch(
     client: &crate::probe::ProbeClient,
     address: &str,
     token: Option<&HeaderValue>,
+    wait: Option<(u64, Duration)>,
     timeout: Duration,
     traffic: &Traffic,
-) -> Result<Report, PollError> {
-    let mut req = http::Request::get(format!("http://{address}{LOAD_PATH}"));
+) -> Result<Answer, PollError> {
+    let pq = match wait {
+        Some((after, w)) => format!("{LOAD_PATH}?after={after}&wait_ms={}", w.as_millis()),
+        None => LOAD_PATH.to_owned(),
+    };
+    let mut req = http::Request::get(format!("http://{address}{pq}"));
     if let Some(t) = token {
         req = req.header(header::AUTHORIZATION, t.clone());
     }
     let req = req
         .body(Empty::<Bytes>::new())
         .map_err(|e| PollError::other(e.to_string()))?;
-    let sent = request_bytes(LOAD_PATH, address, req.headers());
+    let sent = request_bytes(&pq, address, req.headers());
     let call = async {
         let resp = client.request(req).await.map_err(|e| PollError {
             gone: e.is_connect(),
@@ -408,50 +495,97 @@ async fn fetch(
         if !status.is_success() {
             return Err(PollError::other(format!("answered {status}")));
         }
-        parse(&body).ok_or_else(|| PollError::other("not a load report"))
+        let version = headers
+            .get(VERSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let report = parse(&body).ok_or_else(|| PollError::other("not a load report"))?;
+        Ok((report, version))
     };
     tokio::time::timeout(timeout, call)
         .await
         .unwrap_or_else(|_| Err(PollError::other(format!("no answer within {timeout:?}"))))
 }
 
+type KnownMap = Arc<parking_lot::Mutex<HashMap<String, Known>>>;
+
+/// Keeps one asking task per listed peer and expires stale reports.
 async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<PeerList>) {
-    let client = shared.runtime.probes.clone();
-    let mut known: HashMap<String, Known> = HashMap::new();
+    let known: KnownMap = Arc::default();
+    let mut tasks: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
     let mut tick = tokio::time::interval(settings.interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            () = shared.runtime.stop.cancelled() => return,
+            () = shared.runtime.stop.cancelled() => break,
             _ = tick.tick() => {}
         }
         let list = addresses.get();
-        known.retain(|a, _| list.contains(a));
-        let traffic = &shared.runtime.peer_traffic;
-        let polls = list.iter().map(|a| {
-            let client = &client;
-            let token = settings.token.as_ref();
-            async move {
-                (
-                    a.clone(),
-                    fetch(client, a, token, settings.interval, traffic).await,
-                )
+        tasks.retain(|a, task| {
+            let keep = list.contains(a) && !task.is_finished();
+            if !keep {
+                task.abort();
             }
+            keep
         });
-        let now = Instant::now();
-        for (address, result) in futures::future::join_all(polls).await {
-            let k = known.entry(address).or_insert(Known {
+        known.lock().retain(|a, _| list.contains(a));
+        for a in list {
+            if let std::collections::hash_map::Entry::Vacant(slot) = tasks.entry(a) {
+                let task = tokio::spawn(ask(
+                    shared.clone(),
+                    settings.clone(),
+                    slot.key().clone(),
+                    known.clone(),
+                ));
+                slot.insert(task);
+            }
+        }
+        publish(&shared, &known.lock(), settings.staleness);
+    }
+    for task in tasks.values() {
+        task.abort();
+    }
+}
+
+/// Asks one peer for its load, again and again: a long poll while the peer
+/// answers with versions, else one poll per interval.
+async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: KnownMap) {
+    let client = shared.runtime.probes.clone();
+    let traffic = &shared.runtime.peer_traffic;
+    let wait = (settings.staleness / 2).min(MAX_WAIT);
+    // The first ask finds out whether the peer long-polls (version 0 is
+    // never current: it answers at once).
+    let mut after = Some(0);
+    loop {
+        let started = Instant::now();
+        let long = after.map(|v| (v, wait));
+        let timeout = long.map_or(Duration::ZERO, |(_, w)| w) + settings.interval;
+        let result = fetch(
+            &client,
+            &address,
+            settings.token.as_ref(),
+            long,
+            timeout,
+            traffic,
+        )
+        .await;
+        let ok = result.is_ok();
+        {
+            let mut map = known.lock();
+            let k = map.entry(address.clone()).or_insert(Known {
                 report: None,
                 error: None,
             });
             match result {
-                Ok(r) if r.replica == shared.runtime.replica => {
+                Ok((r, _)) if r.replica == shared.runtime.replica => {
                     k.report = None;
                     k.error = Some("this replica itself".into());
+                    after = None;
                 }
-                Ok(r) => {
-                    k.report = Some((r, now));
+                Ok((r, version)) => {
+                    k.report = Some((r, Instant::now()));
                     k.error = None;
+                    after = version;
                 }
                 // A peer that cannot be reached at all holds nothing: its
                 // load leaves at once instead of after the staleness bound.
@@ -462,36 +596,54 @@ async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<PeerList>)
                         k.report = None;
                     }
                     k.error = Some(e.why);
+                    after = Some(0);
                 }
             }
+            publish(&shared, &map, settings.staleness);
         }
-        let fresh = known.values().filter_map(|k| {
-            k.report
-                .as_ref()
-                .filter(|(_, at)| now.saturating_duration_since(*at) <= settings.staleness)
-                .map(|(r, _)| r)
-        });
-        let sums = sum(fresh);
-        let view = shared.view();
-        for ws in &view.worker_sets {
-            for e in &ws.endpoints {
-                e.load.peers.set(sums.get(&e.authority).copied());
-            }
-        }
-        *shared.runtime.peer_state.write() = PeerState {
-            peers: known
-                .iter()
-                .map(|(a, k)| PeerStatus {
-                    address: a.clone(),
-                    report_age_ms: k.report.as_ref().map(|(_, at)| {
-                        u64::try_from(now.saturating_duration_since(*at).as_millis())
-                            .unwrap_or(u64::MAX)
-                    }),
-                    error: k.error.clone(),
-                })
-                .collect(),
+        let gap = if ok && after.is_some() {
+            MIN_GAP
+        } else {
+            settings.interval
         };
+        let pause = gap.saturating_sub(started.elapsed());
+        tokio::select! {
+            () = shared.runtime.stop.cancelled() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
     }
+}
+
+/// Sets every endpoint's peer load to the sum of the fresh reports, and the
+/// peers' status for `/debug/endpoints`.
+fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration) {
+    let now = Instant::now();
+    let fresh = known.values().filter_map(|k| {
+        k.report
+            .as_ref()
+            .filter(|(_, at)| now.saturating_duration_since(*at) <= staleness)
+            .map(|(r, _)| r)
+    });
+    let sums = sum(fresh);
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        for e in &ws.endpoints {
+            e.load.peers.set(sums.get(&e.authority).copied());
+        }
+    }
+    *shared.runtime.peer_state.write() = PeerState {
+        peers: known
+            .iter()
+            .map(|(a, k)| PeerStatus {
+                address: a.clone(),
+                report_age_ms: k.report.as_ref().map(|(_, at)| {
+                    u64::try_from(now.saturating_duration_since(*at).as_millis())
+                        .unwrap_or(u64::MAX)
+                }),
+                error: k.error.clone(),
+            })
+            .collect(),
+    };
 }
 
 #[cfg(test)]
@@ -514,6 +666,44 @@ mod tests {
         assert_eq!(s["10.0.0.1:8000"].requests, 2);
         assert_eq!(s["10.0.0.1:8000"].prefill_tokens, 1000);
         assert_eq!(s["e"].requests, MAX_REQUESTS);
+    }
+
+    #[test]
+    fn long_poll_queries_parse_and_are_bounded() {
+        assert_eq!(long_poll_query(None), None);
+        assert_eq!(long_poll_query(Some("")), None);
+        assert_eq!(
+            long_poll_query(Some("after=3")),
+            None,
+            "no wait: a plain poll"
+        );
+        assert_eq!(
+            long_poll_query(Some("after=3&wait_ms=400")),
+            Some((3, Duration::from_millis(400)))
+        );
+        assert_eq!(
+            long_poll_query(Some("wait_ms=99999999&after=0&x=y")),
+            Some((0, MAX_WAIT))
+        );
+        assert_eq!(long_poll_query(Some("after=-1&wait_ms=5")), None);
+    }
+
+    #[tokio::test]
+    async fn a_long_poll_answers_when_the_load_changes_or_when_its_wait_ends() {
+        let v = version();
+        // Nothing changes: the wait runs out and the version is the same.
+        assert_eq!(wait_for_change(v, Duration::from_millis(30)).await, v);
+        // An older version answers at once.
+        assert!(wait_for_change(v.wrapping_sub(1), Duration::from_secs(60)).await != v - 1);
+        // A change wakes a waiting poll long before its wait ends.
+        let waiter = tokio::spawn(wait_for_change(v, Duration::from_secs(60)));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        load_changed();
+        let woke = tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("woken by the change")
+            .unwrap();
+        assert!(woke > v);
     }
 
     #[test]

@@ -45,10 +45,16 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     // No engine scrapes during the test (60 s): what a replica knows of
     // the others' work comes from its peers or not at all.
     let common = ["--peer-interval", "100ms", "--scrape-interval", "60s"];
+    // The engines' decode cost (10 ms per sequence and step) in the
+    // profile: six decoding streams make an engine clearly later.
+    let opts = WorkerSetOpts {
+        profile_spec: Some("  latency: {decodeCostMillis: 10}\n".into()),
+        ..WorkerSetOpts::default()
+    };
     // A routes to engine 0 only; B to both.
     let a = router(
         &addrs[..1],
-        &WorkerSetOpts::default(),
+        &opts,
         &[
             &["--admin-addr", &a_admin, "--peers", &b_admin][..],
             &common,
@@ -58,7 +64,7 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     .await;
     let b = router(
         &addrs,
-        &WorkerSetOpts::default(),
+        &opts,
         &[
             &["--admin-addr", &b_admin, "--peers", &b_peers][..],
             &common,
@@ -66,12 +72,7 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
         .concat(),
     )
     .await;
-    let blind = router(
-        &addrs,
-        &WorkerSetOpts::default(),
-        &["--scrape-interval", "60s"],
-    )
-    .await;
+    let blind = router(&addrs, &opts, &["--scrape-interval", "60s"]).await;
     wait_routable(&a, 1, true).await;
     wait_routable(&b, 2, true).await;
     wait_routable(&blind, 2, true).await;
@@ -100,20 +101,6 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     })
     .await;
     assert_eq!(total(&seen, "load", None), 0, "{seen:#}");
-    let peers = seen["peers"]["peers"].as_array().unwrap();
-    let status = |addr: &str| {
-        peers
-            .iter()
-            .find(|p| p["address"] == addr)
-            .cloned()
-            .unwrap()
-    };
-    assert!(status(&a_admin)["report_age_ms"].as_u64().unwrap() <= 1000);
-    assert!(status(&junk_addr)["error"].as_str().is_some(), "{peers:?}");
-    assert!(
-        status(&silent_addr)["error"].as_str().is_some(),
-        "{peers:?}"
-    );
     // The replica without peers knows nothing of them.
     assert_eq!(total(&endpoints(&blind).await, "peer_load", None), 0);
 
@@ -168,6 +155,29 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     let blind_ids = endpoints(&blind).await;
     let c0 = cand(&x, &id_of(&blind_ids, &e0));
     assert_eq!(c0["inputs"]["in_flight"]["requests"], 0, "{c0:#}");
+
+    // B knows each peer's state: A's report is fresh, the garbage and the
+    // silence are errors (a peer that never answers is known as such once
+    // its ask times out: a long poll may wait half the staleness).
+    let seen = eventually(Duration::from_secs(3), "B reports every peer", || async {
+        let page = endpoints(&b).await;
+        (page["peers"]["peers"].as_array()?.len() == 3).then_some(page)
+    })
+    .await;
+    let peers = seen["peers"]["peers"].as_array().unwrap();
+    let status = |addr: &str| {
+        peers
+            .iter()
+            .find(|p| p["address"] == addr)
+            .cloned()
+            .unwrap()
+    };
+    assert!(status(&a_admin)["report_age_ms"].as_u64().unwrap() <= 1000);
+    assert!(status(&junk_addr)["error"].as_str().is_some(), "{peers:?}");
+    assert!(
+        status(&silent_addr)["error"].as_str().is_some(),
+        "{peers:?}"
+    );
 
     // When the streams end, the load is gone from B's view within a poll.
     for h in held {
@@ -723,4 +733,122 @@ async fn blocks_removed_after_the_snapshot_do_not_come_back() {
     }
     a.shutdown().await;
     b.shutdown().await;
+}
+
+/// Replicas learn each other's load by long polls: within a moment of a
+/// change, not a poll interval later (10 s here); reports stay fresh while
+/// nothing changes; and a peer that answers without a load version (an
+/// older release) is asked once per interval, not in a tight loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Streams of 300 tokens at ~10 ms a step: a few seconds each.
+    let sims = engines(1, |c| c.latency.decode_ms_per_seq = 10.0).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let engine = addrs[0].http.to_string();
+    let (a_admin, b_admin) = (free_addr(), free_addr());
+    // The older release: a plain report, no version header.
+    let old = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let old_addr = old.local_addr().unwrap().to_string();
+    let asked = Arc::new(AtomicUsize::new(0));
+    let counter = asked.clone();
+    let body = r#"{"replica":"old","engines":{}}"#;
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        while let Ok((mut conn, _)) = old.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            counter.fetch_add(1, Ordering::Relaxed);
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(reply.as_bytes()).await;
+        }
+    });
+    let common = ["--peer-interval", "10s", "--scrape-interval", "60s"];
+    let first = router(
+        &addrs,
+        &WorkerSetOpts::default(),
+        &[
+            &["--admin-addr", &a_admin, "--peers", &b_admin][..],
+            &common,
+        ]
+        .concat(),
+    )
+    .await;
+    let b_peers = format!("{a_admin},{old_addr}");
+    let second = router(
+        &addrs,
+        &WorkerSetOpts::default(),
+        &[
+            &["--admin-addr", &b_admin, "--peers", &b_peers][..],
+            &common,
+        ]
+        .concat(),
+    )
+    .await;
+    wait_routable(&first, 1, true).await;
+    wait_routable(&second, 1, true).await;
+    eventually(Duration::from_secs(5), "B has a report from A", || async {
+        let page = endpoints(&second).await;
+        page["peers"]["peers"]
+            .as_array()?
+            .iter()
+            .any(|p| p["address"] == a_admin.as_str() && p["report_age_ms"].is_u64())
+            .then_some(())
+    })
+    .await;
+
+    let mut held = Vec::new();
+    for i in 0..2 {
+        let resp = post_streaming(
+            first.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(i * 1000, 50), true, 300),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        held.push(tokio::spawn(read_stream(
+            resp.into_body(),
+            Duration::from_secs(30),
+        )));
+    }
+    eventually(
+        Duration::from_secs(3),
+        "B sees A's streams long before the next 10 s poll",
+        || async {
+            (total(&endpoints(&second).await, "peer_load", Some(&engine)) == 2).then_some(())
+        },
+    )
+    .await;
+    // Nothing changes for a while: A's report is renewed (fresh within
+    // the 1 s staleness), so B keeps counting the streams.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let page = endpoints(&second).await;
+    let a_status = page["peers"]["peers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["address"] == a_admin.as_str())
+        .cloned()
+        .unwrap_or_default();
+    assert!(
+        a_status["report_age_ms"]
+            .as_u64()
+            .is_some_and(|age| age <= 1000),
+        "{page}"
+    );
+    assert_eq!(total(&page, "peer_load", Some(&engine)), 2, "{page}");
+    let asks = asked.load(Ordering::Relaxed);
+    assert!(
+        (1..=2).contains(&asks),
+        "the old peer was asked {asks} times in a few seconds of a 10 s interval"
+    );
+    for task in held {
+        task.abort();
+    }
+    first.shutdown().await;
+    second.shutdown().await;
 }
