@@ -11,7 +11,7 @@
 //! | `vllm-router-cache-aware`, `vllm-router-kv-aware` | `vllm-router --policy …` (PyPI `vllm-router`); `kv_aware` subscribes to the engines' KV events |
 //! | `greedy-truth` | the harness itself: per request the engines' true cached prefix and its own exact queue accounting, greedy minimum of predicted TTFT (see [`super::oracle`]); not a bound |
 //!
-//! | `kinference-x3`, `kinference-x3-blind` | three replicas of the tuned router, clients spread over them request by request (as a Service spreads connections); sharing their load with `--peers` every 200 ms, or each seeing only its own requests |
+//! | `kinference-x3`, `kinference-x3-blind` | three replicas of the tuned router, clients spread over them request by request (as a Service spreads connections); sharing their load with `--peers` (long polls; `--peer-interval 200ms` for peers that do not long-poll), or each seeing only its own requests |
 //! | `kinference-x3-kill` | `kinference-x3`, the third replica killed (SIGKILL) halfway through the measured window; the client leaves out a replica it cannot reach and sends a request that got no response to the next one (as the OpenAI SDK retries a connection error) |
 //! | `kinference-x3-join`, `kinference-x3-join-cold` | `kinference-x3` on engines without replay (vLLM's default), the third replica started halfway through the measured window and sent its share once ready: bootstrapping its KV index from a peer's snapshot, or not (`--peer-bootstrap-timeout 0`: its index fills from new events); requests ask for their usage, so each one's cached tokens say how well the replica that routed it did |
 
