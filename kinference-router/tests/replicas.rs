@@ -80,20 +80,7 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     let e1 = addrs[1].http.to_string();
 
     // A holds six streams on engine 0.
-    let mut held = Vec::new();
-    for i in 0..6 {
-        let resp = post_streaming(
-            a.api(),
-            "/v1/chat/completions",
-            &chat(MODEL, &words(i * 1000, 50), true, 120),
-        )
-        .await;
-        assert_eq!(resp.status(), 200);
-        held.push(tokio::spawn(read_stream(
-            resp.into_body(),
-            Duration::from_secs(30),
-        )));
-    }
+    let held = hold_streams(&a, 6, 120).await;
     // B counts them on engine 0 within a few polls; they are not its own.
     let seen = eventually(Duration::from_secs(2), "B sees A's streams", || async {
         let e = endpoints(&b).await;
@@ -232,23 +219,11 @@ async fn a_peer_that_cannot_be_reached_counts_for_nothing_at_once() {
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let engine = addrs[0].http.to_string();
     // The peer: answers every poll with 3 requests on the engine.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let peer = listener.local_addr().unwrap().to_string();
-    let body =
+    let (peer, _, serving) = plain_peer(
         serde_json::json!({"replica": "killed-peer", "engines": {&engine: [3, 0, 0, 3, 300]}})
-            .to_string();
-    let serving = tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        while let Ok((mut s, _)) = listener.accept().await {
-            let mut buf = [0u8; 4096];
-            let _ = s.read(&mut buf).await;
-            let reply = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = s.write_all(reply.as_bytes()).await;
-        }
-    });
+            .to_string(),
+    )
+    .await;
     let r = router(
         &addrs,
         &WorkerSetOpts::default(),
@@ -357,6 +332,30 @@ async fn kv_keys(r: &Router) -> std::collections::BTreeMap<String, Value> {
 
 /// Waits until `r` is routable and ready (`/readyz`: a bootstrap from a
 /// peer done or given up).
+/// `n` streaming chats of `tokens` tokens each through `r`, read in the
+/// background (each task ends with how its stream ended).
+async fn hold_streams(
+    r: &Router,
+    n: usize,
+    tokens: u32,
+) -> Vec<tokio::task::JoinHandle<(Ending, String)>> {
+    let mut held = Vec::new();
+    for i in 0..n {
+        let resp = post_streaming(
+            r.api(),
+            "/v1/chat/completions",
+            &chat(MODEL, &words(i * 1000, 50), true, tokens),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        held.push(tokio::spawn(read_stream(
+            resp.into_body(),
+            Duration::from_secs(30),
+        )));
+    }
+    held
+}
+
 async fn routable_and_ready(r: &Router, n: usize) {
     wait_routable(r, n, true).await;
     let admin = r.admin();
@@ -372,6 +371,35 @@ async fn metric(r: &Router, series: &str) -> Option<f64> {
     page.lines()
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l[series.len()..].trim().parse().ok())
+}
+
+/// A peer of an earlier release: answers every poll with the report `body`
+/// and no load version, then closes; counts the polls.
+async fn plain_peer(
+    body: String,
+) -> (
+    String,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    tokio::task::JoinHandle<()>,
+) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let asked = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = asked.clone();
+    let serving = tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        while let Ok((mut conn, _)) = listener.accept().await {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = conn.write_all(reply.as_bytes()).await;
+        }
+    });
+    (addr, asked, serving)
 }
 
 /// A listener that answers every connection with `reply` (raw HTTP), after
@@ -741,32 +769,13 @@ async fn blocks_removed_after_the_snapshot_do_not_come_back() {
 /// older release) is asked once per interval, not in a tight loop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     // Streams of 300 tokens at ~10 ms a step: a few seconds each.
     let sims = engines(1, |c| c.latency.decode_ms_per_seq = 10.0).await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let engine = addrs[0].http.to_string();
     let (a_admin, b_admin) = (free_addr(), free_addr());
     // The older release: a plain report, no version header.
-    let old = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let old_addr = old.local_addr().unwrap().to_string();
-    let asked = Arc::new(AtomicUsize::new(0));
-    let counter = asked.clone();
-    let body = r#"{"replica":"old","engines":{}}"#;
-    tokio::spawn(async move {
-        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-        while let Ok((mut conn, _)) = old.accept().await {
-            let mut buf = [0u8; 4096];
-            let _ = conn.read(&mut buf).await;
-            counter.fetch_add(1, Ordering::Relaxed);
-            let reply = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = conn.write_all(reply.as_bytes()).await;
-        }
-    });
+    let (old_addr, asked, _serving) = plain_peer(r#"{"replica":"old","engines":{}}"#.into()).await;
     let common = ["--peer-interval", "10s", "--scrape-interval", "60s"];
     let first = router(
         &addrs,
@@ -801,20 +810,7 @@ async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
     })
     .await;
 
-    let mut held = Vec::new();
-    for i in 0..2 {
-        let resp = post_streaming(
-            first.api(),
-            "/v1/chat/completions",
-            &chat(MODEL, &words(i * 1000, 50), true, 300),
-        )
-        .await;
-        assert_eq!(resp.status(), 200);
-        held.push(tokio::spawn(read_stream(
-            resp.into_body(),
-            Duration::from_secs(30),
-        )));
-    }
+    let held = hold_streams(&first, 2, 300).await;
     eventually(
         Duration::from_secs(3),
         "B sees A's streams long before the next 10 s poll",
@@ -841,7 +837,7 @@ async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
         "{page}"
     );
     assert_eq!(total(&page, "peer_load", Some(&engine)), 2, "{page}");
-    let asks = asked.load(Ordering::Relaxed);
+    let asks = asked.load(std::sync::atomic::Ordering::Relaxed);
     assert!(
         (1..=2).contains(&asks),
         "the old peer was asked {asks} times in a few seconds of a 10 s interval"

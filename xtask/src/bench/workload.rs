@@ -941,15 +941,20 @@ mod tests {
         assert!(p.arrivals.iter().enumerate().all(|(i, a)| a.index == i));
     }
 
-    fn plan_of(kind: WorkloadKind, seed: u64) -> Plan {
+    /// `kind`'s plan at `rate` with `warmup` + `measure` seconds.
+    fn plan_at(kind: WorkloadKind, seed: u64, rate: f64, warmup: u64, measure: u64) -> Plan {
         plan(
             &Workload::of(kind).with_population(5),
             Scale { k: 10 },
-            8.0,
-            Duration::from_secs(5),
-            Duration::from_secs(20),
+            rate,
+            Duration::from_secs(warmup),
+            Duration::from_secs(measure),
             seed,
         )
+    }
+
+    fn plan_of(kind: WorkloadKind, seed: u64) -> Plan {
+        plan_at(kind, seed, 8.0, 5, 20)
     }
 
     #[test]
@@ -968,14 +973,7 @@ mod tests {
 
     /// A long LoRA plan (about 10,000 arrivals).
     fn lora_plan(seed: u64) -> Plan {
-        plan(
-            &Workload::of(WorkloadKind::Lora).with_population(5),
-            Scale { k: 10 },
-            50.0,
-            Duration::from_secs(10),
-            Duration::from_secs(190),
-            seed,
-        )
+        plan_at(WorkloadKind::Lora, seed, 50.0, 10, 190)
     }
 
     #[test]
