@@ -76,6 +76,14 @@ pub struct ReasonLabels {
     pub reason: &'static str,
 }
 
+/// Labels of a LoRA adapter request sent.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdapterLabels {
+    /// Where its adapter stood on the engine chosen
+    /// ([`kinference_scoring::AdapterSlot::as_str`]).
+    pub slot: &'static str,
+}
+
 /// Labels of an upstream attempt that was retried elsewhere.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RetryLabels {
@@ -164,6 +172,8 @@ pub struct Metrics {
     pub prepared_from_memo: Counter,
     /// Decisions taken in panic mode (every candidate ejected).
     pub panic_decisions: Counter,
+    /// LoRA adapter requests sent, by where the adapter stood there.
+    pub adapter_requests: Family<AdapterLabels, Counter>,
     /// Requests that asked the engine to re-report the blocks they reuse
     /// (the index was recovering that engine's blocks).
     pub kv_recovery_requests: Counter,
@@ -211,6 +221,7 @@ impl Default for Metrics {
             routed_without_tokens: Counter::default(),
             prepared_from_memo: Counter::default(),
             panic_decisions: Counter::default(),
+            adapter_requests: Family::default(),
             kv_recovery_requests: Counter::default(),
             retries,
             queue_depth: Family::default(),
@@ -322,6 +333,11 @@ impl Metrics {
             self.panic_decisions.clone(),
         );
         registry.register(
+            "adapter_requests",
+            "LoRA adapter requests sent, by where the adapter stood on the engine chosen: resident (running or waiting there), free (a slot to load it into), full (every slot running another adapter), unknown (the engine exports no vllm:lora_requests_info)",
+            self.adapter_requests.clone(),
+        );
+        registry.register(
             "kv_recovery_requests",
             "Requests that asked vLLM to re-report the cached blocks they reuse, while the index recovered that engine's blocks",
             self.kv_recovery_requests.clone(),
@@ -391,6 +407,10 @@ impl Metrics {
             reason: "",
         }));
         drop(
+            self.adapter_requests
+                .get_or_create(&AdapterLabels { slot: "" }),
+        );
+        drop(
             self.decision_duration
                 .get_or_create(&DecisionLabels { policy: "" }),
         );
@@ -438,6 +458,10 @@ pub const LABELS: &[(&str, &str)] = &[
     ("routed_without_tokens", ""),
     ("prepared_from_memo", ""),
     ("panic_decisions", ""),
+    (
+        "adapter_requests",
+        "`slot` (`resident`, `free`, `full`, `unknown`)",
+    ),
     ("kv_recovery_requests", ""),
     ("retries", "`reason`"),
     ("queue_depth", "`worker_set`"),

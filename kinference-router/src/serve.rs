@@ -489,6 +489,15 @@ async fn route(
             shared.metrics.panic_decisions.inc();
         }
         let route = &prepared.routes[d.route];
+        if route.adapter.is_some() {
+            shared
+                .metrics
+                .adapter_requests
+                .get_or_create(&crate::metrics::AdapterLabels {
+                    slot: d.candidate.adapter.as_str(),
+                })
+                .inc();
+        }
         let ws = &view.worker_sets[route.target.worker_set];
         let mut headers = prepared.headers.clone();
         headers.insert(REQUEST_ID_HEADER, x.id.clone());
