@@ -315,18 +315,46 @@ struct State {
     /// credit and past heaviness no lasting penalty (start-time fair
     /// queueing).
     vtime: u64,
+    /// The tenants map's size at which [`State::bound_tenants`] next scans
+    /// it (0: [`MAX_TENANTS`]), and when it last did.
+    next_scan: usize,
+    last_scan: Option<Instant>,
 }
 
 impl State {
+    /// The tenant named `tenant`, created if new (without copying the name
+    /// of a known one).
+    fn tenant(&mut self, tenant: &str) -> &mut Tenant {
+        if !self.tenants.contains_key(tenant) {
+            self.tenants.insert(tenant.to_owned(), Tenant::default());
+        }
+        self.tenants
+            .get_mut(tenant)
+            .unwrap_or_else(|| unreachable!())
+    }
+
     /// Keeps the tenants map bounded (tenant names come from clients'
     /// headers): past [`MAX_TENANTS`], tenants with nothing waiting, not
     /// active and not ahead of the virtual time are forgotten; they would
-    /// start at the virtual time and count as inactive anyway.
+    /// start at the virtual time and count as inactive anyway. When most
+    /// are still active, the next scan waits until the map has doubled or
+    /// [`SHARE_WINDOW`] has passed (tenants only go inactive with time), so
+    /// requests do not each pay for a scan that frees nothing.
     fn bound_tenants(&mut self, now: Instant) {
-        if self.tenants.len() > MAX_TENANTS {
+        let len = self.tenants.len();
+        if len <= MAX_TENANTS {
+            return;
+        }
+        let due = len > self.next_scan
+            || self
+                .last_scan
+                .is_none_or(|t| now.saturating_duration_since(t) >= SHARE_WINDOW);
+        if due {
             let vtime = self.vtime;
             self.tenants
                 .retain(|_, t| t.waiting > 0 || t.sent > vtime || t.active(now));
+            self.next_scan = 2 * self.tenants.len();
+            self.last_scan = Some(now);
         }
     }
 }
@@ -372,36 +400,47 @@ impl Queue {
     pub fn served(&self, tenant: &str, tokens: u64, now: Instant) {
         let tokens = self.tenants.virtual_cost(tenant, tokens);
         let mut s = self.state.lock();
+        Self::send(&mut s, tenant, tokens);
+        s.bound_tenants(now);
+    }
+
+    fn send(s: &mut State, tenant: &str, tokens: u64) {
         let vtime = s.vtime;
-        let t = s.tenants.entry(tenant.to_owned()).or_default();
+        let t = s.tenant(tenant);
         if t.waiting == 0 {
             t.sent = t.sent.max(vtime);
         }
         t.sent = t.sent.saturating_add(tokens);
-        s.bound_tenants(now);
     }
 
     /// Records a request of `tenant` asking for `tokens` uncached prefill
-    /// tokens at `now`, and answers whether the tenant is ahead of its
-    /// share: another tenant active within [`SHARE_WINDOW`] asks for less
-    /// than a quarter of its recent tokens per weight. Tenants near equal shares
-    /// are not, so that sharing costs no throughput between them.
-    fn arrive(&self, tenant: &str, tokens: u64, now: Instant) -> bool {
-        let tokens = self.tenants.virtual_cost(tenant, tokens) as f64;
+    /// tokens at `now`, and, when it is sent at once (`sent`), those tokens
+    /// as served: one lock for the request that does not wait.
+    fn arrive(&self, tenant: &str, tokens: u64, now: Instant, sent: bool) {
+        let tokens = self.tenants.virtual_cost(tenant, tokens);
         let mut s = self.state.lock();
-        let t = match s.tenants.get_mut(tenant) {
-            Some(t) => t,
-            None => s.tenants.entry(tenant.to_owned()).or_default(),
-        };
-        t.recent = t.recent(now) + tokens;
+        let t = s.tenant(tenant);
+        t.recent = t.recent(now) + tokens as f64;
         t.at = Some(now);
-        let mine = t.recent;
-        let ahead = s
-            .tenants
-            .iter()
-            .any(|(name, t)| name != tenant && t.active(now) && 4.0 * t.recent(now) < mine);
+        if sent {
+            Self::send(&mut s, tenant, tokens);
+        }
         s.bound_tenants(now);
-        ahead
+    }
+
+    /// Whether `tenant` is ahead of its share at `now`: another tenant
+    /// active within [`SHARE_WINDOW`] asks for less than a quarter of its
+    /// recent tokens per weight. Tenants near equal shares are not, so that
+    /// sharing costs no throughput between them. A scan of the tenants:
+    /// asked only for a request that waits.
+    fn ahead_of_share(&self, tenant: &str, now: Instant) -> bool {
+        let s = self.state.lock();
+        let Some(mine) = s.tenants.get(tenant).map(|t| t.recent(now)) else {
+            return false;
+        };
+        s.tenants
+            .iter()
+            .any(|(name, t)| name != tenant && t.active(now) && 4.0 * t.recent(now) < mine)
     }
 
     fn join(
@@ -417,7 +456,7 @@ impl Queue {
             return None;
         }
         let vtime = s.vtime;
-        let t = s.tenants.entry(class.tenant.clone()).or_default();
+        let t = s.tenant(&class.tenant);
         if t.waiting == 0 {
             t.sent = t.sent.max(vtime);
         }
@@ -690,11 +729,12 @@ impl Gate {
         let start = Instant::now();
         let fastest = fastest_ms(&first);
         let cost = u64::from(first.choice.uncached_tokens());
-        let ahead = q.arrive(tenant, cost, start);
-        if fastest <= self.bound(start) && q.depth() == 0 {
-            q.served(tenant, cost, start);
+        let at_once = fastest <= self.bound(start) && q.depth() == 0;
+        q.arrive(tenant, cost, start, at_once);
+        if at_once {
             return Ok(first);
         }
+        let ahead = q.ahead_of_share(tenant, start);
         drop(first);
         let deadline = self.deadline();
         if start >= deadline {
@@ -880,6 +920,15 @@ mod tests {
         );
     }
 
+    impl Queue {
+        /// A request of `tenant` that waits: recorded, then whether it is
+        /// ahead of its share.
+        fn arrive_waiting(&self, tenant: &str, tokens: u64, now: Instant) -> bool {
+            self.arrive(tenant, tokens, now, false);
+            self.ahead_of_share(tenant, now)
+        }
+    }
+
     #[test]
     fn a_tenant_is_ahead_of_its_share_only_while_one_far_behind_it_is_active() {
         let q = Queue::default();
@@ -887,54 +936,54 @@ mod tests {
         let ms = Duration::from_millis;
         // Alone, the heavy tenant is never ahead, however much it asks.
         for i in 0..20 {
-            assert!(!q.arrive("heavy", 5_000, t0 + ms(100 * i)));
+            assert!(!q.arrive_waiting("heavy", 5_000, t0 + ms(100 * i)));
         }
         // A light tenant appears: it is not ahead; the heavy one, asking
         // ten times its tokens, is.
         let t1 = t0 + ms(2_000);
-        assert!(!q.arrive("light", 5_000, t1));
-        assert!(q.arrive("heavy", 5_000, t1 + ms(100)));
-        assert!(!q.arrive("light", 5_000, t1 + ms(1_000)));
+        assert!(!q.arrive_waiting("light", 5_000, t1));
+        assert!(q.arrive_waiting("heavy", 5_000, t1 + ms(100)));
+        assert!(!q.arrive_waiting("light", 5_000, t1 + ms(1_000)));
         // A flood that starts beside a steady tenant is seen within a
         // second: the steady one asked for 5,000 tokens a second for 10 s.
         let q = Queue::default();
         for i in 0..10 {
-            assert!(!q.arrive("steady", 5_000, t0 + ms(1_000 * i)));
+            assert!(!q.arrive_waiting("steady", 5_000, t0 + ms(1_000 * i)));
         }
         let flood = t0 + ms(10_000);
         let ahead: Vec<bool> = (0..10)
-            .map(|i| q.arrive("flood", 5_000, flood + ms(100 * i)))
+            .map(|i| q.arrive_waiting("flood", 5_000, flood + ms(100 * i)))
             .collect();
         assert!(ahead[9], "{ahead:?}");
-        assert!(!q.arrive("steady", 5_000, flood + ms(1_000)));
+        assert!(!q.arrive_waiting("steady", 5_000, flood + ms(1_000)));
         // Near equal shares: neither is.
         let q = Queue::default();
         for i in 0..10 {
-            assert!(!q.arrive("a", 5_000, t0 + ms(100 * i)));
-            assert!(!q.arrive("b", 5_000, t0 + ms(100 * i + 50)));
+            assert!(!q.arrive_waiting("a", 5_000, t0 + ms(100 * i)));
+            assert!(!q.arrive_waiting("b", 5_000, t0 + ms(100 * i + 50)));
         }
         // Weights count: a tenant of weight 10 asking ten times the tokens
         // is at its share.
         let q = Queue::new(Tenants::from_spec(&[tenant("big", Some(10), &[])]));
-        assert!(!q.arrive("small", 5_000, t0));
-        assert!(!q.arrive("big", 50_000, t0));
+        assert!(!q.arrive_waiting("small", 5_000, t0));
+        assert!(!q.arrive_waiting("big", 50_000, t0));
         // Tenant names from headers cannot grow the map without bound.
         let q = Queue::default();
         for i in 0..(MAX_TENANTS + 100) {
-            q.arrive(&format!("t{i}"), 1, t0);
+            q.arrive_waiting(&format!("t{i}"), 1, t0);
         }
         let later = t0 + SHARE_WINDOW + ms(1);
-        q.arrive("last", 1, later);
+        q.arrive_waiting("last", 1, later);
         assert!(
             q.state.lock().tenants.len() <= MAX_TENANTS,
             "forgotten when idle"
         );
         // A tenant gone quiet for the window no longer holds the other back.
         let q = Queue::default();
-        assert!(!q.arrive("light", 1_000, t0));
-        assert!(q.arrive("heavy", 50_000, t0));
+        assert!(!q.arrive_waiting("light", 1_000, t0));
+        assert!(q.arrive_waiting("heavy", 50_000, t0));
         let later = t0 + SHARE_WINDOW + ms(1);
-        assert!(!q.arrive("heavy", 50_000, later));
+        assert!(!q.arrive_waiting("heavy", 50_000, later));
     }
 
     #[test]
