@@ -25,7 +25,6 @@ use kinference_scoring::{CacheSource, Request};
 use serde_json::Value;
 use tokio::time::Instant;
 
-use crate::endpoint::Endpoint;
 use crate::memo::{self, Memo};
 use crate::openai::{self, ApiError, Fields};
 use crate::state::Shared;
@@ -236,8 +235,7 @@ async fn route(
     let ws = &view.worker_sets[target.worker_set];
     let rt = &ws.runtime;
     let block_size = ws.route.kv_block_size.max(1);
-    let endpoints = ws.serving(&target.model, Instant::now(), &[]);
-    let lora = lora_name(&endpoints, &target.model);
+    let lora = ws.adapter(&target.model);
     if !api.cache_aware() {
         // Passed through and routed on load: the body's size stands for
         // its prefill work.
@@ -255,6 +253,7 @@ async fn route(
             adapter: lora.clone(),
         };
     }
+    let endpoints = ws.serving(&target.model, Instant::now(), &[]);
     let mode = rt.effective_mode();
     let memo_key = (mode != TokenizationMode::Approximate).then(|| {
         memo::key(
@@ -356,16 +355,6 @@ async fn route(
         block_keys: Arc::new([]),
         adapter: lora.clone(),
     }
-}
-
-/// The LoRA adapter name when the model is an adapter: the first endpoint
-/// that lists the model says, by its card's parent.
-fn lora_name(endpoints: &[Arc<Endpoint>], model: &str) -> Option<Arc<str>> {
-    endpoints
-        .iter()
-        .find_map(|e| e.models().into_iter().find(|m| m.id == model))
-        .filter(|m| m.parent.is_some())
-        .map(|m| Arc::from(m.id))
 }
 
 fn xxhash_seed(model: &str, lora: Option<&str>) -> u64 {

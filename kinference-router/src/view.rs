@@ -29,9 +29,17 @@ pub struct WorkerSetView {
     pub runtime: Arc<WsRuntime>,
     /// Its name as a header value (`x-kinference-worker-set`).
     pub name_header: Option<http::HeaderValue>,
+    /// The models its engines list as LoRA adapters (a card with a
+    /// parent), by name.
+    adapters: HashMap<String, Arc<str>>,
 }
 
 impl WorkerSetView {
+    /// `model` as a LoRA adapter name, when the engines list it as one.
+    pub fn adapter(&self, model: &str) -> Option<Arc<str>> {
+        self.adapters.get(model).cloned()
+    }
+
     /// The endpoints that may take a request for `model` at `now`: not
     /// ejected, not in `excluded`, and serving `model` (or not yet known to
     /// serve anything).
@@ -110,7 +118,7 @@ impl View {
             if !route.profile_known() {
                 continue;
             }
-            let endpoints = route
+            let endpoints: Vec<Arc<Endpoint>> = route
                 .endpoints
                 .iter()
                 .filter_map(|e| {
@@ -122,11 +130,21 @@ impl View {
                         .cloned()
                 })
                 .collect();
+            let adapters = endpoints
+                .iter()
+                .flat_map(|e| e.models())
+                .filter(|m| m.parent.is_some())
+                .map(|m| {
+                    let name: Arc<str> = Arc::from(m.id.as_str());
+                    (m.id, name)
+                })
+                .collect();
             worker_sets.push(WorkerSetView {
                 name_header: http::HeaderValue::from_str(&route.name).ok(),
                 route: route.clone(),
                 endpoints,
                 runtime: runtime(route),
+                adapters,
             });
         }
 
@@ -253,13 +271,22 @@ mod tests {
         );
         for e in reg.all() {
             if e.key.address == "10.0.0.3" {
-                e.set_models(Ok(vec![DiscoveredModel {
-                    id: "google/gemma".into(),
-                    max_model_len: Some(8192),
-                    parent: None,
-                    root: None,
-                    owned_by: None,
-                }]));
+                e.set_models(Ok(vec![
+                    DiscoveredModel {
+                        id: "google/gemma".into(),
+                        max_model_len: Some(8192),
+                        parent: None,
+                        root: None,
+                        owned_by: None,
+                    },
+                    DiscoveredModel {
+                        id: "sql".into(),
+                        max_model_len: Some(8192),
+                        parent: Some("google/gemma".into()),
+                        root: Some("/adapters/sql".into()),
+                        owned_by: None,
+                    },
+                ]));
             }
         }
         let rt = Arc::new(WsRuntime::new(
@@ -288,8 +315,14 @@ mod tests {
         assert_eq!(view.resolve("google/gemma").unwrap()[0].worker_set, 1);
         assert!(view.resolve("nope").is_none());
 
+        // A card with a parent is a LoRA adapter of that worker set.
+        assert_eq!(view.resolve("sql").unwrap()[0].worker_set, 1);
+        assert_eq!(view.worker_sets[1].adapter("sql").as_deref(), Some("sql"));
+        assert_eq!(view.worker_sets[1].adapter("google/gemma"), None);
+        assert_eq!(view.worker_sets[0].adapter("sql"), None);
+
         let ids: Vec<&str> = view.cards.iter().map(|c| c.id.as_str()).collect();
-        assert_eq!(ids, ["Qwen/Qwen3-8B", "google/gemma", "q", "qwen"]);
+        assert_eq!(ids, ["Qwen/Qwen3-8B", "google/gemma", "q", "qwen", "sql"]);
         assert_eq!(view.cards[1].max_model_len, Some(8192));
         assert_eq!(view.cards[3].root, "Qwen/Qwen3-8B");
     }
