@@ -133,10 +133,9 @@ pub async fn get(
     })?
 }
 
-/// Reads the load figures of a `/metrics` answer (vLLM or SGLang names)
-/// read at `at`.
-pub fn scraped(text: &str, at: Instant) -> Scraped {
-    let l = engine::parse_load(text);
+/// The load figures of a `/metrics` answer (vLLM or SGLang names) read at
+/// `at`.
+pub fn scraped(l: &engine::LoadFigures, at: Instant) -> Scraped {
     Scraped {
         running: l.running,
         waiting: l.waiting,
@@ -302,15 +301,13 @@ pub fn spawn(
                 {
                     Ok(b) => {
                         let after = endpoint.load.snapshot();
-                        let text = String::from_utf8_lossy(&b);
                         let at = Instant::now();
-                        let mut s = scraped(&text, at);
+                        let (load, adapters) = engine::parse_scrape(&String::from_utf8_lossy(&b));
+                        let mut s = scraped(&load, at);
                         s.own_requests = before.requests.max(after.requests);
                         s.own_prefilling = before.prefilling.max(after.prefilling);
                         endpoint.set_scraped(s);
-                        endpoint
-                            .adapters
-                            .set_scraped(engine::parse_adapters(&text), at);
+                        endpoint.adapters.set_scraped(adapters, at);
                     }
                     Err(e) => {
                         tracing::debug!(endpoint = %endpoint.authority, error = %e, "metrics scrape failed");
@@ -333,19 +330,16 @@ mod tests {
 
     #[test]
     fn scrapes_read_the_shared_parser() {
-        let s = scraped(
+        let read = |text: &str| scraped(&engine::parse_scrape(text).0, Instant::now());
+        let s = read(
             "vllm:num_requests_running{engine=\"0\"} 3 1767225600000\nvllm:num_requests_waiting{engine=\"0\"} 2\n",
-            Instant::now(),
         );
         assert!(
             (s.running - 3.0).abs() < 1e-9,
             "a trailing timestamp is not the value"
         );
         assert!((s.waiting - 2.0).abs() < 1e-9);
-        let s = scraped(
-            "sglang:num_running_reqs 4\nsglang:token_usage 0.5\n",
-            Instant::now(),
-        );
+        let s = read("sglang:num_running_reqs 4\nsglang:token_usage 0.5\n");
         assert!((s.running - 4.0).abs() < 1e-9 && (s.kv_usage - 0.5).abs() < 1e-9);
     }
 }

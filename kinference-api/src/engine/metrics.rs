@@ -76,30 +76,7 @@ pub struct LoadFigures {
 /// Reads the load figures of an engine's `/metrics` text. Unknown lines
 /// are ignored.
 pub fn parse_load(text: &str) -> LoadFigures {
-    let mut l = LoadFigures::default();
-    for s in samples(text) {
-        let family = EngineFamily::of(s.name);
-        if family == EngineFamily::Unknown {
-            continue;
-        }
-        l.family = family;
-        let v = if s.value.is_finite() { s.value } else { 0.0 };
-        match s.name {
-            "vllm:num_requests_running" | "sglang:num_running_reqs" => l.running += v,
-            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => l.waiting += v,
-            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
-                l.kv_usage = l.kv_usage.max(v.clamp(0.0, 1.0));
-            }
-            "vllm:admission_rejections_total" => l.admission_rejections += v,
-            "vllm:cache_config_info" => {
-                if let Some(b) = s.label("block_size").and_then(|b| b.parse().ok()) {
-                    l.block_size = Some(b);
-                }
-            }
-            _ => {}
-        }
-    }
-    l
+    parse_scrape(text).0
 }
 
 /// The LoRA adapters an engine runs, from vLLM's `vllm:lora_requests_info`
@@ -123,43 +100,74 @@ impl AdapterFigures {
             .chain(&self.waiting)
             .any(|a| a == adapter)
     }
+
+    /// The figures of one `vllm:lora_requests_info` sample.
+    fn of(s: &Sample<'_>) -> Self {
+        let list = |key: &str| -> Vec<String> {
+            let mut out: Vec<String> = Vec::new();
+            for name in s.label(key).unwrap_or("").split(',') {
+                let name = unescape(name.trim());
+                if !name.is_empty() && !out.contains(&name) {
+                    out.push(name);
+                }
+            }
+            out
+        };
+        Self {
+            max_loras: s
+                .label("max_lora")
+                .and_then(|m| m.trim().parse().ok())
+                .unwrap_or(0),
+            running: list("running_lora_adapters"),
+            waiting: list("waiting_lora_adapters"),
+        }
+    }
 }
 
 /// Reads `vllm:lora_requests_info` from an engine's `/metrics` text: `None`
-/// when the engine exports none (no adapters, or not vLLM).
-///
-/// vLLM sets the gauge to the current Unix time under labels naming the
-/// adapters, and a label combination set once stays in the output with its
-/// old time: the series with the largest value is the current one.
+/// when the engine exports none (no adapters, or not vLLM). See
+/// [`parse_scrape`].
 pub fn parse_adapters(text: &str) -> Option<AdapterFigures> {
-    let mut best: Option<(f64, Sample<'_>)> = None;
+    parse_scrape(text).1
+}
+
+/// The load figures and the LoRA adapters of an engine's `/metrics` text, in
+/// one pass over it (what a router's scrape reads).
+///
+/// vLLM sets `vllm:lora_requests_info` to the current Unix time under labels
+/// naming the adapters, and a label combination set once stays in the output
+/// with its old time: the series with the largest value is the current one.
+pub fn parse_scrape(text: &str) -> (LoadFigures, Option<AdapterFigures>) {
+    let mut l = LoadFigures::default();
+    let mut lora: Option<(f64, Sample<'_>)> = None;
     for s in samples(text) {
-        if s.name != "vllm:lora_requests_info" || s.value.is_nan() {
+        let family = EngineFamily::of(s.name);
+        if family == EngineFamily::Unknown {
             continue;
         }
-        if best.as_ref().is_none_or(|(v, _)| s.value > *v) {
-            best = Some((s.value, s));
+        l.family = family;
+        let v = if s.value.is_finite() { s.value } else { 0.0 };
+        match s.name {
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => l.running += v,
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => l.waiting += v,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" | "sglang:token_usage" => {
+                l.kv_usage = l.kv_usage.max(v.clamp(0.0, 1.0));
+            }
+            "vllm:admission_rejections_total" => l.admission_rejections += v,
+            "vllm:cache_config_info" => {
+                if let Some(b) = s.label("block_size").and_then(|b| b.parse().ok()) {
+                    l.block_size = Some(b);
+                }
+            }
+            "vllm:lora_requests_info"
+                if !s.value.is_nan() && lora.as_ref().is_none_or(|(t, _)| s.value > *t) =>
+            {
+                lora = Some((s.value, s));
+            }
+            _ => {}
         }
     }
-    let (_, s) = best?;
-    let list = |key: &str| -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
-        for name in s.label(key).unwrap_or("").split(',') {
-            let name = unescape(name.trim());
-            if !name.is_empty() && !out.contains(&name) {
-                out.push(name);
-            }
-        }
-        out
-    };
-    Some(AdapterFigures {
-        max_loras: s
-            .label("max_lora")
-            .and_then(|m| m.trim().parse().ok())
-            .unwrap_or(0),
-        running: list("running_lora_adapters"),
-        waiting: list("waiting_lora_adapters"),
-    })
+    (l, lora.map(|(_, s)| AdapterFigures::of(&s)))
 }
 
 /// A label value as the text format escapes it (`\\`, `\"`, `\n`), unescaped.
@@ -368,6 +376,9 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
         assert_eq!(a.running, ["sql", "math"]);
         assert_eq!(a.waiting, ["chat"]);
         assert!(a.has("chat") && a.has("sql") && !a.has("other"));
+        let (load, adapters) = parse_scrape(text);
+        assert!((load.running - 3.0).abs() < 1e-9, "one pass reads both");
+        assert_eq!(adapters, Some(a.clone()));
         assert_eq!(parse_adapters(VLLM), None, "no adapters configured");
         // Escaped names come back unescaped; a missing max_lora reads 0.
         let odd = r#"vllm:lora_requests_info{waiting_lora_adapters="",running_lora_adapters="a\\b,a\\b, c"} 5"#;

@@ -14,7 +14,7 @@
 //! | engine endpoint | reader | result |
 //! |---|---|---|
 //! | `/v1/models` | [`parse_models`] | [`ModelCard`]s |
-//! | `/metrics` | [`prometheus::samples`], [`parse_load`], [`parse_counters`] | [`LoadFigures`], [`EngineCounters`] |
+//! | `/metrics` | [`prometheus::samples`], [`parse_load`], [`parse_adapters`] (both in one pass: [`parse_scrape`]), [`parse_counters`] | [`LoadFigures`], [`AdapterFigures`], [`EngineCounters`] |
 //! | `/kv_event_sources` | [`parse_kv_event_sources`] | [`KvSource`]s by DP rank |
 //! | `/server_info` | [`parse_server_info`] | [`ServerInfo`] (block width, DP ranks, KV publisher) |
 
@@ -25,7 +25,7 @@ mod sources;
 
 pub use metrics::{
     AdapterFigures, EngineActivity, EngineCounters, EngineFamily, LoadFigures, parse_adapters,
-    parse_counters, parse_load,
+    parse_counters, parse_load, parse_scrape,
 };
 pub use models::{ModelCard, Version, parse_models, parse_version};
 pub use sources::{KvSource, ServerInfo, parse_kv_event_sources, parse_server_info, publishers};
