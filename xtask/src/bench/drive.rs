@@ -564,75 +564,37 @@ pub(crate) async fn stream(
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Mutex;
-
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    use tokio::net::TcpListener;
-
     use super::*;
     use crate::bench::workload::Arrival;
+    use kinference_sim::{LoraModule, SimConfig, SimEngine};
 
-    /// A server answering every completion with one token, recording the
-    /// bodies it was sent.
-    async fn recording_server() -> (String, Arc<Mutex<Vec<Value>>>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("binds");
-        let base = format!("http://{}", listener.local_addr().expect("addr"));
-        let bodies = Arc::new(Mutex::new(Vec::new()));
-        let seen = bodies.clone();
-        tokio::spawn(async move {
-            while let Ok((mut sock, _)) = listener.accept().await {
-                let seen = seen.clone();
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    loop {
-                        // One request: headers, then content-length bytes.
-                        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                            match sock.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                            }
-                            continue;
-                        };
-                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                        let len: usize = head
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        while buf.len() < end + 4 + len {
-                            match sock.read(&mut chunk).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                            }
-                        }
-                        let body: Vec<u8> = buf.drain(..end + 4 + len).skip(end + 4).collect();
-                        if let Ok(v) = serde_json::from_slice(&body) {
-                            seen.lock().expect("lock").push(v);
-                        }
-                        let sse = "data: {\"choices\":[{\"text\":\"w1\"}]}\n\ndata: [DONE]\n\n";
-                        let resp = format!(
-                            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\n\r\n{sse}",
-                            sse.len()
-                        );
-                        if sock.write_all(resp.as_bytes()).await.is_err() {
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        (base, bodies)
-    }
-
-    #[tokio::test]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn each_request_names_its_adapter_or_the_base_model() {
-        let (base, bodies) = recording_server().await;
+        // A real simulated engine serving two adapters: it records which
+        // adapter each request named.
+        let sim = SimEngine::spawn(SimConfig {
+            lora: kinference_sim::LoraConfig {
+                modules: vec![
+                    LoraModule::new("lora-2", "/adapters/lora-2"),
+                    LoraModule::new("lora-7", "/adapters/lora-7"),
+                ],
+                max_loras: 2,
+                ..kinference_sim::LoraConfig::default()
+            },
+            ..SimConfig::default()
+        })
+        .await
+        .expect("the simulator starts");
+        let base = sim.model().to_owned();
+        // Prompts of 3, 4, 5 and 6 words tell the requests apart.
         let arrival = |index: usize, model: Option<&'static str>| Arrival {
             index,
             at: Duration::from_millis(index as u64),
             body: Body::Completion {
-                prompt: format!("w{index}"),
+                prompt: (0..index + 3)
+                    .map(|w| format!("w{w}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
                 max_tokens: 1,
             },
             label: format!("a{index}"),
@@ -652,34 +614,23 @@ mod tests {
         };
         let (samples, ()) = drive(
             &plan,
-            &Route::Router(base, false),
-            "base/model",
-            Duration::from_secs(5),
+            &Route::Router(sim.base_url(), false),
+            &base,
+            Duration::from_secs(10),
             || async {},
         )
         .await;
         assert!(samples.iter().all(|s| s.ok), "{samples:?}");
-        let mut sent: Vec<(String, String)> = bodies
-            .lock()
-            .expect("lock")
-            .iter()
-            .map(|b| {
-                (
-                    b["prompt"].as_str().unwrap_or_default().to_owned(),
-                    b["model"].as_str().unwrap_or_default().to_owned(),
-                )
-            })
+        // Adapter i of `--lora-modules` is vLLM's lora_id i + 1.
+        let mut served: Vec<(usize, Option<u32>)> = sim
+            .recent_requests()
+            .into_iter()
+            .flatten()
+            .map(|r| (r.prompt_tokens, r.lora_id))
             .collect();
-        sent.sort();
-        let want: Vec<(String, String)> = [
-            ("w0", "base/model"),
-            ("w1", "lora-2"),
-            ("w2", "base/model"),
-            ("w3", "lora-7"),
-        ]
-        .iter()
-        .map(|(p, m)| ((*p).to_owned(), (*m).to_owned()))
-        .collect();
-        assert_eq!(sent, want);
+        served.sort_unstable();
+        let adapters: Vec<Option<u32>> = served.iter().map(|(_, l)| *l).collect();
+        assert_eq!(adapters, [None, Some(1), None, Some(2)], "{served:?}");
+        sim.shutdown().await;
     }
 }
