@@ -145,7 +145,9 @@ fn read_hashes(r: &mut Reader<'_>) -> Result<Vec<BlockHash>, MsgError> {
     }
     let n = r.read_array_len()?;
     let mut v = Vec::with_capacity(n);
-    for _ in 0..n {
+    // vLLM's default: every hash a uint64 (0xcf); the rest one by one.
+    r.read_u64_run(n, |h| v.push(BlockHash::Uint(h)));
+    while v.len() < n {
         v.push(read_hash(r)?);
     }
     Ok(v)
@@ -212,6 +214,10 @@ fn read_extra_keys(
         }
         Kind::Array => {
             let n = r.read_array_len()?;
+            // What vLLM sends for blocks without extras: a nil per block.
+            if r.skip_nil_run(n) {
+                return Ok(Some(vec![None; n]));
+            }
             let mut out = Vec::with_capacity(n);
             for _ in 0..n {
                 if r.try_nil()? {
@@ -542,6 +548,79 @@ mod tests {
             decode_batch(&[0x91, 0xcb]),
             Err(DecodeError::ShortBatch(1))
         ));
+    }
+
+    /// The runs the decoder takes whole (uint64 hashes, nil extra keys)
+    /// end where another form starts, and the rest is read as before.
+    #[test]
+    fn hash_and_nil_runs_stop_at_other_forms() {
+        let mut w = Writer::default();
+        w.array(3);
+        w.f64(1.0);
+        w.array(2);
+        w.map(4);
+        w.str("type");
+        w.str("BlockStored");
+        w.str("block_hashes");
+        w.array(5);
+        w.uint(1 << 40);
+        w.uint(u64::MAX);
+        w.uint(7); // fixint: ends the run
+        w.int(-3);
+        w.bin(&[1, 2]);
+        w.str("block_size");
+        w.uint(16);
+        w.str("extra_keys");
+        w.array(4);
+        w.nil();
+        w.nil();
+        w.array(1);
+        w.str("salt");
+        w.nil();
+        w.map(4);
+        w.str("type");
+        w.str("BlockStored");
+        w.str("block_hashes");
+        w.array(0);
+        w.str("block_size");
+        w.uint(16);
+        w.str("extra_keys");
+        w.array(19);
+        for _ in 0..19 {
+            w.nil();
+        }
+        // The rank, nil: one more nil than the list holds is not eaten.
+        w.nil();
+        let b = decode_batch(w.bytes()).expect("decodes");
+        assert!(b.has_rank_field);
+        assert_eq!(b.dp_rank, None);
+        let [KvEvent::BlockStored(a), KvEvent::BlockStored(c)] = &b.events[..] else {
+            panic!("two stores: {:?}", b.events)
+        };
+        assert_eq!(
+            a.block_hashes,
+            [
+                BlockHash::Uint(1 << 40),
+                BlockHash::Uint(u64::MAX),
+                BlockHash::Uint(7),
+                BlockHash::Int(-3),
+                BlockHash::Bytes(vec![1, 2]),
+            ]
+        );
+        assert_eq!(
+            a.extra_keys,
+            Some(vec![
+                None,
+                None,
+                Some(vec![Value::Str("salt".into())]),
+                None
+            ])
+        );
+        assert_eq!(c.extra_keys, Some(vec![None; 19]));
+        assert!(c.block_hashes.is_empty());
+        // A list cut inside its nils is an error, not a shorter list.
+        let cut = &w.bytes()[..w.bytes().len() - 5];
+        assert!(decode_batch(cut).is_err());
     }
 
     #[test]

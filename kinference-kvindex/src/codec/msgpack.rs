@@ -74,6 +74,18 @@ const U32_CLASS: [(u8, u32); 256] = {
     t
 };
 
+/// 1 for the markers [`Reader::read_u32s`]'s segmented path takes
+/// (fixint, uint8, uint16, uint32), 0 for the rest.
+const MARKER_OK: [u8; 256] = {
+    let mut t = [0u8; 256];
+    let mut m = 0;
+    while m < 256 {
+        t[m] = (U32_CLASS[m].0 != 0) as u8;
+        m += 1;
+    }
+    t
+};
+
 /// A cursor over a MessagePack byte slice.
 #[derive(Debug, Clone)]
 pub(crate) struct Reader<'a> {
@@ -200,6 +212,47 @@ impl<'a> Reader<'a> {
         Some(u64::from_be_bytes(a))
     }
 
+    /// Up to `n` uint64s written with the 0xcf marker, while that is
+    /// the next marker, each given to `f`; returns how many were read.
+    #[inline]
+    pub(crate) fn read_u64_run(&mut self, n: usize, mut f: impl FnMut(u64)) -> usize {
+        let rest = self.buf.get(self.pos..).unwrap_or_default();
+        let mut taken = 0;
+        for chunk in rest.chunks_exact(9).take(n) {
+            let Some((&0xcf, v)) = chunk.split_first() else {
+                break;
+            };
+            let mut a = [0u8; 8];
+            a.copy_from_slice(v);
+            f(u64::from_be_bytes(a));
+            taken += 1;
+        }
+        self.pos += taken * 9;
+        taken
+    }
+
+    /// Consumes `n` nils if the next `n` values are all nil; returns
+    /// whether it did (nothing is consumed otherwise).
+    pub(crate) fn skip_nil_run(&mut self, n: usize) -> bool {
+        const NILS: u64 = 0xc0c0_c0c0_c0c0_c0c0;
+        let Some(run) = self
+            .pos
+            .checked_add(n)
+            .and_then(|end| self.buf.get(self.pos..end))
+        else {
+            return false;
+        };
+        let mut words = run.chunks_exact(8);
+        let all = words
+            .by_ref()
+            .all(|w| u64::from_ne_bytes(w.try_into().unwrap_or_default()) == NILS)
+            && words.remainder().iter().all(|&b| b == 0xc0);
+        if all {
+            self.pos += n;
+        }
+        all
+    }
+
     pub(crate) fn read_int(&mut self) -> Result<Int, MsgError> {
         let at = self.pos;
         let m = self.byte()?;
@@ -226,13 +279,92 @@ impl<'a> Reader<'a> {
     pub(crate) fn read_u32s(&mut self, n: usize, out: &mut Vec<u32>) -> Result<(), MsgError> {
         let start = out.len();
         out.resize(start + n, 0);
+        let at = self.pos;
+        let done = self.read_u32s_segmented(&mut out[start..]);
+        if done.is_none() {
+            // A marker the fast paths do not take: read them all again
+            // with the checked reader, which reports where it is.
+            self.pos = at;
+            self.read_u32s_checked(&mut out[start..])?;
+        }
+        Ok(())
+    }
+
+    /// The fast path of [`read_u32s`](Self::read_u32s): token ids are
+    /// fixint, uint8, uint16 or uint32 (1, 2, 3 or 5 bytes), so where the
+    /// next one starts depends on the marker of this one. Following that
+    /// chain marker by marker (load, look up, add) is what bounds the
+    /// speed, so the length every byte would have as a marker is worked
+    /// out first for a segment of bytes, eight at a time and independently
+    /// of each other; the chain is then one byte load and one add per id,
+    /// and each value is read beside it. Ids left near the end of the
+    /// buffer are read one by one. Returns `None`, having consumed nothing
+    /// that matters, at the first marker of another encoding.
+    fn read_u32s_segmented(&mut self, out: &mut [u32]) -> Option<()> {
+        const SEG: usize = 512;
+        const ONES: u64 = 0x0101_0101_0101_0101;
+        let buf = self.buf;
+        let mut lens = [0u8; SEG];
+        let mut pos = self.pos;
+        let mut i = 0;
+        let mut invalid = 0u8;
+        while i < out.len() {
+            // Room for the segment and an 8-byte read at its last marker;
+            // no more than the ids left can take (5 bytes each).
+            let room = buf.len().saturating_sub(pos + 8);
+            let seg_len = room.min(SEG).min((out.len() - i) * 5 + 7) & !7;
+            if seg_len < 8 {
+                break;
+            }
+            let seg = &buf[pos..pos + seg_len + 8];
+            for (src, dst) in seg[..seg_len].chunks_exact(8).zip(lens.chunks_exact_mut(8)) {
+                // Per byte b: 1 below 0x80 (fixint), else by b & 3:
+                // 0xcc → 2, 0xcd → 3, 0xce → 5 (other markers get some
+                // length and are caught by `MARKER_OK` below).
+                let x = u64::from_le_bytes(src.try_into().ok()?);
+                let high = ((x >> 7) & ONES) * 0xff;
+                let low = x & (ONES * 3);
+                let wide = low + ONES * 2 + ((low >> 1) & !low & ONES);
+                let len = (wide & high) | (ONES & !high);
+                dst.copy_from_slice(&len.to_le_bytes());
+            }
+            let mut p = 0;
+            while p < seg_len && i < out.len() {
+                let len = usize::from(lens[p]);
+                let w = u64::from_be_bytes(seg[p..p + 8].try_into().ok()?);
+                let bits = (len * 8) as u32;
+                let mask = ((1u64 << (bits - 8)) - 1) | 0xff;
+                out[i] = ((w >> (64 - bits)) & mask) as u32;
+                invalid |= MARKER_OK[(w >> 56) as usize] ^ 1;
+                p += len;
+                i += 1;
+            }
+            pos += p;
+        }
+        if invalid != 0 {
+            return None;
+        }
+        while i < out.len() {
+            let w = u64::from_be_bytes(buf.get(pos..pos + 8)?.try_into().ok()?);
+            let (len, mask) = U32_CLASS[(w >> 56) as usize];
+            if len == 0 {
+                return None;
+            }
+            out[i] = (w >> (64 - 8 * u32::from(len))) as u32 & mask;
+            pos += usize::from(len);
+            i += 1;
+        }
+        self.pos = pos;
+        Some(())
+    }
+
+    /// `out.len()` unsigned integers that fit u32, each read and checked
+    /// by [`read_u32`](Self::read_u32), the common encodings first through
+    /// the marker table.
+    fn read_u32s_checked(&mut self, out: &mut [u32]) -> Result<(), MsgError> {
         let buf = self.buf;
         let mut pos = self.pos;
-        let mut i = start;
-        // Token ids come as fixint, uint8, uint16 or uint32 (1, 2, 3 or 5
-        // bytes): read 8 bytes big-endian and take the value and length by
-        // the marker, without a branch per marker (the mix of uint16 and
-        // uint32 ids is unpredictable).
+        let mut i = 0;
         while i < out.len() {
             let Some(chunk) = buf.get(pos..pos + 8) else {
                 break;
@@ -591,7 +723,87 @@ impl Writer {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    /// Token ids written the way `kind` says (some not minimal, some not
+    /// fitting u32 or signed), for `read_u32s` against `read_u32`.
+    fn encode_id(w: &mut Writer, v: u32, kind: u8) {
+        let b = &mut w.buf;
+        let written = match kind {
+            1 => encode::write_u8(b, v as u8).is_ok(),
+            2 => encode::write_u16(b, v as u16).is_ok(),
+            3 => encode::write_u32(b, v).is_ok(),
+            4 => encode::write_u64(b, u64::from(v)).is_ok(),
+            5 => encode::write_i32(b, v as i32).is_ok(),
+            6 => encode::write_pfix(b, (v & 0x7f) as u8).is_ok(),
+            7 => encode::write_u64(b, u64::from(v) << 32).is_ok(),
+            8 => encode::write_f32(b, v as f32).is_ok(),
+            _ => encode::write_uint(b, u64::from(v)).is_ok(),
+        };
+        assert!(written);
+    }
+
+    /// The reference: `read_u32` once per id.
+    fn one_by_one(bytes: &[u8], n: usize) -> (Result<Vec<u32>, MsgError>, usize) {
+        let mut r = Reader::new(bytes);
+        let out = (0..n).map(|_| r.read_u32()).collect();
+        (out, r.pos)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        /// The segmented fast path reads what `read_u32` reads one by one
+        /// (values, position, and the same error on a bad or cut input),
+        /// for every mix of encodings, with or without bytes after them.
+        #[test]
+        fn read_u32s_equals_reading_one_by_one(
+            ids in prop::collection::vec(
+                (any::<u32>(), prop_oneof![6 => Just(0u8), 1 => 0u8..9]),
+                0..700,
+            ),
+            small in any::<bool>(),
+            extra in 0usize..3,
+            tail in prop::collection::vec(any::<u8>(), 0..40),
+            cut in any::<prop::sample::Index>(),
+            do_cut in prop::bool::weighted(0.2),
+            flip in prop::option::weighted(0.2, (any::<prop::sample::Index>(), any::<u8>())),
+        ) {
+            let mut w = Writer::default();
+            for &(v, kind) in &ids {
+                // Mostly ids as vocabularies have them (below 2^18).
+                let v = if small { v % 150_000 } else { v };
+                encode_id(&mut w, v, kind);
+            }
+            let mut bytes = w.into_vec();
+            bytes.extend_from_slice(&tail);
+            if do_cut && !bytes.is_empty() {
+                bytes.truncate(cut.index(bytes.len()));
+            }
+            if let Some((at, b)) = flip
+                && !bytes.is_empty()
+            {
+                let at = at.index(bytes.len());
+                bytes[at] = b;
+            }
+            let n = ids.len() + extra;
+            let (want, want_pos) = one_by_one(&bytes, n);
+            let mut r = Reader::new(&bytes);
+            let mut got = vec![7u32];
+            let res = r.read_u32s(n, &mut got);
+            match want {
+                Ok(want) => {
+                    prop_assert_eq!(res, Ok(()));
+                    prop_assert_eq!(&got[1..], &want[..]);
+                    prop_assert_eq!(got[0], 7);
+                    prop_assert_eq!(r.pos, want_pos);
+                }
+                Err(e) => prop_assert_eq!(res, Err(e)),
+            }
+        }
+    }
 
     fn roundtrip(v: &Value) -> Value {
         let mut w = Writer::default();
