@@ -173,11 +173,13 @@ impl KvIndex {
         };
         let mut locals = std::mem::take(&mut wr.keys);
         locals.clear();
-        for (i, chunk) in s.token_ids.chunks_exact(width as usize).enumerate() {
-            locals.push(key::local_hash(
-                chunk,
-                extras.get(i / k).copied().unwrap_or(0),
-            ));
+        // Per engine block, its k keys (no division per key: a division
+        // costs more than the rest of the loop).
+        for (b, block) in s.token_ids.chunks_exact(bs as usize).enumerate() {
+            let extra = extras.get(b).copied().unwrap_or(0);
+            for chunk in block.chunks_exact(width as usize) {
+                locals.push(key::local_hash(chunk, extra));
+            }
         }
         let parent = s.parent_block_hash.as_ref().map(BlockHash::id);
         let spec = StoreSpec {
@@ -361,9 +363,20 @@ impl KvIndex {
         }
         // The engine hash of each position: only the last of a re-chunked
         // block has one.
-        let khash: SmallVec<[u64; 64]> = (0..nkeys)
-            .map(|i| if i % k == k - 1 { hashes[i / k] } else { 0 })
-            .collect();
+        let rechunked: SmallVec<[u64; 64]> = if k == 1 {
+            SmallVec::new()
+        } else {
+            hashes
+                .iter()
+                .flat_map(|&h| std::iter::repeat_n(0, k - 1).chain([h]))
+                .take(nkeys)
+                .collect()
+        };
+        let khash = if k == 1 {
+            &hashes[..nkeys]
+        } else {
+            &rechunked[..]
+        };
         wr.stamp += 1;
         let stamp = wr.stamp;
         let mut stored = 0u64;
