@@ -803,6 +803,31 @@ mod tests {
                 Err(e) => prop_assert_eq!(res, Err(e)),
             }
         }
+
+        /// Ids whose every byte is also a marker the fast path takes (so
+        /// every byte gets a length a marker has): the lengths of the
+        /// bytes inside an id must not lead the walk astray.
+        #[test]
+        fn read_u32s_where_every_byte_is_a_marker(
+            ids in prop::collection::vec((any::<u32>(), any::<bool>()), 16..400),
+        ) {
+            // Each byte below 0x80 or one of 0xcc, 0xcd, 0xce.
+            let marker = |b: u8| if b < 0x80 { b } else { 0xcc + b % 3 };
+            let mut w = Writer::default();
+            let mut want = Vec::new();
+            for &(v, wide) in &ids {
+                let v = u32::from_be_bytes(v.to_be_bytes().map(marker));
+                let v = if wide { v } else { v & 0xffff };
+                encode_id(&mut w, v, if wide { 3 } else { 2 });
+                want.push(v);
+            }
+            w.uint(0);
+            let mut r = Reader::new(w.bytes());
+            let mut got = Vec::new();
+            prop_assert_eq!(r.read_u32s(want.len(), &mut got), Ok(()));
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(r.read_u32(), Ok(0));
+        }
     }
 
     fn roundtrip(v: &Value) -> Value {
