@@ -68,6 +68,10 @@ pub struct LoadFigures {
     /// `block_size` of `vllm:cache_config_info` (the engine's allocation
     /// unit; not necessarily the width of its KV events).
     pub block_size: Option<u32>,
+    /// Tokens the engine's KV cache holds, summed over the ranks read:
+    /// `kv_cache_size_tokens` of `vllm:cache_config_info` where recent
+    /// releases give it, else `num_gpu_blocks × block_size`.
+    pub kv_capacity_tokens: Option<u64>,
     /// Requests refused by the engine's own admission control so far
     /// (`vllm:admission_rejections_total`, vLLM ≥ 0.32).
     pub admission_rejections: f64,
@@ -155,8 +159,27 @@ pub fn parse_scrape(text: &str) -> (LoadFigures, Option<AdapterFigures>) {
             }
             "vllm:admission_rejections_total" => l.admission_rejections += v,
             "vllm:cache_config_info" => {
-                if let Some(b) = s.label("block_size").and_then(|b| b.parse().ok()) {
+                let block: Option<u32> = s.label("block_size").and_then(|b| b.parse().ok());
+                if let Some(b) = block {
                     l.block_size = Some(b);
+                }
+                let number = |key: &str| -> Option<u64> {
+                    let v = s.label(key)?.trim();
+                    v.parse::<u64>().ok().or_else(|| {
+                        v.parse::<f64>()
+                            .ok()
+                            .filter(|f| *f >= 0.0)
+                            .map(|f| f as u64)
+                    })
+                };
+                let tokens = number("kv_cache_size_tokens").or_else(|| {
+                    number("num_gpu_blocks")
+                        .zip(block)
+                        .map(|(n, b)| n.saturating_mul(u64::from(b)))
+                });
+                if let Some(t) = tokens.filter(|t| *t > 0) {
+                    l.kv_capacity_tokens =
+                        Some(l.kv_capacity_tokens.unwrap_or(0).saturating_add(t));
                 }
             }
             "vllm:lora_requests_info"
@@ -396,6 +419,21 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
         assert!((l.kv_usage - 0.5).abs() < 1e-9);
         assert_eq!(l.block_size, Some(16));
         assert!((l.admission_rejections - 4.0).abs() < 1e-9);
+        assert_eq!(l.kv_capacity_tokens, None, "no num_gpu_blocks label");
+    }
+
+    #[test]
+    fn kv_capacity_comes_from_cache_config_info_summed_over_ranks() {
+        // vLLM 0.9 – 0.2x: blocks × block size; recent releases also give the
+        // token capacity, which wins (hybrid models: blocks × size is not it).
+        let text = r#"vllm:cache_config_info{block_size="16",num_gpu_blocks="385",engine="0"} 1.0
+vllm:cache_config_info{block_size="16",num_gpu_blocks="1000",kv_cache_size_tokens="12345",engine="1"} 1.0
+"#;
+        let l = parse_load(text);
+        assert_eq!(l.kv_capacity_tokens, Some(385 * 16 + 12_345));
+        let odd = r#"vllm:cache_config_info{block_size="16",num_gpu_blocks="None",engine="0"} 1.0"#;
+        assert_eq!(parse_load(odd).kv_capacity_tokens, None);
+        assert_eq!(parse_load(SGLANG).kv_capacity_tokens, None);
     }
 
     #[test]

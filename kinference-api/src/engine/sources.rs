@@ -81,6 +81,10 @@ pub struct ServerInfo {
     /// One publisher per DP rank (rank r on the base port + r); empty when
     /// KV events are off (`publisher` `"null"`, SGLang's default).
     pub sources: Vec<KvSource>,
+    /// Tokens the KV cache holds, over all DP ranks:
+    /// `max_total_num_tokens` (top level, or in the first
+    /// `internal_states` entry) × `dp_size`.
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 fn as_u32(v: Option<&Value>) -> Option<u32> {
@@ -105,6 +109,17 @@ pub fn parse_server_info(body: &[u8]) -> Result<ServerInfo, WireError> {
         .ok_or_else(|| WireError::shape(WHAT, "not a JSON object"))?;
     let dp_size = as_u32(obj.get("dp_size")).unwrap_or(1).max(1);
     let page_size = as_u32(obj.get("page_size"));
+    let kv_capacity_tokens = obj
+        .get("max_total_num_tokens")
+        .or_else(|| {
+            obj.get("internal_states")?
+                .as_array()?
+                .first()?
+                .get("max_total_num_tokens")
+        })
+        .and_then(Value::as_u64)
+        .filter(|t| *t > 0)
+        .map(|t| t.saturating_mul(u64::from(dp_size)));
     // Recent releases: a `kv_events` object with port bases.
     if let Some(kv) = obj.get("kv_events").and_then(Value::as_object) {
         let dp = as_u32(kv.get("dp_size")).unwrap_or(dp_size).max(1);
@@ -129,6 +144,7 @@ pub fn parse_server_info(body: &[u8]) -> Result<ServerInfo, WireError> {
             block_size: as_u32(kv.get("block_size")).or(page_size),
             dp_size: dp,
             sources,
+            kv_capacity_tokens,
         });
     }
     // Older releases: the server arguments, `kv_events_config` as a JSON string.
@@ -165,6 +181,7 @@ pub fn parse_server_info(body: &[u8]) -> Result<ServerInfo, WireError> {
         block_size: page_size,
         dp_size,
         sources,
+        kv_capacity_tokens,
     })
 }
 
@@ -239,6 +256,7 @@ mod tests {
             block_size: Some(16),
             dp_size: 1,
             sources: vec![src(0, 5557, Some(5600))],
+            kv_capacity_tokens: None,
         };
         assert_eq!(publishers(None, Some(&info), 1, None), info.sources);
         assert_eq!(
@@ -277,5 +295,21 @@ mod tests {
         let none = br#"{"page_size":1}"#;
         assert!(parse_server_info(none).unwrap().sources.is_empty());
         assert!(parse_server_info(b"[1]").is_err());
+    }
+
+    #[test]
+    fn sglang_kv_capacity_is_max_total_num_tokens_per_rank() {
+        let top = br#"{"page_size":1,"dp_size":2,"max_total_num_tokens":6000}"#;
+        assert_eq!(
+            parse_server_info(top).unwrap().kv_capacity_tokens,
+            Some(12_000)
+        );
+        let nested = br#"{"page_size":1,"internal_states":[{"max_total_num_tokens":4096}]}"#;
+        assert_eq!(
+            parse_server_info(nested).unwrap().kv_capacity_tokens,
+            Some(4096)
+        );
+        let none = br#"{"page_size":1,"max_total_num_tokens":"many"}"#;
+        assert_eq!(parse_server_info(none).unwrap().kv_capacity_tokens, None);
     }
 }
