@@ -25,7 +25,8 @@ use kinference_scoring::{
 const CANDIDATES: u32 = 256;
 
 /// A fleet with a realistic mix: a quarter hold a long prefix, some partly,
-/// some on CPU; loads vary; half have fresh scraped figures.
+/// some on CPU; loads vary; half have fresh scraped figures; a fifth of the
+/// caches are full.
 fn fleet(seed: u64) -> Vec<Candidate> {
     let mut rng = SplitMix64::new(seed);
     let mut r = |n: u64| rng.next_u64() % n;
@@ -63,6 +64,12 @@ fn fleet(seed: u64) -> Vec<Candidate> {
                 }),
                 evidence: kinference_scoring::Evidence::default(),
                 adapter: kinference_scoring::AdapterSlot::Unknown,
+                // Every engine reports its cache size, as vLLM's do; some
+                // caches are full.
+                room: kinference_scoring::KvRoom {
+                    capacity_blocks: 20_000,
+                    used_blocks: r(25_000) as u32,
+                },
             }
         })
         .collect()

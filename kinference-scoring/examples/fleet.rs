@@ -216,6 +216,11 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                         engine: None,
                         evidence: kinference_scoring::Evidence::default(),
                         adapter: kinference_scoring::AdapterSlot::Unknown,
+                        // What the router's index shows: the blocks held.
+                        room: kinference_scoring::KvRoom {
+                            capacity_blocks: CACHE_BLOCKS as u32,
+                            used_blocks: engine.cache.at.len() as u32,
+                        },
                     });
                 }
                 let request = Request {

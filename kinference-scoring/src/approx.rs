@@ -133,6 +133,8 @@ pub struct PrefixRecord {
     /// refresh or removal are skipped when they reach the front.
     log: VecDeque<Entry>,
     live: usize,
+    /// Live records per endpoint id (a dense vector, grown on demand).
+    per_endpoint: Vec<u32>,
     seq: u64,
 }
 
@@ -156,6 +158,7 @@ impl PrefixRecord {
             map: HashMap::default(),
             log: VecDeque::new(),
             live: 0,
+            per_endpoint: Vec::new(),
             seq: 0,
         }
     }
@@ -175,6 +178,33 @@ impl PrefixRecord {
         self.capacity
     }
 
+    /// Distinct blocks recorded for `endpoint` within the TTL (expired
+    /// records not yet dropped included): the prompt blocks this router sent
+    /// there recently, which the engine's later requests are likely to
+    /// reuse, i.e. the part of its cache that is in use. O(1).
+    pub fn blocks_sent(&self, endpoint: EndpointId) -> u32 {
+        self.per_endpoint
+            .get(endpoint.index())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn count(&mut self, endpoint: EndpointId, added: bool) {
+        let i = endpoint.index();
+        if i >= self.per_endpoint.len() {
+            if !added || endpoint.0 >= EndpointId::LIMIT {
+                return;
+            }
+            self.per_endpoint.resize(i + 1, 0);
+        }
+        let n = &mut self.per_endpoint[i];
+        *n = if added {
+            n.saturating_add(1)
+        } else {
+            n.saturating_sub(1)
+        };
+    }
+
     /// Note that `endpoint` was sent a prompt whose leading block keys are
     /// `keys`, at `now`. The mark returned lets [`PrefixRecord::withdraw`]
     /// take the note back if the engine refuses the request.
@@ -186,12 +216,17 @@ impl PrefixRecord {
             self.seq += 1;
             let seq = self.seq;
             let holders = self.map.entry(key).or_default();
-            if let Some(h) = holders.iter_mut().find(|h| h.endpoint == endpoint) {
+            let added = if let Some(h) = holders.iter_mut().find(|h| h.endpoint == endpoint) {
                 h.seq = seq;
                 h.at = at;
+                false
             } else {
                 holders.push(Holder { endpoint, seq, at });
+                true
+            };
+            if added {
                 self.live += 1;
+                self.count(endpoint, true);
             }
             self.log.push_back(Entry {
                 key,
@@ -236,6 +271,9 @@ impl PrefixRecord {
         // Their log entries are no longer current and are skipped when they
         // reach the front.
         self.live -= removed;
+        if let Some(n) = self.per_endpoint.get_mut(mark.endpoint.index()) {
+            *n = n.saturating_sub(u32::try_from(removed).unwrap_or(u32::MAX));
+        }
     }
 
     /// Drop records older than the TTL.
@@ -259,6 +297,9 @@ impl PrefixRecord {
             !holders.is_empty()
         });
         self.live -= removed;
+        if let Some(n) = self.per_endpoint.get_mut(endpoint.index()) {
+            *n = 0;
+        }
     }
 
     /// For each endpoint, how many of `keys`, from the first, it was sent
@@ -336,6 +377,7 @@ impl PrefixRecord {
             if holders.is_empty() {
                 self.map.remove(&e.key);
             }
+            self.count(e.endpoint, false);
         }
     }
 
@@ -412,6 +454,40 @@ mod tests {
         assert_eq!(got, vec![(EndpointId(1), 5), (EndpointId(2), 3)]);
         assert!(lookup(&r, &keys("something else"), t).is_empty());
         assert!(lookup(&r, &[], t).is_empty());
+    }
+
+    #[test]
+    fn blocks_sent_counts_each_endpoints_distinct_live_records() {
+        let mut r = PrefixRecord::new(Duration::from_secs(10), 1000);
+        let a = keys("0123456789abcdef");
+        let b = keys("0123456789abzzzz");
+        let t0 = Duration::from_secs(0);
+        r.record(EndpointId(1), &a, t0);
+        // A refresh of the same blocks adds nothing; a fork adds its own.
+        r.record(EndpointId(1), &a, t0);
+        r.record(EndpointId(1), &b, t0);
+        let refused = r.record(EndpointId(2), &b, t0);
+        assert_eq!(r.blocks_sent(EndpointId(1)), 5);
+        assert_eq!(r.blocks_sent(EndpointId(2)), 4);
+        assert_eq!(r.blocks_sent(EndpointId(9)), 0);
+        r.withdraw(&b, refused);
+        assert_eq!(r.blocks_sent(EndpointId(2)), 0);
+        // Endpoint 1's records expire; endpoint 3's, made later, stay.
+        r.record(EndpointId(3), &a[..2], Duration::from_secs(5));
+        r.expire(Duration::from_secs(11));
+        assert_eq!(r.blocks_sent(EndpointId(1)), 0);
+        assert_eq!(r.blocks_sent(EndpointId(3)), 2);
+        r.remove_endpoint(EndpointId(3));
+        assert_eq!(r.blocks_sent(EndpointId(3)), 0);
+        assert!(r.is_empty());
+        // Capacity evictions count too.
+        let mut small = PrefixRecord::new(Duration::from_secs(10), 4);
+        small.record(EndpointId(0), &a, t0);
+        small.record(EndpointId(1), &b, t0);
+        assert_eq!(
+            small.blocks_sent(EndpointId(0)) + small.blocks_sent(EndpointId(1)),
+            u32::try_from(small.len()).unwrap()
+        );
     }
 
     #[test]

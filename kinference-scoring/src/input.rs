@@ -149,6 +149,45 @@ pub struct Candidate {
     /// ([`AdapterSlot::Unknown`] for base-model requests).
     #[serde(default)]
     pub adapter: AdapterSlot,
+    /// How full the engine's KV cache is: what a prefill there would
+    /// evict.
+    #[serde(default)]
+    pub room: KvRoom,
+}
+
+/// The KV cache of one candidate, in blocks of the request's width
+/// ([`Request::block_tokens`]): its size and how much of it is taken. A
+/// prefill of `n` uncached blocks where fewer than `n` are free evicts
+/// cached blocks, which later requests may have to recompute;
+/// [`crate::Kinference`] charges it for them
+/// ([`crate::LatencyParams::eviction_weight`]). A capacity of 0 (unknown):
+/// no charge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct KvRoom {
+    /// Blocks the engine's KV cache holds (vLLM `cache_config_info`
+    /// `num_gpu_blocks` × its block size ÷ the request's block width); 0:
+    /// unknown.
+    pub capacity_blocks: u32,
+    /// Blocks taken: the larger of what the KV index shows the engine
+    /// holding (prompts and outputs) and the distinct prompt blocks this
+    /// router sent there recently
+    /// ([`crate::approx::PrefixRecord::blocks_sent`], which covers the time
+    /// before the engine's events arrive, and engines without events).
+    pub used_blocks: u32,
+}
+
+impl KvRoom {
+    /// Of `new_blocks` about to be written, how many displace cached
+    /// blocks: `used + new − capacity`, within `0..=new`. 0 when the
+    /// capacity is unknown.
+    #[inline]
+    pub fn evicted(&self, new_blocks: f64) -> f64 {
+        if self.capacity_blocks == 0 || new_blocks <= 0.0 {
+            return 0.0;
+        }
+        let over = f64::from(self.used_blocks) + new_blocks - f64::from(self.capacity_blocks);
+        over.clamp(0.0, new_blocks)
+    }
 }
 
 /// Where a LoRA adapter request stands on an engine whose running batch

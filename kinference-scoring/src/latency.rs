@@ -411,6 +411,18 @@ impl Model {
         (load_ms, queue_ms, prefill_ms)
     }
 
+    /// The prefill time, at `scale`, of the blocks in recent use that
+    /// writing `uncached` tokens to `candidate` would evict
+    /// ([`crate::KvRoom::evicted`]), ms.
+    #[inline]
+    pub(crate) fn evicted_ms(&self, candidate: &Candidate, uncached: f64, scale: f64) -> f64 {
+        if candidate.room.capacity_blocks == 0 || self.block <= 0.0 {
+            return 0.0;
+        }
+        let evicted = candidate.room.evicted(uncached / self.block);
+        scale * evicted * self.block * self.ms_per_token
+    }
+
     /// Whether calibration applies.
     #[inline]
     pub(crate) fn calibrates(&self) -> bool {

@@ -52,6 +52,8 @@
 //!         engine: None,
 //!         evidence: kinference_scoring::Evidence::default(),
 //!         adapter: kinference_scoring::AdapterSlot::Unknown, // a base-model request
+//!         // Its KV cache: 20,000 blocks, 12,000 taken (the index's count).
+//!         room: kinference_scoring::KvRoom { capacity_blocks: 20_000, used_blocks: 12_000 },
 //!     },
 //!     Candidate { endpoint: EndpointId(1), ..Candidate::default() },
 //! ];
@@ -105,7 +107,7 @@ pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 pub use crate::error::ScoringError;
 pub use crate::input::{
     AdapterSlot, CacheSource, CachedBlocks, Candidate, EndpointId, EngineMetrics, Evidence,
-    InFlight, Request,
+    InFlight, KvRoom, Request,
 };
 pub use crate::latency::{Prediction, predict};
 pub use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};

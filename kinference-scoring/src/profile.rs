@@ -144,6 +144,12 @@ pub struct LatencyParams {
     /// until one of them drains.
     #[serde(default = "default_adapter_slot_wait_millis")]
     pub adapter_slot_wait_millis: f64,
+    /// [`crate::Kinference`] charges a choice `eviction_weight` × the
+    /// prefill time of the cached blocks its own prefill would evict there
+    /// ([`crate::KvRoom`]): later requests may recompute them. 0 turns the
+    /// charge off.
+    #[serde(default = "default_eviction_weight")]
+    pub eviction_weight: f64,
     /// The online calibrator.
     pub calibration: CalibrationParams,
 }
@@ -235,6 +241,11 @@ const DEFAULT: LatencyParams = LatencyParams {
     // finished: a few hundred decode steps at ~10 ms. Heuristic, sized so
     // that any engine with a free slot wins unless it is seconds busier.
     adapter_slot_wait_millis: 2_000.0,
+    // One recompute per evicted block: the cache's LRU victims are the
+    // least likely to be asked for again, but on an over-full engine they
+    // are what its next requests need. Measured on the benchmark's
+    // heterogeneous workload (docs/benchmarks.md).
+    eviction_weight: 1.0,
     calibration: CalibrationParams {
         forgetting: 0.98,
         offset_prior_sd_millis: 50.0,
@@ -256,6 +267,10 @@ fn default_adapter_load_millis() -> f64 {
 
 fn default_adapter_slot_wait_millis() -> f64 {
     DEFAULT.adapter_slot_wait_millis
+}
+
+fn default_eviction_weight() -> f64 {
+    DEFAULT.eviction_weight
 }
 
 impl Default for LatencyParams {
@@ -415,6 +430,7 @@ impl LatencyParams {
         non_negative("refusalPenaltyMillis", self.refusal_penalty_millis)?;
         non_negative("adapterLoadMillis", self.adapter_load_millis)?;
         non_negative("adapterSlotWaitMillis", self.adapter_slot_wait_millis)?;
+        non_negative("evictionWeight", self.eviction_weight)?;
         let c = &self.calibration;
         if !(c.forgetting > 0.0 && c.forgetting <= 1.0) {
             return Err(ParamsError {

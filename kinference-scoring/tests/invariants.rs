@@ -6,7 +6,7 @@ use std::time::Duration;
 use kinference_scoring::approx::{PrefixRecord, text_block_keys};
 use kinference_scoring::{
     AdapterSlot, CacheSource, CachedBlocks, Calibration, Candidate, EndpointId, EngineMetrics,
-    InFlight, LatencyParams, Overrides, Pick, Policy, PolicyName, Prediction, RandomSource,
+    InFlight, KvRoom, LatencyParams, Overrides, Pick, Policy, PolicyName, Prediction, RandomSource,
     Request, SplitMix64, predict,
 };
 use proptest::prelude::*;
@@ -72,12 +72,24 @@ fn arb_adapter() -> impl Strategy<Value = AdapterSlot> {
     ]
 }
 
+/// Unknown capacity, or a cache from empty to over-full.
+fn arb_room() -> impl Strategy<Value = KvRoom> {
+    prop_oneof![
+        Just(KvRoom::default()),
+        (1u32..5000, 0u32..6000).prop_map(|(capacity_blocks, used_blocks)| KvRoom {
+            capacity_blocks,
+            used_blocks,
+        }),
+    ]
+}
+
 fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
     (
         (0u32..3000, 0u32..3000, 0u32..3000),
         (0u32..400, 0u32..400, 0u64..300_000, 0u64..2_000_000),
         arb_engine(),
         arb_adapter(),
+        arb_room(),
     )
         .prop_map(
             move |(
@@ -85,6 +97,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                 (requests, decoding, prefill_tokens, context_tokens),
                 engine,
                 adapter,
+                room,
             )| {
                 Candidate {
                     endpoint: EndpointId(endpoint),
@@ -103,6 +116,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                     engine,
                     evidence: kinference_scoring::Evidence::default(),
                     adapter,
+                    room,
                 }
             },
         )
@@ -288,6 +302,27 @@ proptest! {
 }
 
 // --- every policy returns a candidate, deterministically --------------------
+
+proptest! {
+    /// A fuller cache or a longer prefill never evicts fewer blocks, and
+    /// never more than the prefill writes.
+    #[test]
+    fn evictions_grow_with_use_and_prefill_and_stay_within_it(
+        room in arb_room(),
+        more_used in 0u32..2000,
+        new in 0.0f64..5000.0,
+        more_new in 0.0f64..2000.0,
+    ) {
+        let e = room.evicted(new);
+        prop_assert!((0.0..=new).contains(&e), "{e} of {new}");
+        let fuller = KvRoom { used_blocks: room.used_blocks + more_used, ..room };
+        prop_assert!(fuller.evicted(new) >= e);
+        prop_assert!(room.evicted(new + more_new) >= e);
+        if room.capacity_blocks == 0 {
+            prop_assert!(e == 0.0);
+        }
+    }
+}
 
 fn arb_policy() -> impl Strategy<Value = PolicyName> {
     proptest::sample::select(PolicyName::ALL.to_vec())

@@ -179,6 +179,7 @@ pub(super) mod test_support {
             engine: None,
             evidence: crate::input::Evidence::default(),
             adapter: crate::input::AdapterSlot::Unknown,
+            room: crate::input::KvRoom::default(),
         }
     }
 

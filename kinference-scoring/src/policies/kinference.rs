@@ -71,6 +71,7 @@ impl Slot {
 /// ```text
 /// score = TTFT − tolerance × warm fraction
 ///       + scale × own prefill × min(queue ahead ÷ mean prefill, externality_cap)
+///       + eviction_weight × scale × prefill of the cached blocks it evicts
 /// ```
 ///
 /// The lowest score wins.
@@ -89,6 +90,15 @@ impl Slot {
 ///   and the fleet collapses (`examples/fleet.rs`, 8 engines at 200 req/s:
 ///   58 % of prompt tokens cached and an 86 s median TTFT without it, 91 %
 ///   and 0.12 s with it).
+/// - **Eviction.** A prefill needs free KV blocks; where the cache is full
+///   ([`crate::KvRoom`]) it evicts cached ones, which later requests may
+///   recompute. The charge is recomputing the evicted blocks at this
+///   engine's speed, times `eviction_weight`. Where every candidate is full
+///   it only favours the warmer (fewer new blocks); where some have room (a
+///   slower engine that the TTFT alone would never pick, a new replica),
+///   new prefixes go there instead of displacing cached ones, so the fast
+///   engines of a mixed fleet stop thrashing. Without a known capacity
+///   there is no charge.
 /// - **Spreading misses.** Candidates within `max(tie_millis, tie_fraction ×
 ///   best)` of the best score are equals; the least recently chosen of them
 ///   wins, so cache misses spread over idle endpoints instead of piling onto
@@ -248,7 +258,10 @@ impl Kinference {
             let terms = model.terms_given(c, cached, uncached);
             let ttft = adjust.ttft(offset, terms.load_ms);
             let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
-            let score = ttft - tolerance * warm + externality;
+            // Not in the pruning bound above: it only adds.
+            let eviction =
+                self.params.eviction_weight * model.evicted_ms(c, uncached, adjust.scale);
+            let score = ttft - tolerance * warm + externality + eviction;
             *out = score;
             if let Some(t) = ttfts.get_mut(i) {
                 *t = ttft;
@@ -274,6 +287,7 @@ impl Kinference {
                     detail: ScoreDetail::Kinference {
                         warm_bonus_ms: tolerance * warm,
                         externality_ms: externality,
+                        eviction_ms: eviction,
                         since_chosen_ms: since,
                     },
                 });
@@ -502,6 +516,7 @@ impl Pick for Kinference {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::input::KvRoom;
     use crate::input::{CacheSource, CachedBlocks, InFlight};
     use crate::rng::SplitMix64;
 
@@ -532,6 +547,7 @@ mod tests {
             engine: None,
             evidence: crate::input::Evidence::default(),
             adapter: crate::input::AdapterSlot::Unknown,
+            room: KvRoom::default(),
         }
     }
 
@@ -650,6 +666,94 @@ mod tests {
             let c = p.propose(&with(ms), &cands, secs(1), &mut rng).unwrap();
             assert_eq!(c, warm, "target {ms} ms");
         }
+    }
+
+    #[test]
+    fn a_new_prefix_goes_where_it_evicts_nothing_in_recent_use() {
+        let mut rng = SplitMix64::new(1);
+        // Both cold for a 4000-token prompt (250 blocks, ~160 ms); 1 has
+        // 500 tokens queued (+20 ms, and a small externality), so TTFT
+        // alone picks 0. But 0's cache (1000 blocks) is full of blocks this
+        // router sent there: its prefill would evict 250 of them.
+        let room = |capacity_blocks, used_blocks| KvRoom {
+            capacity_blocks,
+            used_blocks,
+        };
+        let full = Candidate {
+            room: room(1000, 1000),
+            ..cand(0, 0, 0)
+        };
+        let roomy = Candidate {
+            room: room(1000, 300),
+            ..cand(1, 0, 500)
+        };
+        let cands = [full, roomy];
+        let params = LatencyParams::default();
+        let off = LatencyParams {
+            eviction_weight: 0.0,
+            ..params
+        };
+        let pick = |params: LatencyParams, cands: &[Candidate], rng: &mut SplitMix64| {
+            Kinference::new(params)
+                .propose_explained(&request(), cands, secs(1), rng)
+                .unwrap()
+        };
+        assert_eq!(pick(off, &cands, &mut rng).choice.endpoint, EndpointId(0));
+        let e = pick(params, &cands, &mut rng);
+        assert_eq!(e.choice.endpoint, EndpointId(1));
+        let eviction = |i: usize| match e.candidates[i].detail {
+            ScoreDetail::Kinference { eviction_ms, .. } => eviction_ms,
+            ref d => panic!("{d:?}"),
+        };
+        // Recomputing the 250 evicted blocks at 25k tokens/s, times the
+        // weight.
+        let expected = params.eviction_weight * 4000.0 * 1e3 / params.prefill_tokens_per_second;
+        assert!((eviction(0) - expected).abs() < 1e-6, "{}", eviction(0));
+        assert!(eviction(1).abs() < 1e-12);
+        // Partly free: only the blocks beyond the free ones count.
+        let half = [
+            Candidate {
+                room: room(1000, 875),
+                ..full
+            },
+            roomy,
+        ];
+        let e = pick(params, &half, &mut rng);
+        let ScoreDetail::Kinference { eviction_ms, .. } = e.candidates[0].detail else {
+            panic!()
+        };
+        assert!((eviction_ms - expected / 2.0).abs() < 1e-6, "{eviction_ms}");
+        // Both over-full: both pay for their own prefill, and the TTFT
+        // decides as without the charge; without a known capacity, no
+        // charge at all.
+        let both = [
+            full,
+            Candidate {
+                room: room(1000, 1000),
+                ..roomy
+            },
+        ];
+        assert_eq!(pick(params, &both, &mut rng).choice.endpoint, EndpointId(0));
+        let unknown = [
+            Candidate {
+                room: room(0, 5000),
+                ..full
+            },
+            roomy,
+        ];
+        assert_eq!(
+            pick(params, &unknown, &mut rng).choice.endpoint,
+            EndpointId(0)
+        );
+        // A warm candidate writes fewer new blocks, so it evicts fewer.
+        let warm = [
+            Candidate {
+                room: room(1000, 1000),
+                ..cand(0, 240, 0)
+            },
+            roomy,
+        ];
+        assert_eq!(pick(params, &warm, &mut rng).choice.endpoint, EndpointId(0));
     }
 
     #[test]
