@@ -32,7 +32,7 @@ use std::time::Duration;
 use kinference_kvindex::Matches;
 use kinference_scoring::{
     AdapterSlot, CacheSource, CachedBlocks, Candidate, Choice, EngineMetrics, Evidence,
-    Explanation, InFlight, Pick, RandomSource,
+    Explanation, InFlight, KvRoom, Pick, RandomSource,
 };
 use tokio::time::Instant;
 
@@ -151,8 +151,19 @@ pub fn decide(
     })
 }
 
+/// What the cache side of a decision knows per candidate.
+struct CacheView {
+    /// Leading blocks of the prompt.
+    cached: Vec<CachedBlocks>,
+    /// The DP rank holding the most.
+    best_rank: Vec<Option<u32>>,
+    /// Distinct blocks this router sent there recently (the prefix record).
+    recent: Vec<u32>,
+}
+
 /// Leading blocks per candidate (and the DP rank holding the most): the KV
-/// index, topped up by the prefix record.
+/// index, topped up by the prefix record; and the blocks recently sent to
+/// each.
 fn cached_blocks(
     ws: &WorkerSetView,
     kv: &KvPlane,
@@ -161,12 +172,17 @@ fn cached_blocks(
     now: Now,
     held: &mut Vec<Held>,
     scratch: &mut Matches,
-) -> (Vec<CachedBlocks>, Vec<Option<u32>>) {
+) -> CacheView {
     let mut cached = vec![CachedBlocks::default(); endpoints.len()];
     let mut best_rank: Vec<Option<u32>> = vec![None; endpoints.len()];
+    let mut recent = vec![0; endpoints.len()];
     let cache = route.request.cache;
     if cache == CacheSource::None || route.keys.is_empty() {
-        return (cached, best_rank);
+        return CacheView {
+            cached,
+            best_rank,
+            recent,
+        };
     }
     if cache == CacheSource::Index {
         kv.lookup(&route.block_keys, scratch, held);
@@ -198,13 +214,20 @@ fn cached_blocks(
         } else {
             record.leading_blocks(&route.keys, now.since_start, &mut out);
         }
+        for (e, r) in endpoints.iter().zip(recent.iter_mut()) {
+            *r = record.blocks_sent(kinference_scoring::EndpointId(e.id.0));
+        }
     }
     for (ep, n) in out {
         if let Some(i) = endpoints.iter().position(|e| e.id.0 == ep.0) {
             cached[i].gpu = cached[i].gpu.max(n);
         }
     }
-    (cached, best_rank)
+    CacheView {
+        cached,
+        best_rank,
+        recent,
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -220,12 +243,29 @@ fn decide_route(
     held: &mut Vec<Held>,
     scratch: &mut Matches,
 ) -> Option<Decision> {
-    let (cached, best_rank) = cached_blocks(ws, kv, route, endpoints, now, held, scratch);
+    let CacheView {
+        cached,
+        best_rank,
+        recent,
+    } = cached_blocks(ws, kv, route, endpoints, now, held, scratch);
+    let block_tokens = u64::from(route.request.block_tokens.max(1));
     let candidates: Vec<Candidate> = endpoints
         .iter()
         .zip(&cached)
-        .map(|(e, c)| {
+        .zip(&recent)
+        .map(|((e, c), recent)| {
             let mut cand = candidate(e, *c, now);
+            if let Some(tokens) = e.kv_capacity_tokens() {
+                // What the index shows it holding (prompts and outputs, in
+                // the worker set's block width), or what this router sent
+                // there recently when events lag or are off.
+                let held = e.kv_blocks_held() * u64::from(ws.route.kv_block_size) / block_tokens;
+                let blocks = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
+                cand.room = KvRoom {
+                    capacity_blocks: blocks(tokens / block_tokens),
+                    used_blocks: blocks(held).max(*recent),
+                };
+            }
             if let Some(a) = &route.adapter {
                 cand.adapter = e
                     .adapters
@@ -299,6 +339,7 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now) -> Candidate {
             refused_age: e.refused_age(now.since_start),
         },
         adapter: AdapterSlot::Unknown,
+        room: KvRoom::default(),
     }
 }
 

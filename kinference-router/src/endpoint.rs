@@ -62,6 +62,8 @@ pub struct Scraped {
     pub kv_usage: f64,
     /// `vllm:cache_config_info{block_size}`.
     pub block_size: Option<u32>,
+    /// Tokens its KV cache holds (`vllm:cache_config_info`), when given.
+    pub kv_capacity_tokens: Option<u64>,
     /// Whose metric names the engine uses (vLLM, SGLang).
     pub family: kinference_api::engine::EngineFamily,
     /// This router's requests in flight there when they were read (the
@@ -342,6 +344,11 @@ pub struct Endpoint {
     /// stream started or lost batches without replay): requests ask vLLM
     /// to re-report the blocks they reuse.
     kv_recovering_until: RwLock<Option<Instant>>,
+    /// Blocks the KV index holds for it, summed over its DP ranks (refreshed
+    /// every second by the maintainer; 0 without KV events).
+    kv_blocks_held: AtomicU64,
+    /// Tokens its KV cache holds, from `/server_info` (SGLang); 0: unknown.
+    kv_capacity_hint: AtomicU64,
     /// Cancelled when the endpoint leaves: stops its tasks.
     pub stop: CancellationToken,
 }
@@ -367,6 +374,8 @@ impl Endpoint {
             kv_ranks: AtomicU32::new(0),
             version: RwLock::default(),
             kv_recovering_until: RwLock::default(),
+            kv_blocks_held: AtomicU64::new(0),
+            kv_capacity_hint: AtomicU64::new(0),
             stop,
         }
     }
@@ -551,6 +560,32 @@ impl Endpoint {
     /// Stores scraped metrics.
     pub fn set_scraped(&self, s: Scraped) {
         *self.scraped.write() = Some(s);
+    }
+
+    /// Blocks the KV index holds for it (as of the maintainer's last
+    /// refresh).
+    pub fn kv_blocks_held(&self) -> u64 {
+        self.kv_blocks_held.load(Ordering::Relaxed)
+    }
+
+    /// Sets the blocks the KV index holds for it.
+    pub fn set_kv_blocks_held(&self, blocks: u64) {
+        self.kv_blocks_held.store(blocks, Ordering::Relaxed);
+    }
+
+    /// Tokens its KV cache holds: `vllm:cache_config_info` from the last
+    /// scrape, else what `/server_info` said (SGLang). A configuration
+    /// figure: it does not age.
+    pub fn kv_capacity_tokens(&self) -> Option<u64> {
+        self.scraped()
+            .and_then(|s| s.kv_capacity_tokens)
+            .or_else(|| Some(self.kv_capacity_hint.load(Ordering::Relaxed)))
+            .filter(|t| *t > 0)
+    }
+
+    /// Sets the KV-cache size `/server_info` gave.
+    pub fn set_kv_capacity_hint(&self, tokens: u64) {
+        self.kv_capacity_hint.store(tokens, Ordering::Relaxed);
     }
 
     /// DP ranks whose KV events are subscribed (a request names a rank only

@@ -487,11 +487,20 @@ impl KvPlane {
 
     /// Opens a recovery window ([`RECOVERY_WINDOW`]) for every endpoint
     /// whose streams dropped blocks since the last call (a gap without
-    /// replay, a restart, an undecodable batch). Called periodically by the
+    /// replay, a restart, an undecodable batch), and refreshes each
+    /// endpoint's count of blocks held. Called every second by the
     /// maintainer.
     pub fn watch_resets(&self, now: Instant) {
         for s in self.subscriptions.lock().values_mut() {
-            let resets: u64 = s.streams.iter().map(|(_, h)| h.health().resets).sum();
+            let (mut resets, mut held) = (0, 0);
+            for (_, h) in &s.streams {
+                let health = h.health();
+                resets += health.resets;
+                held += health.blocks_held;
+            }
+            // What a decision reads as the cache's occupancy (see
+            // `kinference_scoring::KvRoom`), off the request path.
+            s.endpoint.set_kv_blocks_held(held);
             if resets > s.resets {
                 s.resets = resets;
                 s.endpoint.kv_recovering_until(now + RECOVERY_WINDOW);

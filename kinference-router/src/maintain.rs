@@ -127,7 +127,7 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
                 kv_port: sub.kv_port,
                 replay_port: sub.replay_port,
             };
-            let publishers = crate::probe::kv_publishers(
+            let (publishers, capacity) = crate::probe::kv_publishers(
                 &shared.runtime.probes,
                 &target,
                 shared.config.kv_replay_offset,
@@ -135,6 +135,9 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
                 shared.config.probes.timeout,
             )
             .await;
+            if let Some(tokens) = capacity {
+                e.set_kv_capacity_hint(tokens);
+            }
             shared.kv.subscribe(&e, publishers, sub.block_size);
         });
     }

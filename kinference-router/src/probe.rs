@@ -141,6 +141,7 @@ pub fn scraped(l: &engine::LoadFigures, at: Instant) -> Scraped {
         waiting: l.waiting,
         kv_usage: l.kv_usage,
         block_size: l.block_size,
+        kv_capacity_tokens: l.kv_capacity_tokens,
         family: l.family,
         own_requests: 0,
         own_prefilling: 0,
@@ -166,14 +167,15 @@ pub struct KvTarget<'a> {
 /// on the worker set's KV port with the worker set's replay port
 /// (`kvEvents.replayPort`), or the KV port plus `replay_offset` when the
 /// router was told that convention (0: no replay). Hosts the engine names
-/// are never dialled: only its own address.
+/// are never dialled: only its own address. With them, the KV-cache size
+/// `/server_info` gives (SGLang's `max_total_num_tokens`), if read.
 pub async fn kv_publishers(
     client: &ProbeClient,
     target: &KvTarget<'_>,
     replay_offset: u16,
     auth: Option<&HeaderValue>,
     timeout: Duration,
-) -> Vec<Publisher> {
+) -> (Vec<Publisher>, Option<u64>) {
     let KvTarget {
         authority,
         address,
@@ -202,7 +204,7 @@ pub async fn kv_publishers(
             .then(|| kv_port.checked_add(replay_offset))
             .flatten()
     });
-    engine::publishers(listed, info.as_ref(), kv_port, replay_port)
+    let publishers = engine::publishers(listed, info.as_ref(), kv_port, replay_port)
         .into_iter()
         .map(|s| Publisher {
             rank: s.rank,
@@ -210,7 +212,8 @@ pub async fn kv_publishers(
             replay: s.replay_port.map(|p| format!("tcp://{host}:{p}")),
             topic: s.topic,
         })
-        .collect()
+        .collect();
+    (publishers, info.and_then(|i| i.kv_capacity_tokens))
 }
 
 /// Polls one endpoint until it leaves: `/health` and `/metrics` every

@@ -207,6 +207,41 @@ async fn a_shared_prefix_follows_the_engine_that_cached_it() {
     let explain: serde_json::Value =
         serde_json::from_str(reply.headers["x-kinference-explain"].to_str().unwrap()).unwrap();
     assert_eq!(explain["candidates"].as_array().unwrap().len(), 4);
+    // Each candidate's KV cache: its size from `vllm:cache_config_info`
+    // (`kv_cache_size_tokens`: 8,192 blocks of 16 less vLLM's null block),
+    // and the blocks the index shows it holding (the maintainer refreshes
+    // them every second).
+    for c in explain["candidates"].as_array().unwrap() {
+        assert_eq!(c["inputs"]["room"]["capacity_blocks"], 8191, "{c}");
+    }
+    eventually(
+        Duration::from_secs(10),
+        "the warm engine's blocks held in its candidate's KV room",
+        || async {
+            let reply = send(
+                r.api(),
+                "POST",
+                "/v1/chat/completions",
+                &[("x-kinference-debug", "1")],
+                bytes::Bytes::from(
+                    serde_json::to_vec(&chat(MODEL, &format!("{system} w9"), false, 2)).unwrap(),
+                ),
+            )
+            .await;
+            let explain: serde_json::Value =
+                serde_json::from_str(reply.headers.get("x-kinference-explain")?.to_str().ok()?)
+                    .ok()?;
+            let used =
+                explain["candidates"]
+                    .as_array()?
+                    .iter()
+                    .find(|c| c["inputs"]["cached"]["gpu"].as_u64().unwrap_or(0) >= 90)?["inputs"]
+                    ["room"]["used_blocks"]
+                    .as_u64()?;
+            (used >= 90).then_some(())
+        },
+    )
+    .await;
     assert!(
         !get(r.admin(), "/debug/explain")
             .await

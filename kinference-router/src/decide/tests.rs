@@ -478,3 +478,76 @@ fn a_ttft_target_takes_the_best_endpoint_meeting_it_over_a_warmer_one_missing_it
     p.ttft_deadline = Some(Instant::now());
     assert_eq!(f.decide(&p, &[], T).unwrap().endpoint.id, warm.id);
 }
+
+#[test]
+fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    let (full, roomy) = (f.endpoint("10.0.0.1"), f.endpoint("10.0.0.2"));
+    let now = Now {
+        instant: Instant::now(),
+        since_start: T,
+    };
+    // Both engines hold 64 blocks of 16 tokens, as their scrapes say.
+    for e in [&full, &roomy] {
+        e.set_scraped(crate::endpoint::Scraped {
+            running: 0.0,
+            waiting: 0.0,
+            kv_usage: 0.0,
+            block_size: Some(BLOCK),
+            kv_capacity_tokens: Some(64 * u64::from(BLOCK)),
+            family: kinference_api::engine::EngineFamily::Vllm,
+            own_requests: 0,
+            own_prefilling: 0,
+            at: now.instant,
+        });
+    }
+    // Four 16-block prompts went to `full` (finished since): its cache is
+    // all blocks in recent use.
+    for n in 0..4 {
+        let p = f.prepared(&prompt(20 + n, 16));
+        let d = f.decide(&p, &[roomy.id], T).unwrap();
+        assert_eq!(d.endpoint.id, full.id);
+        drop(commit::commit(&f.view, &p, &d, now));
+    }
+    // `roomy` has a short prompt still prefilling: by the TTFT alone it is
+    // the later one.
+    let busy = f.prepared(&prompt(30, 4));
+    let d = f.decide(&busy, &[full.id], T).unwrap();
+    let _in_flight = commit::commit(&f.view, &busy, &d, now);
+
+    let p = f.prepared(&prompt(40, 16));
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.id, roomy.id, "{}", d.choice);
+    let expl = d.explanation.unwrap();
+    let of = |id: EndpointId| {
+        expl.candidates
+            .iter()
+            .find(|c| c.inputs.endpoint.0 == id.0)
+            .unwrap()
+    };
+    assert_eq!(of(full.id).inputs.room.capacity_blocks, 64);
+    assert_eq!(of(full.id).inputs.room.used_blocks, 64);
+    assert_eq!(of(roomy.id).inputs.room.used_blocks, 4);
+    let eviction = |id| match of(id).detail {
+        kinference_scoring::ScoreDetail::Kinference { eviction_ms, .. } => eviction_ms,
+        ref d => panic!("{d:?}"),
+    };
+    assert!(eviction(full.id) > 0.0 && eviction(roomy.id) == 0.0);
+    assert!(
+        of(full.id).prediction.ttft_ms < of(roomy.id).prediction.ttft_ms,
+        "without the charge the full one would win"
+    );
+    // The blocks the index shows it holding count when they are more than
+    // what this router sent there.
+    roomy.set_kv_blocks_held(60);
+    let d = f.decide(&p, &[], T).unwrap();
+    let expl = d.explanation.unwrap();
+    let roomy_room = expl
+        .candidates
+        .iter()
+        .find(|c| c.inputs.endpoint.0 == roomy.id.0)
+        .unwrap()
+        .inputs
+        .room;
+    assert_eq!(roomy_room.used_blocks, 60);
+}
