@@ -116,6 +116,9 @@ pub struct EndpointReport {
     pub adapters: Option<AdaptersReport>,
     /// KV-event streams (one per DP rank), when subscribed.
     pub kv: Option<Vec<KvReport>>,
+    /// Tokens its KV cache holds (`vllm:cache_config_info`, SGLang's
+    /// `/server_info`), when it says.
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 /// An endpoint's LoRA adapters, for `/debug/endpoints`.
@@ -194,6 +197,7 @@ pub fn endpoint_reports(view: &View, kv: &KvPlane, now: Instant) -> Vec<Endpoint
                 scraped: e.scraped(),
                 adapters: AdaptersReport::of(&e.adapters, now),
                 kv: kv.reports(e.id, now),
+                kv_capacity_tokens: e.kv_capacity_tokens(),
             });
         }
     }

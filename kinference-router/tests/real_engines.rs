@@ -395,6 +395,13 @@ async fn sglang_engines_are_discovered_scraped_and_indexed() {
         },
     )
     .await;
+    // Its KV-cache size from `/server_info` (`max_total_num_tokens` per
+    // rank, two ranks): what a prefill there would evict is charged.
+    let per_rank = (sim.config().engine.num_gpu_blocks - 1) * sim.config().engine.block_size;
+    assert_eq!(
+        endpoints(&r).await["endpoints"][0]["kv_capacity_tokens"],
+        2 * per_rank as u64,
+    );
     eprintln!(
         "FIGURE sglang: {} ranks subscribed; scraped {scraped}",
         ep["kv"].as_array().unwrap().len()
