@@ -186,16 +186,18 @@ async fn a_shared_prefix_follows_the_engine_that_cached_it() {
     }
     assert!(cold.len() >= 3, "cold prompts went to {cold:?}");
     // And the decision is explained on request.
-    let reply = send(
-        r.api(),
-        "POST",
-        "/v1/chat/completions",
-        &[("x-kinference-debug", "1")],
-        bytes::Bytes::from(
-            serde_json::to_vec(&chat(MODEL, &format!("{system} w9"), false, 2)).unwrap(),
-        ),
-    )
-    .await;
+    let explained = || {
+        send(
+            r.api(),
+            "POST",
+            "/v1/chat/completions",
+            &[("x-kinference-debug", "1")],
+            bytes::Bytes::from(
+                serde_json::to_vec(&chat(MODEL, &format!("{system} w9"), false, 2)).unwrap(),
+            ),
+        )
+    };
+    let reply = explained().await;
     let decision = reply.headers["x-kinference-decision"]
         .to_str()
         .unwrap()
@@ -218,16 +220,7 @@ async fn a_shared_prefix_follows_the_engine_that_cached_it() {
         Duration::from_secs(10),
         "the warm engine's blocks held in its candidate's KV room",
         || async {
-            let reply = send(
-                r.api(),
-                "POST",
-                "/v1/chat/completions",
-                &[("x-kinference-debug", "1")],
-                bytes::Bytes::from(
-                    serde_json::to_vec(&chat(MODEL, &format!("{system} w9"), false, 2)).unwrap(),
-                ),
-            )
-            .await;
+            let reply = explained().await;
             let explain: serde_json::Value =
                 serde_json::from_str(reply.headers.get("x-kinference-explain")?.to_str().ok()?)
                     .ok()?;

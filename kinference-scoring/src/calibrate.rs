@@ -136,6 +136,11 @@ impl Calibration {
         half / (half + (idle - stale_after) as f64)
     }
 
+    /// Observations applied so far.
+    pub fn samples(&self) -> u32 {
+        self.samples
+    }
+
     /// `(offset_ms, scale)` at `now`, staleness applied.
     pub fn effective(&self, params: &LatencyParams, now: Duration) -> (f64, f64) {
         self.effective_at(params, nanos(now))

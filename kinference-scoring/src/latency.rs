@@ -55,7 +55,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::calibrate::Calibration;
-use crate::input::{AdapterSlot, CacheSource, CachedBlocks, Candidate, Request};
+use crate::input::{AdapterSlot, CacheSource, CachedBlocks, Candidate, KvRoom, Request};
 use crate::profile::{LatencyParams, TierCredits};
 
 /// One candidate's predicted time to first token, with its terms.
@@ -411,15 +411,15 @@ impl Model {
         (load_ms, queue_ms, prefill_ms)
     }
 
-    /// The prefill time, at `scale`, of the blocks in recent use that
-    /// writing `uncached` tokens to `candidate` would evict
+    /// The prefill time, at `scale`, of the cached blocks that writing
+    /// `uncached` tokens into a cache standing at `room` would evict
     /// ([`crate::KvRoom::evicted`]), ms.
     #[inline]
-    pub(crate) fn evicted_ms(&self, candidate: &Candidate, uncached: f64, scale: f64) -> f64 {
-        if candidate.room.capacity_blocks == 0 || self.block <= 0.0 {
+    pub(crate) fn evicted_ms(&self, room: &KvRoom, uncached: f64, scale: f64) -> f64 {
+        if room.capacity_blocks == 0 || self.block <= 0.0 {
             return 0.0;
         }
-        let evicted = candidate.room.evicted(uncached / self.block);
+        let evicted = room.evicted(uncached / self.block);
         scale * evicted * self.block * self.ms_per_token
     }
 

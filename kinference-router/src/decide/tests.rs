@@ -516,6 +516,21 @@ fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
     let _in_flight = commit::commit(&f.view, &busy, &d, now);
 
     let p = f.prepared(&prompt(40, 16));
+    // Neither engine's speed is measured yet: room draws nothing.
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.id, full.id, "{}", d.choice);
+    // Both answered on time often enough for their speeds to count.
+    {
+        use kinference_scoring::Pick;
+        let mut policy = f.view.worker_sets[0].runtime.policy.lock();
+        for e in [&full, &roomy] {
+            for _ in 0..kinference_scoring::policies::ROOM_NEEDS_SAMPLES {
+                let pred = d.choice.prediction;
+                let on_time = Duration::from_secs_f64(pred.ttft_ms / 1e3);
+                policy.observe(kinference_scoring::EndpointId(e.id.0), &pred, on_time, T);
+            }
+        }
+    }
     let d = f.decide(&p, &[], T).unwrap();
     assert_eq!(d.endpoint.id, roomy.id, "{}", d.choice);
     let expl = d.explanation.unwrap();

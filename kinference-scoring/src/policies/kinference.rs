@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 use crate::error::ScoringError;
-use crate::input::{Candidate, EndpointId, Request};
+use crate::input::{Candidate, EndpointId, KvRoom, Request};
 use crate::latency::{Model, Prediction, nanos};
 use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail, Tie};
 use crate::policies::{Pick, PolicyName, check, millis};
@@ -63,6 +63,14 @@ impl Slot {
     }
 }
 
+/// First tokens observed at an endpoint before its free KV room counts
+/// against the other candidates' evictions: calibration moves its scale by
+/// at most one clipped step per observation, so a few are needed before a
+/// slower engine shows as slower (on the benchmark's agent trace, a 3×
+/// slower engine with few observations was predicted at 1.19× and a cold
+/// turn sent there for its room took 4.6 s).
+pub const ROOM_NEEDS_SAMPLES: u32 = 8;
+
 /// kinference's policy.
 ///
 /// For each candidate: the calibrated predicted TTFT ([`crate::latency`]) and
@@ -97,8 +105,9 @@ impl Slot {
 ///   it only favours the warmer (fewer new blocks); where some have room (a
 ///   slower engine that the TTFT alone would never pick, a new replica),
 ///   new prefixes go there instead of displacing cached ones, so the fast
-///   engines of a mixed fleet stop thrashing. Without a known capacity
-///   there is no charge.
+///   engines of a mixed fleet stop thrashing. Room counts only where the
+///   endpoint's speed has been measured ([`ROOM_NEEDS_SAMPLES`]). Without
+///   a known capacity there is no charge.
 /// - **Spreading misses.** Candidates within `max(tie_millis, tie_fraction ×
 ///   best)` of the best score are equals; the least recently chosen of them
 ///   wins, so cache misses spread over idle endpoints instead of piling onto
@@ -192,6 +201,24 @@ impl Kinference {
         scale * prefill_ms * multiplier
     }
 
+    /// `candidate`'s KV room as the eviction charge counts it: free room
+    /// counts only where the endpoint's speed has been measured
+    /// ([`ROOM_NEEDS_SAMPLES`] first tokens, or a profile that does not
+    /// calibrate); elsewhere the cache counts as full, so room alone never
+    /// draws work to an engine the router knows little about.
+    #[inline]
+    fn room(&self, model: &Model, slot: &Slot, candidate: &Candidate) -> KvRoom {
+        let room = candidate.room;
+        if !model.calibrates() || slot.calibration.samples() >= ROOM_NEEDS_SAMPLES {
+            room
+        } else {
+            KvRoom {
+                used_blocks: room.used_blocks.max(room.capacity_blocks),
+                ..room
+            }
+        }
+    }
+
     #[inline]
     fn coefficients(&self, model: &Model, slot: &Slot, now_nanos: u64) -> (f64, f64) {
         if model.calibrates() {
@@ -259,8 +286,8 @@ impl Kinference {
             let ttft = adjust.ttft(offset, terms.load_ms);
             let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
             // Not in the pruning bound above: it only adds.
-            let eviction =
-                self.params.eviction_weight * model.evicted_ms(c, uncached, adjust.scale);
+            let eviction = self.params.eviction_weight
+                * model.evicted_ms(&self.room(&model, slot, c), uncached, adjust.scale);
             let score = ttft - tolerance * warm + externality + eviction;
             *out = score;
             if let Some(t) = ttfts.get_mut(i) {
@@ -516,7 +543,6 @@ impl Pick for Kinference {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::input::KvRoom;
     use crate::input::{CacheSource, CachedBlocks, InFlight};
     use crate::rng::SplitMix64;
 
@@ -693,14 +719,35 @@ mod tests {
             eviction_weight: 0.0,
             ..params
         };
+        // Both engines' speeds measured: each answered on time, as often as
+        // free room needs before it counts.
+        let measured = |params: LatencyParams| {
+            let mut p = Kinference::new(params);
+            for id in [0, 1] {
+                let c = cand(id, 0, 0);
+                for t in 0..ROOM_NEEDS_SAMPLES {
+                    let at = Duration::from_millis(100 + u64::from(t));
+                    let pred = p.predict(&request(), &c, at);
+                    let on_time = Duration::from_secs_f64(pred.ttft_ms / 1e3);
+                    p.observe(EndpointId(id), &pred, on_time, at);
+                }
+            }
+            p
+        };
         let pick = |params: LatencyParams, cands: &[Candidate], rng: &mut SplitMix64| {
-            Kinference::new(params)
+            measured(params)
                 .propose_explained(&request(), cands, secs(1), rng)
                 .unwrap()
         };
         assert_eq!(pick(off, &cands, &mut rng).choice.endpoint, EndpointId(0));
         let e = pick(params, &cands, &mut rng);
         assert_eq!(e.choice.endpoint, EndpointId(1));
+        // Room on an engine whose speed is not measured yet draws nothing:
+        // it counts as full.
+        let unmeasured = Kinference::new(params)
+            .propose(&request(), &cands, secs(1), &mut rng)
+            .unwrap();
+        assert_eq!(unmeasured.endpoint, EndpointId(0));
         let eviction = |i: usize| match e.candidates[i].detail {
             ScoreDetail::Kinference { eviction_ms, .. } => eviction_ms,
             ref d => panic!("{d:?}"),

@@ -35,7 +35,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub use self::dynamo::{DynamoConfig, DynamoCost};
-pub use self::kinference::Kinference;
+pub use self::kinference::{Kinference, ROOM_NEEDS_SAMPLES};
 pub use self::least_inflight::LeastInflight;
 pub use self::llmd_blend::{LlmdBlend, LlmdBlendConfig};
 pub use self::llmd_default::{LlmdDefault, LlmdDefaultConfig};
