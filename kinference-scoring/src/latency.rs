@@ -415,7 +415,7 @@ impl Model {
     /// `uncached` tokens into a cache standing at `room` would evict
     /// ([`crate::KvRoom::evicted`]), ms.
     #[inline]
-    pub(crate) fn evicted_ms(&self, room: &KvRoom, uncached: f64, scale: f64) -> f64 {
+    pub(crate) fn evicted_ms(&self, room: KvRoom, uncached: f64, scale: f64) -> f64 {
         if room.capacity_blocks == 0 || self.block <= 0.0 {
             return 0.0;
         }

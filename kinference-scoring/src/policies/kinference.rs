@@ -207,7 +207,7 @@ impl Kinference {
     /// calibrate); elsewhere the cache counts as full, so room alone never
     /// draws work to an engine the router knows little about.
     #[inline]
-    fn room(&self, model: &Model, slot: &Slot, candidate: &Candidate) -> KvRoom {
+    fn room(model: &Model, slot: &Slot, candidate: &Candidate) -> KvRoom {
         let room = candidate.room;
         if !model.calibrates() || slot.calibration.samples() >= ROOM_NEEDS_SAMPLES {
             room
@@ -287,7 +287,7 @@ impl Kinference {
             let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
             // Not in the pruning bound above: it only adds.
             let eviction = self.params.eviction_weight
-                * model.evicted_ms(&self.room(&model, slot, c), uncached, adjust.scale);
+                * model.evicted_ms(Self::room(&model, slot, c), uncached, adjust.scale);
             let score = ttft - tolerance * warm + externality + eviction;
             *out = score;
             if let Some(t) = ttfts.get_mut(i) {
