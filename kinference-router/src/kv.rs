@@ -472,6 +472,8 @@ impl KvPlane {
     pub fn forget(&self, e: &Endpoint) {
         let subs = self.subscriptions.lock().remove(&e.id);
         e.set_kv_ranks(0);
+        // Its blocks go with the streams: nothing is held any more.
+        e.set_kv_blocks_held(0);
         if let Some(subs) = subs {
             self.drop_subscriptions(subs.streams);
         }
