@@ -416,11 +416,8 @@ impl Model {
     /// ([`crate::KvRoom::evicted`]), ms.
     #[inline]
     pub(crate) fn evicted_ms(&self, room: KvRoom, uncached: f64, scale: f64) -> f64 {
-        if room.capacity_blocks == 0 || self.block <= 0.0 {
-            return 0.0;
-        }
-        let evicted = room.evicted(uncached / self.block);
-        scale * evicted * self.block * self.ms_per_token
+        // `block` is positive: requests are checked before any decision.
+        scale * room.evicted(uncached / self.block) * self.block * self.ms_per_token
     }
 
     /// Whether calibration applies.

@@ -168,8 +168,8 @@ pub enum ScoreDetail {
         warm_bonus_ms: f64,
         /// Delay this choice's prefill would impose on later requests, ms.
         externality_ms: f64,
-        /// Recompute this choice's prefill would cause by evicting blocks in
-        /// recent use there, ms ([`crate::KvRoom`]).
+        /// Recompute this choice's prefill would cause by evicting cached
+        /// blocks there, ms ([`crate::KvRoom`]).
         #[serde(default)]
         eviction_ms: f64,
         /// Milliseconds since this endpoint was last chosen (`None`: never).

@@ -203,13 +203,17 @@ impl Kinference {
 
     /// `candidate`'s KV room as the eviction charge counts it: free room
     /// counts only where the endpoint's speed has been measured
-    /// ([`ROOM_NEEDS_SAMPLES`] first tokens, or a profile that does not
-    /// calibrate); elsewhere the cache counts as full, so room alone never
+    /// ([`ROOM_NEEDS_SAMPLES`] first tokens, the last within the
+    /// calibration's `stale_after`, or a profile that does not calibrate); elsewhere the cache counts as full, so room alone never
     /// draws work to an engine the router knows little about.
     #[inline]
-    fn room(model: &Model, slot: &Slot, candidate: &Candidate) -> KvRoom {
+    fn room(model: &Model, slot: &Slot, candidate: &Candidate, now_nanos: u64) -> KvRoom {
         let room = candidate.room;
-        if !model.calibrates() || slot.calibration.samples() >= ROOM_NEEDS_SAMPLES {
+        // Measured, and recently: a stale fit decays to the prior, which
+        // says nothing of a slower engine.
+        let measured =
+            slot.calibration.samples() >= ROOM_NEEDS_SAMPLES && now_nanos <= slot.fresh_until;
+        if !model.calibrates() || measured {
             room
         } else {
             KvRoom {
@@ -287,7 +291,11 @@ impl Kinference {
             let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
             // Not in the pruning bound above: it only adds.
             let eviction = self.params.eviction_weight
-                * model.evicted_ms(Self::room(&model, slot, c), uncached, adjust.scale);
+                * model.evicted_ms(
+                    Self::room(&model, slot, c, now_nanos),
+                    uncached,
+                    adjust.scale,
+                );
             let score = ttft - tolerance * warm + externality + eviction;
             *out = score;
             if let Some(t) = ttfts.get_mut(i) {
@@ -748,6 +756,11 @@ mod tests {
             .propose(&request(), &cands, secs(1), &mut rng)
             .unwrap();
         assert_eq!(unmeasured.endpoint, EndpointId(0));
+        // Nor on one measured long ago: its fit has gone stale.
+        let stale = measured(params)
+            .propose(&request(), &cands, secs(120), &mut rng)
+            .unwrap();
+        assert_eq!(stale.endpoint, EndpointId(0));
         let eviction = |i: usize| match e.candidates[i].detail {
             ScoreDetail::Kinference { eviction_ms, .. } => eviction_ms,
             ref d => panic!("{d:?}"),
