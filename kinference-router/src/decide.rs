@@ -255,11 +255,11 @@ fn decide_route(
         .zip(&recent)
         .map(|((e, c), recent)| {
             let mut cand = candidate(e, *c, now);
-            if let Some(tokens) = e.kv_capacity_tokens() {
+            if let (Some(tokens), Some(held)) = (e.kv_capacity_tokens(), e.kv_blocks_held()) {
                 // What the index shows it holding (prompts and outputs, in
                 // the worker set's block width), or what this router sent
                 // there recently when events lag or are off.
-                let held = e.kv_blocks_held() * u64::from(ws.route.kv_block_size) / block_tokens;
+                let held = held * u64::from(ws.route.kv_block_size) / block_tokens;
                 let blocks = |n: u64| u32::try_from(n).unwrap_or(u32::MAX);
                 cand.room = KvRoom {
                     capacity_blocks: blocks(tokens / block_tokens),

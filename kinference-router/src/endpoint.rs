@@ -62,8 +62,6 @@ pub struct Scraped {
     pub kv_usage: f64,
     /// `vllm:cache_config_info{block_size}`.
     pub block_size: Option<u32>,
-    /// Tokens its KV cache holds (`vllm:cache_config_info`), when given.
-    pub kv_capacity_tokens: Option<u64>,
     /// Whose metric names the engine uses (vLLM, SGLang).
     pub family: kinference_api::engine::EngineFamily,
     /// This router's requests in flight there when they were read (the
@@ -345,10 +343,12 @@ pub struct Endpoint {
     /// to re-report the blocks they reuse.
     kv_recovering_until: RwLock<Option<Instant>>,
     /// Blocks the KV index holds for it, summed over its DP ranks (refreshed
-    /// every second by the maintainer; 0 without KV events).
+    /// every second by the maintainer; 0 without KV events; `u64::MAX`: a
+    /// hybrid model whose groups' blocks cannot be summed).
     kv_blocks_held: AtomicU64,
-    /// Tokens its KV cache holds, from `/server_info` (SGLang); 0: unknown.
-    kv_capacity_hint: AtomicU64,
+    /// Tokens its KV cache holds (`vllm:cache_config_info` when scraped,
+    /// SGLang's `/server_info`); 0: unknown.
+    kv_capacity: AtomicU64,
     /// Cancelled when the endpoint leaves: stops its tasks.
     pub stop: CancellationToken,
 }
@@ -375,7 +375,7 @@ impl Endpoint {
             version: RwLock::default(),
             kv_recovering_until: RwLock::default(),
             kv_blocks_held: AtomicU64::new(0),
-            kv_capacity_hint: AtomicU64::new(0),
+            kv_capacity: AtomicU64::new(0),
             stop,
         }
     }
@@ -562,30 +562,31 @@ impl Endpoint {
         *self.scraped.write() = Some(s);
     }
 
-    /// Blocks the KV index holds for it (as of the maintainer's last
-    /// refresh).
-    pub fn kv_blocks_held(&self) -> u64 {
-        self.kv_blocks_held.load(Ordering::Relaxed)
+    /// Blocks the KV index holds for it, as of the maintainer's last
+    /// refresh; `None` for a hybrid model (several KV-cache groups, whose
+    /// blocks differ in size and do not add up to the cache's).
+    pub fn kv_blocks_held(&self) -> Option<u64> {
+        let held = self.kv_blocks_held.load(Ordering::Relaxed);
+        (held != u64::MAX).then_some(held)
     }
 
-    /// Sets the blocks the KV index holds for it.
-    pub fn set_kv_blocks_held(&self, blocks: u64) {
-        self.kv_blocks_held.store(blocks, Ordering::Relaxed);
+    /// Sets the blocks the KV index holds for it (`None`: a hybrid model).
+    pub fn set_kv_blocks_held(&self, blocks: Option<u64>) {
+        let held = blocks.map_or(u64::MAX, |b| b.min(u64::MAX - 1));
+        self.kv_blocks_held.store(held, Ordering::Relaxed);
     }
 
-    /// Tokens its KV cache holds: `vllm:cache_config_info` from the last
-    /// scrape, else what `/server_info` said (SGLang). A configuration
-    /// figure: it does not age.
+    /// Tokens its KV cache holds, as the engine said (a configuration
+    /// figure: it does not age).
     pub fn kv_capacity_tokens(&self) -> Option<u64> {
-        self.scraped()
-            .and_then(|s| s.kv_capacity_tokens)
-            .or_else(|| Some(self.kv_capacity_hint.load(Ordering::Relaxed)))
-            .filter(|t| *t > 0)
+        let t = self.kv_capacity.load(Ordering::Relaxed);
+        (t > 0).then_some(t)
     }
 
-    /// Sets the KV-cache size `/server_info` gave.
-    pub fn set_kv_capacity_hint(&self, tokens: u64) {
-        self.kv_capacity_hint.store(tokens, Ordering::Relaxed);
+    /// Sets the KV-cache size the engine reports (`vllm:cache_config_info`,
+    /// SGLang's `/server_info`).
+    pub fn set_kv_capacity_tokens(&self, tokens: u64) {
+        self.kv_capacity.store(tokens, Ordering::Relaxed);
     }
 
     /// DP ranks whose KV events are subscribed (a request names a rank only

@@ -473,7 +473,7 @@ impl KvPlane {
         let subs = self.subscriptions.lock().remove(&e.id);
         e.set_kv_ranks(0);
         // Its blocks go with the streams: nothing is held any more.
-        e.set_kv_blocks_held(0);
+        e.set_kv_blocks_held(Some(0));
         if let Some(subs) = subs {
             self.drop_subscriptions(subs.streams);
         }
@@ -494,15 +494,18 @@ impl KvPlane {
     /// maintainer.
     pub fn watch_resets(&self, now: Instant) {
         for s in self.subscriptions.lock().values_mut() {
-            let (mut resets, mut held) = (0, 0);
+            let (mut resets, mut held, mut hybrid) = (0, 0, false);
             for (_, h) in &s.streams {
                 let health = h.health();
                 resets += health.resets;
                 held += health.blocks_held;
+                hybrid |= health.observed_widths.iter().any(|(group, _)| *group > 0);
             }
             // What a decision reads as the cache's occupancy (see
-            // `kinference_scoring::KvRoom`), off the request path.
-            s.endpoint.set_kv_blocks_held(held);
+            // `kinference_scoring::KvRoom`), off the request path. A hybrid
+            // model's groups hold blocks of different sizes from one pool:
+            // their counts do not compare with its capacity.
+            s.endpoint.set_kv_blocks_held((!hybrid).then_some(held));
             if resets > s.resets {
                 s.resets = resets;
                 s.endpoint.kv_recovering_until(now + RECOVERY_WINDOW);

@@ -136,7 +136,7 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
             )
             .await;
             if let Some(tokens) = capacity {
-                e.set_kv_capacity_hint(tokens);
+                e.set_kv_capacity_tokens(tokens);
             }
             shared.kv.subscribe(&e, publishers, sub.block_size);
         });

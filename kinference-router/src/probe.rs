@@ -141,7 +141,6 @@ pub fn scraped(l: &engine::LoadFigures, at: Instant) -> Scraped {
         waiting: l.waiting,
         kv_usage: l.kv_usage,
         block_size: l.block_size,
-        kv_capacity_tokens: l.kv_capacity_tokens,
         family: l.family,
         own_requests: 0,
         own_prefilling: 0,
@@ -310,6 +309,9 @@ pub fn spawn(
                         s.own_requests = before.requests.max(after.requests);
                         s.own_prefilling = before.prefilling.max(after.prefilling);
                         endpoint.set_scraped(s);
+                        if let Some(tokens) = load.kv_capacity_tokens {
+                            endpoint.set_kv_capacity_tokens(tokens);
+                        }
                         endpoint.adapters.set_scraped(adapters, at);
                     }
                     Err(e) => {

@@ -163,15 +163,8 @@ pub fn parse_scrape(text: &str) -> (LoadFigures, Option<AdapterFigures>) {
                 if let Some(b) = block {
                     l.block_size = Some(b);
                 }
-                let number = |key: &str| -> Option<u64> {
-                    let v = s.label(key)?.trim();
-                    v.parse::<u64>().ok().or_else(|| {
-                        v.parse::<f64>()
-                            .ok()
-                            .filter(|f| *f >= 0.0)
-                            .map(|f| f as u64)
-                    })
-                };
+                // vLLM renders these ints with `str()`; unset ones read "None".
+                let number = |key: &str| s.label(key)?.trim().parse::<u64>().ok();
                 let tokens = number("kv_cache_size_tokens").or_else(|| {
                     number("num_gpu_blocks")
                         .zip(block)

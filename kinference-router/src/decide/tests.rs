@@ -494,12 +494,12 @@ fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
             waiting: 0.0,
             kv_usage: 0.0,
             block_size: Some(BLOCK),
-            kv_capacity_tokens: Some(64 * u64::from(BLOCK)),
             family: kinference_api::engine::EngineFamily::Vllm,
             own_requests: 0,
             own_prefilling: 0,
             at: now.instant,
         });
+        e.set_kv_capacity_tokens(64 * u64::from(BLOCK));
     }
     // Four 16-block prompts went to `full` (finished since): its cache is
     // all blocks in recent use.
@@ -554,7 +554,7 @@ fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
     );
     // The blocks the index shows it holding count when they are more than
     // what this router sent there.
-    roomy.set_kv_blocks_held(60);
+    roomy.set_kv_blocks_held(Some(60));
     let d = f.decide(&p, &[], T).unwrap();
     let expl = d.explanation.unwrap();
     let roomy_room = expl
@@ -565,4 +565,17 @@ fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
         .inputs
         .room;
     assert_eq!(roomy_room.used_blocks, 60);
+    // A hybrid model's held blocks do not compare with its capacity: no
+    // room is given, so no charge.
+    roomy.set_kv_blocks_held(None);
+    let d = f.decide(&p, &[], T).unwrap();
+    let expl = d.explanation.unwrap();
+    let roomy_room = expl
+        .candidates
+        .iter()
+        .find(|c| c.inputs.endpoint.0 == roomy.id.0)
+        .unwrap()
+        .inputs
+        .room;
+    assert_eq!(roomy_room, KvRoom::default());
 }
