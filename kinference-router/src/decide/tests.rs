@@ -552,30 +552,22 @@ fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
         of(full.id).prediction.ttft_ms < of(roomy.id).prediction.ttft_ms,
         "without the charge the full one would win"
     );
+    // The room a fresh decision gives `roomy`.
+    let roomy_room = || {
+        let expl = f.decide(&p, &[], T).unwrap().explanation.unwrap();
+        expl.candidates
+            .iter()
+            .find(|c| c.inputs.endpoint.0 == roomy.id.0)
+            .unwrap()
+            .inputs
+            .room
+    };
     // The blocks the index shows it holding count when they are more than
     // what this router sent there.
     roomy.set_kv_blocks_held(Some(60));
-    let d = f.decide(&p, &[], T).unwrap();
-    let expl = d.explanation.unwrap();
-    let roomy_room = expl
-        .candidates
-        .iter()
-        .find(|c| c.inputs.endpoint.0 == roomy.id.0)
-        .unwrap()
-        .inputs
-        .room;
-    assert_eq!(roomy_room.used_blocks, 60);
+    assert_eq!(roomy_room().used_blocks, 60);
     // A hybrid model's held blocks do not compare with its capacity: no
     // room is given, so no charge.
     roomy.set_kv_blocks_held(None);
-    let d = f.decide(&p, &[], T).unwrap();
-    let expl = d.explanation.unwrap();
-    let roomy_room = expl
-        .candidates
-        .iter()
-        .find(|c| c.inputs.endpoint.0 == roomy.id.0)
-        .unwrap()
-        .inputs
-        .room;
-    assert_eq!(roomy_room, KvRoom::default());
+    assert_eq!(roomy_room(), KvRoom::default());
 }
