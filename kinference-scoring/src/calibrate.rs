@@ -65,6 +65,14 @@ pub struct CalibrationView {
     pub clipped: u32,
     /// Robust spread of relative residuals (mean absolute value).
     pub spread: f64,
+    /// The fleet's speed against the profile, already in `scale` (1 for a
+    /// policy without one).
+    #[serde(default = "one")]
+    pub fleet_scale: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// One endpoint's calibration. Create it with [`Calibration::prior`].
@@ -181,6 +189,7 @@ impl Calibration {
             samples: self.samples,
             clipped: self.clipped,
             spread: self.spread,
+            fleet_scale: 1.0,
         }
     }
 

@@ -31,9 +31,32 @@ struct Slot {
     /// 0 = never; otherwise the decision's time in nanoseconds + 1.
     last_chosen: u64,
     calibration: Calibration,
+    /// Running mean of ln(observed ÷ uncalibrated prediction), weighted by
+    /// the load part's share of the prediction: this endpoint's vote for
+    /// the fleet's speed ([`FleetScale`]).
+    log_ratio: f64,
+    /// The weight behind `log_ratio`.
+    ratio_weight: f64,
 }
 
 impl Slot {
+    /// Adds one first token to the endpoint's vote for the fleet's speed.
+    fn note_ratio(&mut self, params: &LatencyParams, load_ms: f64, observed_ms: f64) {
+        let model_ms = params.base_millis + load_ms;
+        if !(load_ms > 0.0 && model_ms.is_finite() && observed_ms > 0.0 && observed_ms.is_finite())
+        {
+            return;
+        }
+        // A prediction that is mostly the fixed part says little about
+        // prefill speed: weigh by the load part's share.
+        let w = load_ms / model_ms;
+        // A running mean at first (the first observations count in full),
+        // then an exponential one that follows a change within a few dozen.
+        self.ratio_weight = (self.ratio_weight + w).min(FLEET_MEMORY);
+        let x = (observed_ms / model_ms).ln();
+        self.log_ratio += (w / self.ratio_weight) * (x - self.log_ratio);
+    }
+
     fn new(params: &LatencyParams) -> Self {
         let mut slot = Self {
             offset_ms: 0.0,
@@ -41,6 +64,8 @@ impl Slot {
             fresh_until: 0,
             last_chosen: 0,
             calibration: Calibration::prior(params),
+            log_ratio: 0.0,
+            ratio_weight: 0.0,
         };
         slot.cache_coefficients(params);
         slot
@@ -70,6 +95,18 @@ impl Slot {
 /// slower engine with few observations was predicted at 1.19× and a cold
 /// turn sent there for its room took 4.6 s).
 pub const ROOM_NEEDS_SAMPLES: u32 = 8;
+
+/// The weight (in fully loaded first tokens) an endpoint's vote for the
+/// fleet's speed remembers: about twenty.
+const FLEET_MEMORY: f64 = 20.0;
+
+/// An endpoint votes for the fleet's speed once this much weight is behind
+/// its vote: one first token whose prediction is mostly load.
+const FLEET_MIN_WEIGHT: f64 = 0.5;
+
+/// How far the fleet's speed may stray from the profile's: a profile off by
+/// more than 64× in either direction is a wrong profile, not a slow engine.
+const FLEET_SCALE_BOUNDS: (f64, f64) = (1.0 / 64.0, 64.0);
 
 /// kinference's policy.
 ///
@@ -120,7 +157,7 @@ pub const ROOM_NEEDS_SAMPLES: u32 = 8;
 ///   meets it, the choice stands (the router's admission then holds the
 ///   request or answers 429).
 ///
-/// State: one 112-byte slot per endpoint id ever chosen or observed (a dense
+/// State: one 128-byte slot per endpoint id ever chosen or observed (a dense
 /// vector indexed by id), the mean prefill time and reusable buffers. A
 /// decision is O(candidates) with no allocation once the buffers have grown;
 /// candidates whose lower-bound score cannot win skip the full model.
@@ -136,6 +173,67 @@ pub struct Kinference {
     /// EWMA of the chosen candidates' prefill time, ms, and its reciprocal.
     mean_prefill_ms: f64,
     inv_mean_prefill_ms: f64,
+    /// The fleet's speed against the profile ([`FleetScale`]).
+    fleet: FleetScale,
+}
+
+/// The fleet's speed against the profile: the median over endpoints of how
+/// much slower than predicted their first tokens came (each endpoint's
+/// running mean of ln(observed ÷ predicted)), within
+/// [`FLEET_SCALE_BOUNDS`].
+///
+/// Every endpoint's calibrated scale is relative to it, and an endpoint
+/// without observations starts from it. A profile written for other
+/// hardware (the built-in one assumes an 8B model on an H100; a 70B model
+/// on older GPUs prefills ten to twenty times slower) is then corrected
+/// fleet-wide within the first few first tokens, beyond the per-endpoint
+/// `scaleBounds`, while each endpoint's fit still learns how it differs
+/// from the rest. The median keeps a minority of slow engines from moving
+/// it.
+#[derive(Debug, Clone)]
+struct FleetScale {
+    /// The median, 1 until an endpoint votes.
+    scale: f64,
+    /// Reusable buffer for the median.
+    votes: Vec<f64>,
+}
+
+impl FleetScale {
+    fn new() -> Self {
+        Self {
+            scale: 1.0,
+            votes: Vec::new(),
+        }
+    }
+
+    /// Recomputes the median of the endpoints' votes.
+    fn update(&mut self, slots: &[Slot]) {
+        self.votes.clear();
+        self.votes.extend(
+            slots
+                .iter()
+                .filter(|s| s.ratio_weight >= FLEET_MIN_WEIGHT)
+                .map(|s| s.log_ratio),
+        );
+        let n = self.votes.len();
+        if n == 0 {
+            self.scale = 1.0;
+            return;
+        }
+        let (_, &mut upper, _) = self.votes.select_nth_unstable_by(n / 2, f64::total_cmp);
+        let median = if n.is_multiple_of(2) {
+            let lower = self.votes[..n / 2]
+                .iter()
+                .copied()
+                .fold(f64::NEG_INFINITY, f64::max);
+            0.5 * (lower + upper)
+        } else {
+            upper
+        };
+        self.scale = median
+            .exp()
+            .clamp(FLEET_SCALE_BOUNDS.0, FLEET_SCALE_BOUNDS.1);
+    }
 }
 
 impl Kinference {
@@ -150,6 +248,7 @@ impl Kinference {
             equals: Vec::new(),
             mean_prefill_ms: initial_mean_prefill_ms(&params),
             inv_mean_prefill_ms: 1.0 / initial_mean_prefill_ms(&params),
+            fleet: FleetScale::new(),
         }
     }
 
@@ -223,10 +322,16 @@ impl Kinference {
         }
     }
 
+    /// The fleet's speed against the profile ([`FleetScale`]).
+    pub fn fleet_scale(&self) -> f64 {
+        self.fleet.scale
+    }
+
     #[inline]
     fn coefficients(&self, model: &Model, slot: &Slot, now_nanos: u64) -> (f64, f64) {
         if model.calibrates() {
-            slot.coefficients(&self.params, now_nanos)
+            let (offset, scale) = slot.coefficients(&self.params, now_nanos);
+            (offset, scale * self.fleet.scale)
         } else {
             model.uncalibrated()
         }
@@ -518,18 +623,34 @@ impl Pick for Kinference {
         now: Duration,
     ) -> ObserveOutcome {
         let params = self.params;
+        if endpoint.0 >= EndpointId::LIMIT {
+            return ObserveOutcome::Ignored;
+        }
+        // The fleet's speed first, this observation included, so that the
+        // endpoint's fit (relative to it) does not chase a slowdown the
+        // whole fleet shares.
+        if params.calibrate
+            && let Some(slot) = self.slot_mut(endpoint)
+        {
+            slot.note_ratio(&params, prediction.load_ms, observed.as_secs_f64() * 1e3);
+            self.fleet.update(&self.slots);
+        }
+        let fleet = self.fleet.scale;
         let Some(slot) = self.slot_mut(endpoint) else {
             return ObserveOutcome::Ignored;
         };
         let outcome = slot
             .calibration
-            .observe(&params, prediction.load_ms, observed, now);
+            .observe(&params, prediction.load_ms * fleet, observed, now);
         slot.cache_coefficients(&params);
         outcome
     }
 
     fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
-        Some(self.slot(endpoint).calibration.view(&self.params, now))
+        let mut view = self.slot(endpoint).calibration.view(&self.params, now);
+        view.fleet_scale = self.fleet.scale;
+        view.scale *= self.fleet.scale;
+        Some(view)
     }
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
@@ -538,13 +659,12 @@ impl Pick for Kinference {
             *slot = fresh;
         }
         // Shrink trailing fresh slots so a vanished high id frees its memory.
-        while self
-            .slots
-            .last()
-            .is_some_and(|s| s.last_chosen == 0 && s.calibration == fresh.calibration)
-        {
+        while self.slots.last().is_some_and(|s| {
+            s.last_chosen == 0 && s.calibration == fresh.calibration && s.ratio_weight == 0.0
+        }) {
             self.slots.pop();
         }
+        self.fleet.update(&self.slots);
     }
 }
 
@@ -867,12 +987,9 @@ mod tests {
                 EndpointId(1)
             );
         }
-        assert!(
-            p.calibration_state(EndpointId(0))
-                .view(p.params(), now)
-                .scale
-                > 2.0
-        );
+        // The endpoint's own fit is relative to the fleet's speed (here the
+        // midpoint of the two); what the decision uses is the product.
+        assert!(Pick::calibration(&p, EndpointId(0), now).is_some_and(|v| v.scale > 2.0));
         p.remove_endpoint(EndpointId(0));
         assert_eq!(
             p.calibration_state(EndpointId(0)),
@@ -883,6 +1000,67 @@ mod tests {
             Some(0)
         );
         assert!(Pick::calibration(&p, EndpointId(1), now).is_some_and(|v| v.samples == 100));
+    }
+
+    /// Feeds `rounds` first tokens per endpoint, endpoint `i` answering
+    /// `truth[i]` times slower than the profile predicts.
+    fn feed_fleet(p: &mut Kinference, truth: &[f64], rounds: usize, now: &mut Duration) {
+        for _ in 0..rounds {
+            for (i, t) in truth.iter().enumerate() {
+                *now += Duration::from_millis(10);
+                let c = cand(i as u32, 0, 0);
+                let pred = p.predict(&request(), &c, *now);
+                let observed = Duration::from_secs_f64(pred.model_ms * t / 1e3);
+                p.observe(EndpointId(i as u32), &pred, observed, *now);
+            }
+        }
+    }
+
+    /// How much later than the profile `endpoint`'s prediction is now.
+    fn predicted_slowdown(p: &Kinference, endpoint: u32, now: Duration) -> f64 {
+        let pred = p.predict(&request(), &cand(endpoint, 0, 0), now);
+        pred.ttft_ms / pred.model_ms
+    }
+
+    #[test]
+    fn a_fleet_slower_than_its_profile_is_learnt_beyond_the_scale_bounds() {
+        // Twenty times slower than the built-in profile (its scale bounds
+        // stop at 4): every endpoint's prediction, and a new endpoint's,
+        // follows within a few first tokens each.
+        let params = LatencyParams::default();
+        assert!(params.calibration.scale_bounds.1 < 20.0);
+        let mut p = Kinference::new(params);
+        let mut now = secs(1);
+        feed_fleet(&mut p, &[20.0; 4], 4, &mut now);
+        assert!((p.fleet_scale() / 20.0 - 1.0).abs() < 0.25, "{}", p.fleet_scale());
+        for e in 0..4 {
+            let s = predicted_slowdown(&p, e, now);
+            assert!((s / 20.0 - 1.0).abs() < 0.3, "endpoint {e}: {s}");
+        }
+        let s = predicted_slowdown(&p, 9, now);
+        assert!((s / 20.0 - 1.0).abs() < 0.3, "a new endpoint: {s}");
+        // The endpoint's own fit stays inside its bounds: the fleet carries
+        // the slowdown.
+        let fit = p.calibration_state(EndpointId(0)).view(p.params(), now);
+        assert!(fit.scale < params.calibration.scale_bounds.1);
+    }
+
+    #[test]
+    fn a_minority_of_slow_endpoints_does_not_move_the_fleet() {
+        // Six engines as the profile says, two three times slower: the
+        // fleet stays at the profile, the slow two learn their own 3×.
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut now = secs(1);
+        let truth = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 3.0, 3.0];
+        feed_fleet(&mut p, &truth, 60, &mut now);
+        assert!((p.fleet_scale() - 1.0).abs() < 0.05, "{}", p.fleet_scale());
+        assert!(predicted_slowdown(&p, 0, now) < 1.2);
+        assert!(predicted_slowdown(&p, 7, now) > 2.5);
+        // Removing the fast ones leaves the slow ones as the fleet.
+        for e in 0..6 {
+            p.remove_endpoint(EndpointId(e));
+        }
+        assert!(p.fleet_scale() > 2.5, "{}", p.fleet_scale());
     }
 
     #[test]
