@@ -161,19 +161,20 @@ fn kv_keys(shared: &Shared, query: Option<&str>) -> serde_json::Value {
 async fn load(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     let token = shared.config.peers.as_ref().and_then(|p| p.token.as_ref());
     let resp = if crate::peers::allowed(token, req.headers()) {
-        let version = match crate::peers::long_poll_query(req.uri().query()) {
+        let (version, after) = match crate::peers::long_poll_query(req.uri().query()) {
             Some((after, wait)) => {
-                tokio::select! {
+                let v = tokio::select! {
                     v = crate::peers::wait_for_change(after, wait) => v,
                     () = shared.runtime.stop.cancelled() => crate::peers::version(),
-                }
+                };
+                (v, Some(after))
             }
-            None => crate::peers::version(),
+            None => (crate::peers::version(), None),
         };
         let mut r = text(
             StatusCode::OK,
             "application/json",
-            serde_json::to_vec(&crate::peers::report(shared)).unwrap_or_default(),
+            serde_json::to_vec(&crate::peers::report(shared, after)).unwrap_or_default(),
         );
         r.headers_mut()
             .insert(crate::peers::VERSION_HEADER, HeaderValue::from(version));

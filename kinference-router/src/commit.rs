@@ -48,6 +48,9 @@ pub fn commit(view: &View, prepared: &Prepared, d: &Decision, now: Now) -> Commi
         && !route.keys.is_empty()
         && !d.holds_whole_prompt(route))
     .then(|| {
+        // Peers routing the same new prefix before the engine's events
+        // reach them find it too.
+        runtime.sent.push(&d.endpoint.authority, &route.keys);
         runtime
             .prefixes
             .write()

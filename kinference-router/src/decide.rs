@@ -218,6 +218,7 @@ fn cached_blocks(
             *r = record.blocks_sent(kinference_scoring::EndpointId(e.id.0));
         }
     }
+    peer_records(ws, route, cache, now, &mut out);
     for (ep, n) in out {
         if let Some(i) = endpoints.iter().position(|e| e.id.0 == ep.0) {
             cached[i].gpu = cached[i].gpu.max(n);
@@ -228,6 +229,40 @@ fn cached_blocks(
         best_rank,
         recent,
     }
+}
+
+/// Appends to `out` what the peers' records say each endpoint holds of
+/// the prompt (in blocks, to within [`crate::peers::RECORD_STRIDE`]),
+/// trusted as long as this router's own record.
+fn peer_records(
+    ws: &WorkerSetView,
+    route: &Route,
+    cache: CacheSource,
+    now: Now,
+    out: &mut Vec<(kinference_scoring::EndpointId, u32)>,
+) {
+    let record = ws.runtime.peer_prefixes.read();
+    if record.is_empty() || route.keys.len() < crate::peers::RECORD_STRIDE {
+        return;
+    }
+    let keys: Vec<u64> = crate::peers::checkpoints(&route.keys).collect();
+    let mut found = Vec::new();
+    if cache == CacheSource::Index {
+        record.leading_blocks_within(
+            &keys,
+            now.since_start,
+            kinference_scoring::approx::EXACT_MODE_HORIZON,
+            &mut found,
+        );
+    } else {
+        record.leading_blocks(&keys, now.since_start, &mut found);
+    }
+    let stride = crate::peers::RECORD_STRIDE as u32;
+    out.extend(
+        found
+            .into_iter()
+            .map(|(e, n)| (e, n.saturating_mul(stride))),
+    );
 }
 
 #[allow(clippy::too_many_arguments)]

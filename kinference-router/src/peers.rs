@@ -24,6 +24,16 @@
 //! fixed list (`--peers`). With `--peer-token-file`, reports are served
 //! and asked for with that bearer token only.
 //!
+//! A report also carries the prefixes this replica sent an engine since
+//! the asker's version ([`Report::records`]): until that engine's KV
+//! events arrive, a peer routing the same new prefix (the rest of a burst,
+//! spread over the replicas by the Service) finds it there instead of
+//! placing it on another engine; measured, two replicas without this
+//! split 22 of a burst workload's 30 prefix groups over several engines.
+//! Only every [`RECORD_STRIDE`]th block key goes (a key hashes its whole
+//! prefix, so matching one matches every block before it): a peer's match
+//! is exact to within `RECORD_STRIDE` blocks, at an eighth of the bytes.
+//!
 //! It degrades to a lone router, never to worse: a peer that does not
 //! answer within the interval, answers garbage, or whose last report is
 //! older than `--peer-staleness` (1 s) counts for nothing; every figure a
@@ -61,6 +71,16 @@ pub const VERSION_HEADER: &str = "x-kinference-load-version";
 pub const MIN_GAP: Duration = Duration::from_millis(20);
 /// Longest wait a peer may ask for.
 pub const MAX_WAIT: Duration = Duration::from_secs(5);
+/// Every how many block keys one goes to the peers in a record.
+pub const RECORD_STRIDE: usize = 8;
+/// Most records one report carries (and a replica keeps to send).
+pub const MAX_RECORDS: usize = 1024;
+/// Most keys one record carries: `RECORD_STRIDE` × 1024 blocks, 131K
+/// tokens at 16 per block.
+pub const MAX_RECORD_KEYS: usize = 1024;
+/// How long a record is worth sending and applying: the time the
+/// engine's own events take to reach every replica's index.
+pub const RECORD_HORIZON: Duration = kinference_scoring::approx::EXACT_MODE_HORIZON;
 
 /// This replica's load version: bumped whenever a request of this replica
 /// starts, gets its first token or ends anywhere.
@@ -68,6 +88,91 @@ static VERSION: AtomicU64 = AtomicU64::new(1);
 /// Long polls waiting for the version to move.
 static WAITING: AtomicU64 = AtomicU64::new(0);
 static CHANGED: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Whether this process has peers to send its records to.
+static SHARING: AtomicBool = AtomicBool::new(false);
+
+/// The keys a record carries: every [`RECORD_STRIDE`]th of `keys` (the
+/// last key of each stride), at most [`MAX_RECORD_KEYS`].
+pub fn checkpoints(keys: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    keys.iter()
+        .skip(RECORD_STRIDE - 1)
+        .step_by(RECORD_STRIDE)
+        .take(MAX_RECORD_KEYS)
+        .copied()
+}
+
+/// One prefix this replica sent, kept for its peers.
+#[derive(Debug)]
+struct Sent {
+    version: u64,
+    at: Instant,
+    engine: String,
+    keys: Vec<u64>,
+}
+
+/// The prefixes this replica sent within [`RECORD_HORIZON`], for its
+/// peers' reports; at most [`MAX_RECORDS`]. Written only while the replica
+/// has peers.
+#[derive(Debug, Default)]
+pub struct SentRecords {
+    sent: parking_lot::Mutex<std::collections::VecDeque<Sent>>,
+}
+
+impl SentRecords {
+    /// Keeps `keys` (a prompt's block keys, sent to `engine`) for the
+    /// peers, and wakes their long polls.
+    pub fn push(&self, engine: &str, keys: &[u64]) {
+        if !SHARING.load(Ordering::Relaxed) || keys.len() < RECORD_STRIDE {
+            return;
+        }
+        let keys: Vec<u64> = checkpoints(keys).collect();
+        let now = Instant::now();
+        {
+            let mut sent = self.sent.lock();
+            while sent.len() >= MAX_RECORDS
+                || sent
+                    .front()
+                    .is_some_and(|s| now.saturating_duration_since(s.at) > RECORD_HORIZON)
+            {
+                sent.pop_front();
+            }
+            // Stamped inside the lock: a report reading the version and
+            // then the records sees every record up to that version.
+            let version = VERSION.fetch_add(1, Ordering::Relaxed) + 1;
+            sent.push_back(Sent {
+                version,
+                at: now,
+                engine: engine.to_owned(),
+                keys,
+            });
+        }
+        if WAITING.load(Ordering::Relaxed) > 0 {
+            CHANGED.notify_waiters();
+        }
+    }
+
+    /// The records stamped after `after` (every one kept, with `None`),
+    /// younger than the horizon, appended to `out`.
+    fn since(&self, after: Option<u64>, out: &mut Vec<PeerRecord>) {
+        let now = Instant::now();
+        let sent = self.sent.lock();
+        for s in sent.iter() {
+            let age = now.saturating_duration_since(s.at);
+            if after.is_some_and(|a| s.version <= a) || age > RECORD_HORIZON {
+                continue;
+            }
+            if out.len() >= MAX_RECORDS {
+                break;
+            }
+            out.push(PeerRecord {
+                engine: s.engine.clone(),
+                age_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+                keys: s.keys.clone(),
+            });
+        }
+    }
+}
 
 /// This replica's load changed. Free when no peer waits.
 pub fn load_changed() {
@@ -131,13 +236,32 @@ pub struct Report {
     /// Per engine (`address:port`): requests, prefilling, prefill tokens,
     /// decoding, context tokens.
     pub engines: HashMap<String, [u64; 5]>,
+    /// Prefixes sent since the asker's version (absent from older
+    /// replicas' reports).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub records: Vec<PeerRecord>,
 }
 
-/// This replica's report.
-pub fn report(shared: &Shared) -> Report {
+/// A prefix a replica sent an engine.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerRecord {
+    /// The engine (`address:port`).
+    pub engine: String,
+    /// How long ago, in milliseconds.
+    pub age_ms: u64,
+    /// Every [`RECORD_STRIDE`]th block key of the prompt
+    /// ([`checkpoints`]).
+    pub keys: Vec<u64>,
+}
+
+/// This replica's report; its records are those stamped after `after`
+/// (all it keeps, with `None`).
+pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let view = shared.view();
     let mut engines = HashMap::new();
+    let mut records = Vec::new();
     for ws in &view.worker_sets {
+        ws.runtime.sent.since(after, &mut records);
         for e in &ws.endpoints {
             let l = e.load.own();
             if l.requests == 0 && l.prefilling == 0 {
@@ -158,6 +282,30 @@ pub fn report(shared: &Shared) -> Report {
     Report {
         replica: shared.runtime.replica.clone(),
         engines,
+        records,
+    }
+}
+
+/// Puts a peer's records in the prefix records of the worker sets whose
+/// endpoints they name, dated by their age.
+fn apply(shared: &Shared, records: &[PeerRecord]) {
+    if records.is_empty() {
+        return;
+    }
+    let view = shared.view();
+    let now = shared.now();
+    for ws in &view.worker_sets {
+        for r in records {
+            let Some(e) = ws.endpoints.iter().find(|e| e.authority == r.engine) else {
+                continue;
+            };
+            let at = now.saturating_sub(Duration::from_millis(r.age_ms));
+            ws.runtime.peer_prefixes.write().record(
+                kinference_scoring::EndpointId(e.id.0),
+                &r.keys,
+                at,
+            );
+        }
     }
 }
 
@@ -291,6 +439,13 @@ pub fn allowed(token: Option<&HeaderValue>, headers: &http::HeaderMap) -> bool {
 /// Parses and bounds a peer's report; `None` for anything malformed.
 pub fn parse(body: &[u8]) -> Option<Report> {
     let mut r: Report = serde_json::from_slice(body).ok()?;
+    let horizon = u64::try_from(RECORD_HORIZON.as_millis()).unwrap_or(u64::MAX);
+    r.records.truncate(MAX_RECORDS);
+    r.records
+        .retain(|x| x.age_ms <= horizon && !x.keys.is_empty());
+    for x in &mut r.records {
+        x.keys.truncate(MAX_RECORD_KEYS);
+    }
     for v in r.engines.values_mut() {
         for (i, x) in v.iter_mut().enumerate() {
             let cap = if matches!(i, 0 | 1 | 3) {
@@ -356,6 +511,9 @@ pub fn spawn(shared: Arc<Shared>, settings: Settings, kube: Option<kube::Client>
         addresses.set(v.clone());
     }
     let alone = matches!(&settings.source, Source::Fixed(v) if v.is_empty());
+    if !alone {
+        SHARING.store(true, Ordering::Relaxed);
+    }
     if !settings.bootstrap_timeout.is_zero() && !alone {
         // Before anything subscribes: every stream gets its part.
         let until = Instant::now() + settings.bootstrap_timeout;
@@ -582,7 +740,8 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                     k.error = Some("this replica itself".into());
                     after = None;
                 }
-                Ok((r, version)) => {
+                Ok((mut r, version)) => {
+                    apply(&shared, &std::mem::take(&mut r.records));
                     k.report = Some((r, Instant::now()));
                     k.error = None;
                     after = version;
@@ -649,6 +808,7 @@ fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration)
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     #[test]
     fn reports_are_bounded_and_garbage_is_nothing() {
@@ -666,6 +826,79 @@ mod tests {
         assert_eq!(s["10.0.0.1:8000"].requests, 2);
         assert_eq!(s["10.0.0.1:8000"].prefill_tokens, 1000);
         assert_eq!(s["e"].requests, MAX_REQUESTS);
+    }
+
+    #[test]
+    fn records_carry_every_strides_last_key_and_are_bounded() {
+        let keys: Vec<u64> = (1..=20).collect();
+        assert_eq!(checkpoints(&keys).collect::<Vec<_>>(), vec![8, 16]);
+        assert_eq!(checkpoints(&keys[..7]).count(), 0);
+        let long: Vec<u64> = (0..(MAX_RECORD_KEYS * RECORD_STRIDE * 2) as u64).collect();
+        assert_eq!(checkpoints(&long).count(), MAX_RECORD_KEYS);
+
+        // A peer's records: too old, empty or too many are dropped, too
+        // long are cut; an older peer's report (no records) still parses.
+        let horizon = RECORD_HORIZON.as_millis();
+        let body = serde_json::json!({
+            "replica": "a",
+            "engines": {},
+            "records": [
+                {"engine": "e:1", "age_ms": 5, "keys": [1, 2]},
+                {"engine": "e:1", "age_ms": horizon + 1, "keys": [3]},
+                {"engine": "e:2", "age_ms": 0, "keys": []},
+                {"engine": "e:2", "age_ms": 0, "keys": vec![7u64; MAX_RECORD_KEYS + 5]},
+            ],
+        });
+        let r = parse(&serde_json::to_vec(&body).unwrap()).unwrap();
+        assert_eq!(r.records.len(), 2);
+        assert_eq!(r.records[0].keys, vec![1, 2]);
+        assert_eq!(r.records[1].keys.len(), MAX_RECORD_KEYS);
+        let many: Vec<Value> = (0..MAX_RECORDS + 10)
+            .map(|_| serde_json::json!({"engine": "e", "age_ms": 0, "keys": [1]}))
+            .collect();
+        let body = serde_json::json!({"replica": "a", "engines": {}, "records": many});
+        assert_eq!(
+            parse(&serde_json::to_vec(&body).unwrap())
+                .unwrap()
+                .records
+                .len(),
+            MAX_RECORDS
+        );
+        assert!(
+            parse(br#"{"replica":"a","engines":{}}"#)
+                .unwrap()
+                .records
+                .is_empty()
+        );
+        assert_eq!(
+            parse(br#"{"replica":"a","engines":{},"records":[{"engine":1}]}"#),
+            None
+        );
+    }
+
+    #[test]
+    fn sent_records_go_to_each_peer_once_by_version() {
+        SHARING.store(true, Ordering::Relaxed);
+        let sent = SentRecords::default();
+        let before = version();
+        let keys: Vec<u64> = (1..=16).collect();
+        sent.push("e:1", &keys);
+        sent.push("e:2", &keys[..4]); // shorter than a stride: nothing to send
+        let mid = version();
+        sent.push("e:3", &keys);
+        let mut out = Vec::new();
+        sent.since(Some(before), &mut out);
+        let engines: Vec<&str> = out.iter().map(|r| r.engine.as_str()).collect();
+        assert_eq!(engines, ["e:1", "e:3"]);
+        assert_eq!(out[0].keys, vec![8, 16]);
+        out.clear();
+        sent.since(Some(mid), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].engine, "e:3");
+        // A first ask (no version) gets everything kept.
+        out.clear();
+        sent.since(None, &mut out);
+        assert_eq!(out.len(), 2);
     }
 
     #[test]

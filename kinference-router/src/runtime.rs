@@ -60,6 +60,11 @@ pub struct WsRuntime {
     pub policy: Mutex<Policy>,
     /// Where this router sent which prefixes recently.
     pub prefixes: RwLock<PrefixRecord>,
+    /// Where its peers sent which prefixes recently: every
+    /// [`crate::peers::RECORD_STRIDE`]th block key ([`crate::peers`]).
+    pub peer_prefixes: RwLock<PrefixRecord>,
+    /// The prefixes this router sent, kept for its peers.
+    pub sent: crate::peers::SentRecords,
     /// The local tokenizer, once loaded.
     pub tokenizer: RwLock<Option<Arc<ModelTokenizer>>>,
     /// The local tokenizer's state.
@@ -89,6 +94,11 @@ impl WsRuntime {
                 prefix_ttl,
                 kinference_scoring::approx::DEFAULT_CAPACITY,
             )),
+            peer_prefixes: RwLock::new(PrefixRecord::new(
+                prefix_ttl,
+                crate::peers::MAX_RECORDS * 64,
+            )),
+            sent: crate::peers::SentRecords::default(),
             tokenizer: RwLock::new(None),
             tokenizer_state: RwLock::new(TokenizerState::NotLocal),
             memo: RouteMemo::new(crate::config::defaults::ROUTE_MEMO_BYTES),
@@ -122,6 +132,7 @@ impl WsRuntime {
         use kinference_scoring::Pick as _;
         self.policy.lock().remove_endpoint(id);
         self.prefixes.write().remove_endpoint(id);
+        self.peer_prefixes.write().remove_endpoint(id);
     }
 }
 

@@ -846,3 +846,97 @@ async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
     first.shutdown().await;
     second.shutdown().await;
 }
+
+/// A new prefix one replica sent an engine reaches its peer with its load:
+/// until the engine's KV events arrive (here the prompt is still in
+/// prefill, two seconds), the peer sends the same prefix to the same
+/// engine instead of to the one its peer left idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_new_prefix_is_found_before_the_engines_events() {
+    // 5 ms per prompt token: a 400-token prompt prefills for 2 s, and its
+    // blocks' events come after that.
+    let sims = engines(2, |c| c.latency.prefill_ms_per_token = 5.0).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let (a_admin, b_admin) = (free_addr(), free_addr());
+    let common = ["--peer-interval", "100ms", "--scrape-interval", "60s"];
+    let opts = WorkerSetOpts::default();
+    let a = router(
+        &addrs,
+        &opts,
+        &[
+            &["--admin-addr", &a_admin, "--peers", &b_admin][..],
+            &common,
+        ]
+        .concat(),
+    )
+    .await;
+    let b = router(
+        &addrs,
+        &opts,
+        &[
+            &["--admin-addr", &b_admin, "--peers", &a_admin][..],
+            &common,
+        ]
+        .concat(),
+    )
+    .await;
+    wait_routable(&a, 2, true).await;
+    wait_routable(&b, 2, true).await;
+
+    let prefix = words(100_000, 400);
+    // Its headers come with its first token, after the prefill.
+    let api = a.api();
+    let body = chat(MODEL, &prefix, true, 2);
+    let first = tokio::spawn(async move {
+        post_streaming(api, "/v1/chat/completions", &body)
+            .await
+            .status()
+    });
+    // B learns A's request (its load and its record come in one report).
+    let seen = eventually(Duration::from_secs(2), "B sees A's request", || async {
+        let e = endpoints(&b).await;
+        (total(&e, "peer_load", None) == 1).then_some(e)
+    })
+    .await;
+    let busy = seen["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["peer_load"]["requests"] == 1)
+        .unwrap();
+    let (engine, id) = (
+        busy["endpoint"].as_str().unwrap().to_owned(),
+        busy["id"].clone(),
+    );
+
+    // The same prefix with another ending, at B: A's engine is busier, but
+    // it is the one about to hold the prefix.
+    let body = bytes::Bytes::from(
+        serde_json::to_vec(&chat(MODEL, &format!("{prefix} w7 w8 w9"), false, 2)).unwrap(),
+    );
+    let r = send(
+        b.api(),
+        "POST",
+        "/v1/chat/completions",
+        &[("x-kinference-debug", "1")],
+        body,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let x: Value =
+        serde_json::from_str(r.headers["x-kinference-explain"].to_str().unwrap()).unwrap();
+    let cand = x["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["inputs"]["endpoint"] == id)
+        .cloned()
+        .unwrap();
+    let gpu = cand["inputs"]["cached"]["gpu"].as_u64().unwrap();
+    // ~405 tokens are 25 blocks of 16; records carry every 8th key.
+    assert!(gpu >= 16, "B saw {gpu} blocks of A's prefix: {cand:#}");
+    assert_eq!(r.endpoint(), engine, "{x:#}");
+    assert_eq!(first.await.unwrap(), 200);
+    a.shutdown().await;
+    b.shutdown().await;
+}
