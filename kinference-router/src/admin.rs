@@ -101,7 +101,7 @@ pub fn handle(
                 "peers": shared.runtime.peer_state.read().clone(),
                 "kv_bootstrap": shared.kv.bootstrap_report(),
                 "worker_sets": reports::worker_set_reports(&view),
-                "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now()),
+                "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now(), shared.now()),
                 "kv_index": {
                     "entries": stats.entries,
                     "bytes": stats.bytes,
@@ -448,7 +448,7 @@ impl Collector for StateCollector {
         )?;
 
         let view = shared.view();
-        let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now());
+        let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now(), shared.now());
         single_gauge(
             &mut encoder,
             "kv_bootstrap_blocks",

@@ -119,6 +119,11 @@ pub struct EndpointReport {
     /// Tokens its KV cache holds (`vllm:cache_config_info`, SGLang's
     /// `/server_info`), when it says.
     pub kv_capacity_tokens: Option<u64>,
+    /// The policy's calibration of it (first worker set listing it; absent
+    /// for policies that do not calibrate): `scale` is what predictions
+    /// use, `fleet_scale` the fleet's part of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<kinference_scoring::CalibrationView>,
 }
 
 /// An endpoint's LoRA adapters, for `/debug/endpoints`.
@@ -176,7 +181,12 @@ pub struct WorkerSetReport {
 
 /// A report per endpoint of `view` (an endpoint listed by two worker sets
 /// appears once).
-pub fn endpoint_reports(view: &View, kv: &KvPlane, now: Instant) -> Vec<EndpointReport> {
+pub fn endpoint_reports(
+    view: &View,
+    kv: &KvPlane,
+    now: Instant,
+    since_start: std::time::Duration,
+) -> Vec<EndpointReport> {
     let mut out: Vec<EndpointReport> = Vec::new();
     for ws in &view.worker_sets {
         for e in &ws.endpoints {
@@ -198,6 +208,13 @@ pub fn endpoint_reports(view: &View, kv: &KvPlane, now: Instant) -> Vec<Endpoint
                 adapters: AdaptersReport::of(&e.adapters, now),
                 kv: kv.reports(e.id, now),
                 kv_capacity_tokens: e.kv_capacity_tokens(),
+                calibration: {
+                    use kinference_scoring::Pick as _;
+                    ws.runtime
+                        .policy
+                        .lock()
+                        .calibration(kinference_scoring::EndpointId(e.id.0), since_start)
+                },
             });
         }
     }

@@ -402,6 +402,25 @@ async fn sglang_engines_are_discovered_scraped_and_indexed() {
         endpoints(&r).await["endpoints"][0]["kv_capacity_tokens"],
         2 * per_rank as u64,
     );
+    // A streamed first token calibrates it, which operators can see beside
+    // the rest: the scale predictions use and the fleet's part of it.
+    let streamed = post_streaming(
+        r.api(),
+        "/v1/completions",
+        &serde_json::json!({"model": MODEL, "prompt": ids, "max_tokens": 2, "stream": true}),
+    )
+    .await;
+    assert_eq!(streamed.status(), 200);
+    http_body_util::BodyExt::collect(streamed.into_body())
+        .await
+        .unwrap();
+    let cal = eventually(Duration::from_secs(5), "calibration shown", || async {
+        let c = endpoints(&r).await["endpoints"][0]["calibration"].clone();
+        (c["samples"].as_u64() >= Some(1)).then_some(c)
+    })
+    .await;
+    assert!(cal["scale"].as_f64() > Some(0.0), "{cal}");
+    assert!(cal["fleet_scale"].as_f64() > Some(0.0), "{cal}");
     eprintln!(
         "FIGURE sglang: {} ranks subscribed; scraped {scraped}",
         ep["kv"].as_array().unwrap().len()
