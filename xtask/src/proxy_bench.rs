@@ -45,6 +45,9 @@ pub(crate) struct Options {
     pub rounds: u32,
 }
 
+/// Picks one run out of a round.
+type RoundRun = fn(&Round) -> Wrk;
+
 /// One round's figures.
 #[derive(Debug, Default, Clone, Copy)]
 struct Round {
@@ -336,8 +339,7 @@ async fn bench(opts: Options) -> Result<ExitCode> {
         "req/s",
         "errors"
     );
-    type Pick = fn(&Round) -> Wrk;
-    let rows: [(&str, Pick); 5] = [
+    let rows: [(&str, RoundRun); 5] = [
         ("direct, 1 conn", |r| r.d1),
         ("router, 1 conn", |r| r.r1),
         ("nginx, 1 conn", |r| r.n1),
