@@ -22,6 +22,19 @@ fn total(e: &Value, kind: &str, engine: Option<&str>) -> u64 {
         .sum()
 }
 
+/// A router on `addrs` with its admin port at `admin`, asking `peers`
+/// (comma-separated) for their load, with `extra` flags.
+async fn peered(
+    addrs: &[EngineAddr],
+    opts: &WorkerSetOpts,
+    admin: &str,
+    peers: &str,
+    extra: &[&str],
+) -> Router {
+    let flags = [&["--admin-addr", admin, "--peers", peers][..], extra].concat();
+    router(addrs, opts, &flags).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_share_their_load_and_degrade_to_alone() {
     // Six streams of 120 tokens at ~10 ms per stream per step: ~7 s.
@@ -52,26 +65,8 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
         ..WorkerSetOpts::default()
     };
     // A routes to engine 0 only; B to both.
-    let a = router(
-        &addrs[..1],
-        &opts,
-        &[
-            &["--admin-addr", &a_admin, "--peers", &b_admin][..],
-            &common,
-        ]
-        .concat(),
-    )
-    .await;
-    let b = router(
-        &addrs,
-        &opts,
-        &[
-            &["--admin-addr", &b_admin, "--peers", &b_peers][..],
-            &common,
-        ]
-        .concat(),
-    )
-    .await;
+    let a = peered(&addrs[..1], &opts, &a_admin, &b_admin, &common).await;
+    let b = peered(&addrs, &opts, &b_admin, &b_peers, &common).await;
     let blind = router(&addrs, &opts, &["--scrape-interval", "60s"]).await;
     wait_routable(&a, 1, true).await;
     wait_routable(&b, 2, true).await;
@@ -860,26 +855,8 @@ async fn a_peers_new_prefix_is_found_before_the_engines_events() {
     let (a_admin, b_admin) = (free_addr(), free_addr());
     let common = ["--peer-interval", "100ms", "--scrape-interval", "60s"];
     let opts = WorkerSetOpts::default();
-    let a = router(
-        &addrs,
-        &opts,
-        &[
-            &["--admin-addr", &a_admin, "--peers", &b_admin][..],
-            &common,
-        ]
-        .concat(),
-    )
-    .await;
-    let b = router(
-        &addrs,
-        &opts,
-        &[
-            &["--admin-addr", &b_admin, "--peers", &a_admin][..],
-            &common,
-        ]
-        .concat(),
-    )
-    .await;
+    let a = peered(&addrs, &opts, &a_admin, &b_admin, &common).await;
+    let b = peered(&addrs, &opts, &b_admin, &a_admin, &common).await;
     wait_routable(&a, 2, true).await;
     wait_routable(&b, 2, true).await;
 
