@@ -32,8 +32,8 @@ struct Slot {
     last_chosen: u64,
     calibration: Calibration,
     /// Running mean of ln(observed ÷ uncalibrated prediction), weighted by
-    /// the load part's share of the prediction: this endpoint's vote for
-    /// the fleet's speed ([`FleetScale`]).
+    /// the share of the prediction that is the request's own work: this
+    /// endpoint's vote for the fleet's speed ([`FleetScale`]).
     log_ratio: f64,
     /// The weight behind `log_ratio`.
     ratio_weight: f64,
@@ -41,15 +41,21 @@ struct Slot {
 
 impl Slot {
     /// Adds one first token to the endpoint's vote for the fleet's speed.
-    fn note_ratio(&mut self, params: &LatencyParams, load_ms: f64, observed_ms: f64) {
+    fn note_ratio(&mut self, params: &LatencyParams, prediction: &Prediction, observed_ms: f64) {
+        let load_ms = prediction.load_ms;
         let model_ms = params.base_millis + load_ms;
         if !(load_ms > 0.0 && model_ms.is_finite() && observed_ms > 0.0 && observed_ms.is_finite())
         {
             return;
         }
-        // A prediction that is mostly the fixed part says little about
-        // prefill speed: weigh by the load part's share.
-        let w = load_ms / model_ms;
+        // A prediction that is mostly the fixed part, or mostly the queue
+        // ahead (whose errors are the model's, not the engine's speed: under
+        // overload it over-counts the slowdown twofold), says little about
+        // the engine's speed: weigh by the request's own work's share.
+        let w = (load_ms - prediction.queue_ms).max(0.0) / model_ms;
+        if w <= 0.0 {
+            return;
+        }
         // A running mean at first (the first observations count in full),
         // then an exponential one that follows a change within a few dozen.
         self.ratio_weight = (self.ratio_weight + w).min(FLEET_MEMORY);
@@ -642,7 +648,7 @@ impl Pick for Kinference {
         if params.calibrate
             && let Some(slot) = self.slot_mut(endpoint)
         {
-            slot.note_ratio(&params, prediction.load_ms, observed.as_secs_f64() * 1e3);
+            slot.note_ratio(&params, prediction, observed.as_secs_f64() * 1e3);
             self.fleet.update(&self.slots);
         }
         let fleet = self.fleet.scale;
