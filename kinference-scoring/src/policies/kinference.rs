@@ -1039,6 +1039,34 @@ mod tests {
     }
 
     #[test]
+    fn first_tokens_behind_a_long_queue_barely_move_the_fleet() {
+        // Four endpoints 8× slower than the profile on idle engines; then
+        // first tokens behind long queues come 3× later still (the queue
+        // model's error, not the engines' speed): the fleet's vote stays
+        // with the idle ones.
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut now = secs(1);
+        feed_fleet(&mut p, &[8.0; 4], 10, &mut now);
+        let before = p.fleet_scale();
+        assert!((before / 4.0 - 1.0).abs() < 0.25, "{before}");
+        for _ in 0..10 {
+            for e in 0..4u32 {
+                now += Duration::from_millis(10);
+                let busy = cand(e, 0, 200_000);
+                let pred = p.predict(&request(), &busy, now);
+                assert!(pred.queue_ms > 10.0 * pred.prefill_ms, "{pred:?}");
+                let observed = Duration::from_secs_f64(pred.model_ms * 24.0 / 1e3);
+                p.observe(EndpointId(e), &pred, observed, now);
+            }
+        }
+        assert!(
+            p.fleet_scale() < before * 1.2,
+            "{before} -> {}",
+            p.fleet_scale()
+        );
+    }
+
+    #[test]
     fn a_profile_within_twice_the_fleet_leaves_it_to_the_endpoints() {
         let mut p = Kinference::new(LatencyParams::default());
         let mut now = secs(1);
