@@ -139,16 +139,12 @@ impl SentRecords {
             }
             // Stamped inside the lock: a report reading the version and
             // then the records sees every record up to that version.
-            let version = VERSION.fetch_add(1, Ordering::Relaxed) + 1;
             sent.push_back(Sent {
-                version,
+                version: bump_version(),
                 at: now,
                 engine: engine.to_owned(),
                 keys,
             });
-        }
-        if WAITING.load(Ordering::Relaxed) > 0 {
-            CHANGED.notify_waiters();
         }
     }
 
@@ -176,10 +172,17 @@ impl SentRecords {
 
 /// This replica's load changed. Free when no peer waits.
 pub fn load_changed() {
-    VERSION.fetch_add(1, Ordering::Relaxed);
+    bump_version();
+}
+
+/// Moves the version on, wakes the long polls waiting for it, and returns
+/// the new version.
+fn bump_version() -> u64 {
+    let v = VERSION.fetch_add(1, Ordering::Relaxed) + 1;
     if WAITING.load(Ordering::Relaxed) > 0 {
         CHANGED.notify_waiters();
     }
+    v
 }
 
 /// The current load version.
@@ -295,16 +298,13 @@ fn apply(shared: &Shared, records: &[PeerRecord]) {
     let view = shared.view();
     let now = shared.now();
     for ws in &view.worker_sets {
+        let mut prefixes = ws.runtime.peer_prefixes.write();
         for r in records {
             let Some(e) = ws.endpoints.iter().find(|e| e.authority == r.engine) else {
                 continue;
             };
             let at = now.saturating_sub(Duration::from_millis(r.age_ms));
-            ws.runtime.peer_prefixes.write().record(
-                kinference_scoring::EndpointId(e.id.0),
-                &r.keys,
-                at,
-            );
+            prefixes.record(kinference_scoring::EndpointId(e.id.0), &r.keys, at);
         }
     }
 }

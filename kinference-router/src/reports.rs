@@ -189,7 +189,16 @@ pub fn endpoint_reports(
 ) -> Vec<EndpointReport> {
     let mut out: Vec<EndpointReport> = Vec::new();
     for ws in &view.worker_sets {
-        for e in &ws.endpoints {
+        // One lock of the policy (which decisions take) per worker set.
+        let calibrations: Vec<_> = {
+            use kinference_scoring::Pick as _;
+            let policy = ws.runtime.policy.lock();
+            ws.endpoints
+                .iter()
+                .map(|e| policy.calibration(kinference_scoring::EndpointId(e.id.0), since_start))
+                .collect()
+        };
+        for (e, calibration) in ws.endpoints.iter().zip(calibrations) {
             if let Some(r) = out.iter_mut().find(|r| r.id == e.id.0) {
                 r.worker_sets.push(ws.route.name.clone());
                 continue;
@@ -208,13 +217,7 @@ pub fn endpoint_reports(
                 adapters: AdaptersReport::of(&e.adapters, now),
                 kv: kv.reports(e.id, now),
                 kv_capacity_tokens: e.kv_capacity_tokens(),
-                calibration: {
-                    use kinference_scoring::Pick as _;
-                    ws.runtime
-                        .policy
-                        .lock()
-                        .calibration(kinference_scoring::EndpointId(e.id.0), since_start)
-                },
+                calibration,
             });
         }
     }

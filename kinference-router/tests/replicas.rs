@@ -782,15 +782,10 @@ async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
         "--scrape-interval",
         "60s",
     ];
-    let start = |admin: String, peers: String| {
-        let addrs = addrs.clone();
-        async move {
-            let flags = [&["--admin-addr", &admin, "--peers", &peers][..], &common].concat();
-            router(&addrs, &WorkerSetOpts::default(), &flags).await
-        }
-    };
-    let first = start(a_admin.clone(), b_admin.clone()).await;
-    let second = start(b_admin.clone(), format!("{a_admin},{old_addr}")).await;
+    let opts = WorkerSetOpts::default();
+    let first = peered(&addrs, &opts, &a_admin, &b_admin, &common).await;
+    let b_peers = format!("{a_admin},{old_addr}");
+    let second = peered(&addrs, &opts, &b_admin, &b_peers, &common).await;
     wait_routable(&first, 1, true).await;
     wait_routable(&second, 1, true).await;
     eventually(Duration::from_secs(5), "B has a report from A", || async {
