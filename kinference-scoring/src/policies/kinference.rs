@@ -107,7 +107,8 @@ pub const ROOM_NEEDS_SAMPLES: u32 = 8;
 const FLEET_MEMORY: f64 = 20.0;
 
 /// An endpoint votes for the fleet's speed once this much weight is behind
-/// its vote: one first token whose prediction is mostly load.
+/// its vote: one first token whose prediction is mostly the request's own
+/// work.
 const FLEET_MIN_WEIGHT: f64 = 0.5;
 
 /// How far the fleet's speed may stray from the profile's: a profile off by
@@ -211,18 +212,39 @@ struct FleetScale {
     scale: f64,
     /// Reusable buffer for the median.
     votes: Vec<f64>,
+    /// Observations since the median was last taken.
+    pending: u32,
 }
+
+/// Up to this many endpoints the fleet's median is taken at every first
+/// token; beyond, every [`FLEET_UPDATE_EVERY`]th, so that a large fleet
+/// does not add an O(endpoints) pass per request under the policy's lock
+/// (a vote moves by a twentieth at most per first token).
+const FLEET_UPDATE_ALWAYS: usize = 64;
+/// See [`FLEET_UPDATE_ALWAYS`].
+const FLEET_UPDATE_EVERY: u32 = 16;
 
 impl FleetScale {
     fn new() -> Self {
         Self {
             scale: 1.0,
             votes: Vec::new(),
+            pending: 0,
+        }
+    }
+
+    /// One endpoint's vote moved: takes the median again, at once on a
+    /// small fleet, every few first tokens on a large one.
+    fn observed(&mut self, slots: &[Slot]) {
+        self.pending += 1;
+        if slots.len() <= FLEET_UPDATE_ALWAYS || self.pending >= FLEET_UPDATE_EVERY {
+            self.update(slots);
         }
     }
 
     /// Recomputes the median of the endpoints' votes.
     fn update(&mut self, slots: &[Slot]) {
+        self.pending = 0;
         self.votes.clear();
         self.votes.extend(
             slots
@@ -319,8 +341,9 @@ impl Kinference {
     /// `candidate`'s KV room as the eviction charge counts it: free room
     /// counts only where the endpoint's speed has been measured
     /// ([`ROOM_NEEDS_SAMPLES`] first tokens, the last within the
-    /// calibration's `stale_after`, or a profile that does not calibrate); elsewhere the cache counts as full, so room alone never
-    /// draws work to an engine the router knows little about.
+    /// calibration's `stale_after`, or a profile that does not calibrate);
+    /// elsewhere the cache counts as full, so room alone never draws work
+    /// to an engine the router knows little about.
     #[inline]
     fn room(model: &Model, slot: &Slot, candidate: &Candidate, now_nanos: u64) -> KvRoom {
         let room = candidate.room;
@@ -639,22 +662,18 @@ impl Pick for Kinference {
         now: Duration,
     ) -> ObserveOutcome {
         let params = self.params;
-        if endpoint.0 >= EndpointId::LIMIT {
-            return ObserveOutcome::Ignored;
-        }
-        // The fleet's speed first, this observation included, so that the
-        // endpoint's fit (relative to it) does not chase a slowdown the
-        // whole fleet shares.
-        if params.calibrate
-            && let Some(slot) = self.slot_mut(endpoint)
-        {
-            slot.note_ratio(&params, prediction, observed.as_secs_f64() * 1e3);
-            self.fleet.update(&self.slots);
-        }
-        let fleet = self.fleet.scale;
         let Some(slot) = self.slot_mut(endpoint) else {
             return ObserveOutcome::Ignored;
         };
+        // The fleet's speed first, this observation included, so that the
+        // endpoint's fit (relative to it) does not chase a slowdown the
+        // whole fleet shares.
+        if params.calibrate {
+            slot.note_ratio(&params, prediction, observed.as_secs_f64() * 1e3);
+            self.fleet.observed(&self.slots);
+        }
+        let fleet = self.fleet.scale;
+        let slot = &mut self.slots[endpoint.index()];
         let outcome = slot
             .calibration
             .observe(&params, prediction.load_ms * fleet, observed, now);
@@ -1105,6 +1124,22 @@ mod tests {
         // the slowdown.
         let fit = p.calibration_state(EndpointId(0)).view(p.params(), now);
         assert!(fit.scale < params.calibration.scale_bounds.1);
+    }
+
+    #[test]
+    fn a_large_fleet_takes_its_median_every_few_first_tokens() {
+        // 100 endpoints (beyond FLEET_UPDATE_ALWAYS) 10× slower: the
+        // median is taken every 16th first token, and still follows.
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut now = secs(1);
+        let truth = vec![10.0; 100];
+        feed_fleet(&mut p, &truth, 1, &mut now);
+        assert!(
+            (p.fleet_scale() / 5.0 - 1.0).abs() < 0.25,
+            "{}",
+            p.fleet_scale()
+        );
+        assert!(p.fleet.pending < FLEET_UPDATE_EVERY);
     }
 
     #[test]
