@@ -112,6 +112,24 @@ pub(crate) struct Params {
     pub(crate) n: usize,
     /// `vllm_xargs.kv_cache_report_mode == "full"`.
     pub(crate) report_full: bool,
+    /// The body's `session_id` (see [`session`]).
+    pub(crate) session: Option<std::sync::Arc<str>>,
+}
+
+/// The session a request belongs to: the `x-session-id` header, else the
+/// body's `session_id` ([`Params::session`]). The engine publishes it on
+/// the request's `BlockStored` events where its release does
+/// ([`crate::EngineMode::publishes_session_id`]).
+pub(crate) fn session(
+    headers: &axum::http::HeaderMap,
+    body: Option<&std::sync::Arc<str>>,
+) -> Option<std::sync::Arc<str>> {
+    headers
+        .get("x-session-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+        .map(std::sync::Arc::from)
+        .or_else(|| body.cloned())
 }
 
 pub(crate) fn opt_uint(body: &Value, key: &'static str) -> Result<Option<u64>, ApiError> {
@@ -206,6 +224,16 @@ impl Params {
             },
             n: n as usize,
             report_full: report_mode_full(body)?,
+            session: match body.get("session_id") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) if !s.is_empty() => Some(s.as_str().into()),
+                Some(v) => {
+                    return Err(ApiError::bad_param(
+                        "session_id",
+                        format!("`session_id` must be a non-empty string, got {v}"),
+                    ));
+                }
+            },
         })
     }
 }

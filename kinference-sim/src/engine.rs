@@ -101,6 +101,7 @@ struct Req {
     preemptions: u32,
     report_full: bool,
     lora: Option<u32>,
+    session: Option<std::sync::Arc<str>>,
 }
 
 /// The LoRA adapters a core serves, and its GPU slots for them.
@@ -319,6 +320,7 @@ impl EngineCore {
                 preemptions: 0,
                 report_full: req.report_full,
                 lora: req.lora,
+                session: req.session,
             },
         );
         self.waiting.push_back(id);
@@ -743,6 +745,7 @@ impl EngineCore {
             parent: None,
             tokens: r.tokens[..hits * bs].to_vec(),
             lora: r.lora,
+            session: r.session.clone(),
         });
         self.stats.blocks_rereported += hits as u64;
     }
@@ -904,6 +907,7 @@ fn push_stored(
         parent: from.checked_sub(1).map(|p| r.digests[p]),
         tokens: r.tokens[from * bs..to * bs].to_vec(),
         lora: r.lora,
+        session: r.session.clone(),
     });
     stats.blocks_stored += (to - from) as u64;
 }

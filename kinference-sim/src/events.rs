@@ -489,6 +489,7 @@ fn to_wire(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
                 parent,
                 tokens,
                 lora,
+                session,
             } => {
                 let lora_name = lora
                     .and_then(|l| w.lora_names.get((l as usize).checked_sub(1)?))
@@ -507,6 +508,7 @@ fn to_wire(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
                     lora_name,
                     group_idx: Some(0),
                     kv_cache_spec_kind: Some("full_attention".to_owned()),
+                    session_id: session_id(session.as_deref(), w),
                     ..BlockStored::default()
                 })
             }
@@ -521,10 +523,19 @@ fn to_wire(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
         .collect()
 }
 
+/// The request's session as the engine mode publishes it (vLLM ≥ 0.30,
+/// SGLang ≥ 0.5.20), else nothing.
+fn session_id(session: Option<&str>, w: &Wire) -> Option<String> {
+    session
+        .filter(|_| w.mode.publishes_session_id())
+        .map(str::to_owned)
+}
+
 fn sglang_stored(
     digests: &[Digest],
     parent: Option<&Digest>,
     tokens: Vec<u32>,
+    session: Option<&str>,
     w: &Wire,
 ) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
@@ -533,6 +544,7 @@ fn sglang_stored(
         token_ids: tokens,
         block_size: w.block_size,
         medium: Some("GPU".to_owned()),
+        session_id: session_id(session, w),
         ..BlockStored::default()
     })
 }
@@ -581,6 +593,7 @@ fn sglang_events(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
                 digests,
                 parent,
                 tokens,
+                session,
                 ..
             } => {
                 flush(&mut run, &mut out);
@@ -592,10 +605,22 @@ fn sglang_events(events: Vec<SimEvent>, w: &Wire) -> Vec<KvEvent> {
                             Some(&digests[i - 1])
                         };
                         let t = tokens[i * bs..(i + 1) * bs].to_vec();
-                        out.push(sglang_stored(std::slice::from_ref(d), p, t, w));
+                        out.push(sglang_stored(
+                            std::slice::from_ref(d),
+                            p,
+                            t,
+                            session.as_deref(),
+                            w,
+                        ));
                     }
                 } else {
-                    out.push(sglang_stored(&digests, parent.as_ref(), tokens, w));
+                    out.push(sglang_stored(
+                        &digests,
+                        parent.as_ref(),
+                        tokens,
+                        session.as_deref(),
+                        w,
+                    ));
                 }
             }
             SimEvent::Cleared => {

@@ -344,6 +344,7 @@ async fn generate(
                 seed: Some(params.seed.unwrap_or(0).wrapping_add(i as u64)),
                 report_full,
                 lora: target.lora,
+                session: crate::api::session(headers, params.session.as_ref()),
             };
             let prompt_tokens = req.prompt.len();
             let (id, rx) = rank.submit(req).map_err(|e| ApiError::bad(e.to_string()))?;

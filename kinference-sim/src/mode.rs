@@ -317,6 +317,15 @@ impl EngineMode {
         self.is_vllm() && self.version.at_least(0, 26)
     }
 
+    /// `BlockStored` carries the `session_id` of the request that stored
+    /// (vLLM ≥ 0.30, SGLang ≥ 0.5.20).
+    pub fn publishes_session_id(&self) -> bool {
+        match self.family {
+            Family::Vllm => self.version.at_least(0, 30),
+            Family::Sglang => self.version >= Version::new(0, 5, 20),
+        }
+    }
+
     /// NONE_HASH is reproducible across pods without `PYTHONHASHSEED`
     /// (vLLM ≥ 0.29 with the SHA-256 algorithms).
     pub fn default_seed_is_fixed(&self) -> bool {

@@ -1,7 +1,8 @@
 //! vLLM releases as their defaults behave: `/kv_event_sources` only from
 //! 0.31, no replay socket unless configured, NONE_HASH per engine core
 //! before 0.29 (or with `PYTHONHASHSEED=random`), and the per-request
-//! `kv_cache_report_mode: "full"` of 0.26+. Real engines, real sockets.
+//! `kv_cache_report_mode: "full"` of 0.26+, the `session_id` on stores of
+//! 0.30+. Real engines, real sockets.
 
 #![allow(clippy::many_single_char_names)]
 
@@ -210,4 +211,67 @@ async fn a_bad_vllm_xargs_is_a_400() {
     assert_eq!(status, 400);
     assert_eq!(err["error"]["param"], "vllm_xargs");
     e.shutdown().await;
+}
+
+#[tokio::test]
+async fn stores_carry_the_requests_session_from_0_30() {
+    let first: Vec<u32> = (0..48).collect();
+    let second: Vec<u32> = (0..80).collect();
+    let e = vllm("0.30", |_| {}).await;
+    let got = stored_for(
+        &e,
+        &[
+            (first.clone(), json!({"session_id": "chat-7"})),
+            (second.clone(), json!({"session_id": "chat-7"})),
+            ((200..248).collect(), json!({})),
+        ],
+    )
+    .await;
+    for turn in &got[..2] {
+        assert!(!turn.is_empty());
+        for s in turn {
+            assert_eq!(s.session_id.as_deref(), Some("chat-7"), "{s:?}");
+        }
+    }
+    assert!(
+        got[2].iter().all(|s| s.session_id.is_none()),
+        "no session sent"
+    );
+    // The header names the session too.
+    let mut sub = subscribe(e.kv_addr().expect("kv events on")).await;
+    let (status, _, _) = call_with(
+        &client(),
+        "POST",
+        &format!("{}/v1/completions", e.base_url()),
+        Some(&json!({"prompt": (300..348).collect::<Vec<u32>>(), "max_tokens": 1})),
+        &[("x-session-id", "from-header")],
+    )
+    .await;
+    assert_eq!(status, 200);
+    let sessions: Vec<Option<String>> = drain(&mut sub, WAIT)
+        .await
+        .iter()
+        .flat_map(|m| decode_batch(&m[2]).expect("decodes").events)
+        .filter_map(|ev| match ev {
+            KvEvent::BlockStored(s) => Some(s.session_id),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(sessions, [Some("from-header".to_owned())]);
+    let (status, err) = post_json(
+        &client(),
+        &format!("{}/v1/completions", e.base_url()),
+        &json!({"prompt": "w1", "session_id": 7}),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert_eq!(err["error"]["param"], "session_id");
+    e.shutdown().await;
+
+    // 0.29 has no such field.
+    let old = vllm("0.29", |_| {}).await;
+    let got = stored_for(&old, &[(first, json!({"session_id": "chat-7"}))]).await;
+    assert!(!got[0].is_empty());
+    assert!(got[0].iter().all(|s| s.session_id.is_none()));
+    old.shutdown().await;
 }

@@ -104,12 +104,14 @@ fn hashes_and_chaining_equal_vllm_for_the_same_tokens() {
             parent: p0,
             tokens: t0,
             lora: None,
+            ..
         },
         SimEvent::Stored {
             digests: d1,
             parent: p1,
             tokens: t1,
             lora: None,
+            ..
         },
     ] = events.as_slice()
     else {

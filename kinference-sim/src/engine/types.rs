@@ -23,6 +23,8 @@ pub enum SimEvent {
         /// The LoRA adapter of the request that cached them (vLLM's
         /// integer id, 1-based); `None`: the base model.
         lora: Option<u32>,
+        /// The session of the request that cached them.
+        session: Option<std::sync::Arc<str>>,
     },
     /// One block evicted, with its parent's digest (SGLang mode groups a
     /// run of evictions along a chain into one radix node's event).
@@ -77,6 +79,9 @@ pub struct NewRequest {
     /// The LoRA adapter it runs as: vLLM's integer id, 1-based in
     /// [`crate::LoraConfig::modules`] order; `None`: the base model.
     pub lora: Option<u32>,
+    /// The session it belongs to (the `x-session-id` header or the body's
+    /// `session_id`), published on its stores where the engine mode does.
+    pub session: Option<std::sync::Arc<str>>,
 }
 
 /// One request's progress, reported after a step.

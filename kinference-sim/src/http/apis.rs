@@ -210,6 +210,8 @@ struct ChatJob {
     stream: bool,
     /// The LoRA adapter it runs as (`None`: the base model).
     lora: Option<u32>,
+    /// The body's `session_id`.
+    session: Option<std::sync::Arc<str>>,
 }
 
 /// The outcome of submitting a [`ChatJob`].
@@ -259,6 +261,7 @@ async fn admit(s: &Arc<Shared>, headers: &HeaderMap, job: &ChatJob) -> Result<Ad
         seed: Some(job.seed.unwrap_or(0)),
         report_full,
         lora: job.lora,
+        session: crate::api::session(headers, job.session.as_ref()),
     };
     let prompt_tokens = req.prompt.len();
     let (id, rx) = rank.submit(req).map_err(|e| ApiError::bad(e.to_string()))?;
@@ -623,6 +626,7 @@ pub(super) async fn responses(
         report_full: params.report_full,
         stream: params.stream,
         lora: target.lora,
+        session: params.session.clone(),
     };
     let info = ResponseInfo {
         id: format!("resp_{}", s.next_id_hex()),
@@ -890,6 +894,7 @@ fn parse_messages(json: &Value) -> Result<MessagesRequest, ApiError> {
             report_full: false,
             stream: params.stream,
             lora: None,
+            session: params.session.clone(),
         },
     })
 }
