@@ -113,6 +113,14 @@
 //!   ([`WorkerStats::remote_blocks`]).
 //! * Re-reported blocks (`kv_cache_report_mode: "full"`) are idempotent
 //!   upserts.
+//! * `session_id` (vLLM ≥ 0.30, SGLang ≥ 0.5.20): the workers that stored
+//!   for a session, and how deep its context there is, are kept beside
+//!   the tree ([`KvIndex::session_holders`]): group 0's stores count, a
+//!   chain's start sets the depth to at least its tokens, a continuation
+//!   adds its tokens. Removals name no session, so the depth is an upper
+//!   bound. Bounded by `IndexConfig::max_sessions` (two generations: the
+//!   sessions stored into least recently go first); a worker's clear
+//!   drops it from every session. Sessions are not in snapshots.
 //!
 //! # Memory budget
 //!
@@ -159,7 +167,8 @@ pub use codec::{DecodeError, EncodeForm, decode_batch, encode_batch};
 pub use event::{BlockHash, BlockRemoved, BlockStored, EventBatch, KvEvent, Tier};
 pub use index::{
     Applied, BYTES_PER_ENTRY, GroupKind, GroupSpec, Imported, IndexConfig, IndexError, IndexStats,
-    KvIndex, Matches, WorkerId, WorkerMatch, WorkerRef, WorkerStats, max_entries_for_budget,
+    KvIndex, Matches, SessionHolder, WorkerId, WorkerMatch, WorkerRef, WorkerStats,
+    max_entries_for_budget,
 };
 pub use key::{BlockKey, BlockKeyer, ExtraKeys, block_keys};
 pub use snapshot::{Position, Snapshot, SnapshotError};

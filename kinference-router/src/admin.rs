@@ -105,6 +105,7 @@ pub fn handle(
                 "kv_index": {
                     "entries": stats.entries,
                     "bytes": stats.bytes,
+                    "sessions": stats.sessions,
                 },
             }))
         }
@@ -360,6 +361,12 @@ impl Collector for StateCollector {
             "kv_index_evicted_entries",
             "Entries the KV index evicted to stay within its budget",
             stats.evicted_entries,
+        )?;
+        single_gauge(
+            &mut encoder,
+            "kv_index_sessions",
+            "Sessions the engines' KV events named (session_id), remembered for routing a session's next request",
+            stats.sessions as f64,
         )?;
         single_gauge(
             &mut encoder,

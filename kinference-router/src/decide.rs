@@ -102,6 +102,10 @@ pub fn decide(
     let target = prepared
         .ttft_deadline
         .map(|d| d.saturating_duration_since(now.instant));
+    let mut session = Vec::new();
+    if let Some(s) = &prepared.session {
+        kv.session_tokens(s, &mut session);
+    }
     // Healthy endpoints first; when every endpoint of every route is
     // ejected, all of them (panic mode, as Envoy does: an ejection is a
     // guess, and trying beats failing for certain).
@@ -121,6 +125,7 @@ pub fn decide(
                 now,
                 rng,
                 explain,
+                &session,
                 &mut held,
                 &mut scratch,
             );
@@ -231,6 +236,34 @@ fn cached_blocks(
     }
 }
 
+/// Per candidate, the blocks of the request's session its engines stored
+/// (`session`: tokens per endpoint, from [`KvPlane::session_tokens`]), in
+/// the route's block width and at most the prompt's blocks; all 0 in
+/// exact mode when any candidate holds any of the prompt: then the index,
+/// which sees evictions, knows better than the sessions, which do not.
+fn session_blocks(
+    route: &Route,
+    endpoints: &[Arc<Endpoint>],
+    cached: &[CachedBlocks],
+    session: &[(EndpointId, u64)],
+) -> Vec<u32> {
+    let mut out = vec![0; endpoints.len()];
+    if session.is_empty()
+        || (route.request.cache == CacheSource::Index
+            && cached.iter().any(|c| *c != CachedBlocks::default()))
+    {
+        return out;
+    }
+    let width = u64::from(route.request.block_tokens.max(1));
+    let most = u64::from(route.request.prompt_tokens) / width;
+    for (e, o) in endpoints.iter().zip(out.iter_mut()) {
+        if let Some((_, tokens)) = session.iter().find(|(id, _)| *id == e.id) {
+            *o = u32::try_from((tokens / width).min(most)).unwrap_or(u32::MAX);
+        }
+    }
+    out
+}
+
 /// Appends to `out` what the peers' records say each endpoint holds of
 /// the prompt (in blocks, to within [`crate::peers::RECORD_STRIDE`]),
 /// trusted as long as this router's own record.
@@ -275,6 +308,7 @@ fn decide_route(
     now: Now,
     rng: &mut dyn RandomSource,
     explain: bool,
+    session: &[(EndpointId, u64)],
     held: &mut Vec<Held>,
     scratch: &mut Matches,
 ) -> Option<Decision> {
@@ -283,13 +317,16 @@ fn decide_route(
         best_rank,
         recent,
     } = cached_blocks(ws, kv, route, endpoints, now, held, scratch);
+    let session = session_blocks(route, endpoints, &cached, session);
     let block_tokens = u64::from(route.request.block_tokens.max(1));
     let candidates: Vec<Candidate> = endpoints
         .iter()
         .zip(&cached)
         .zip(&recent)
-        .map(|((e, c), recent)| {
+        .zip(&session)
+        .map(|(((e, c), recent), session)| {
             let mut cand = candidate(e, *c, now);
+            cand.session_blocks = *session;
             if let (Some(tokens), Some(held)) = (e.kv_capacity_tokens(), e.kv_blocks_held()) {
                 // What the index shows it holding (prompts and outputs, in
                 // the worker set's block width), or what this router sent
@@ -375,6 +412,7 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now) -> Candidate {
         },
         adapter: AdapterSlot::Unknown,
         room: KvRoom::default(),
+        session_blocks: 0,
     }
 }
 

@@ -370,6 +370,29 @@ impl KvPlane {
         }
     }
 
+    /// For each endpoint whose engines stored blocks for `session` (their
+    /// events' `session_id`), the deepest context one of its DP ranks
+    /// stored, in tokens, written to `out` (cleared first); see
+    /// [`KvIndex::session_holders`] for what the depth means.
+    pub fn session_tokens(&self, session: &str, out: &mut Vec<(EndpointId, u64)>) {
+        out.clear();
+        let mut holders = Vec::new();
+        self.index.session_holders(session, &mut holders);
+        if holders.is_empty() {
+            return;
+        }
+        let owners = self.owners.load();
+        for h in holders {
+            let Some(Some((endpoint, _))) = owners.get(h.worker.0 as usize).copied() else {
+                continue;
+            };
+            match out.iter_mut().find(|(e, _)| *e == endpoint) {
+                Some((_, t)) => *t = (*t).max(h.tokens),
+                None => out.push((endpoint, h.tokens)),
+            }
+        }
+    }
+
     /// Subscribes to `publishers` of endpoint `e` at block width
     /// `block_size`, unless `e` has left meanwhile.
     pub fn subscribe(&self, e: &Arc<Endpoint>, publishers: Vec<Publisher>, block_size: u32) {

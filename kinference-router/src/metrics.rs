@@ -471,6 +471,7 @@ pub const LABELS: &[(&str, &str)] = &[
     ("kv_index_bytes", ""),
     ("kv_index_max_entries", ""),
     ("kv_index_evicted_entries", ""),
+    ("kv_index_sessions", ""),
     ("ready", ""),
     ("peers", ""),
     ("peers_reporting", ""),

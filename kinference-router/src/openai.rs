@@ -289,6 +289,10 @@ pub struct Fields<'a> {
     pub cache_salt: Option<Cow<'a, str>>,
     /// Whether the body sets vLLM's `vllm_xargs` itself.
     pub has_vllm_xargs: bool,
+    /// `session_id`, when a string (anything else is the engine's to
+    /// refuse): the session the engines attribute the request's KV-cache
+    /// stores to ([`crate::prepare::session`]).
+    pub session_id: Option<Cow<'a, str>>,
 }
 
 /// The body as serde reads it: every field routing may need, raw.
@@ -324,6 +328,8 @@ struct RawBody<'a> {
     cache_salt: Option<&'a RawValue>,
     #[serde(borrow)]
     vllm_xargs: Option<&'a RawValue>,
+    #[serde(borrow)]
+    session_id: Option<&'a RawValue>,
 }
 
 impl<'a> Fields<'a> {
@@ -495,6 +501,10 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
         id_fields,
         cache_salt,
         has_vllm_xargs: raw.vllm_xargs.is_some(),
+        session_id: raw
+            .session_id
+            .and_then(|r| serde_json::from_str::<Cow<'_, str>>(r.get()).ok())
+            .filter(|s| !s.is_empty()),
     })
 }
 
@@ -563,6 +573,33 @@ mod tests {
             );
             let json: Value = serde_json::from_slice(&err.body()).unwrap();
             assert_eq!(json["error"]["type"], "invalid_request_error");
+        }
+    }
+
+    #[test]
+    fn the_session_comes_from_the_header_or_the_body() {
+        let body = br#"{"model":"m","prompt":"hi","session_id":"chat-\u0031"}"#;
+        let f = parse(Endpoint::Completions, body).unwrap();
+        assert_eq!(f.session_id.as_deref(), Some("chat-1"));
+        let mut headers = http::HeaderMap::new();
+        assert_eq!(
+            crate::prepare::session(&headers, &f).as_deref(),
+            Some("chat-1")
+        );
+        headers.insert(crate::prepare::SESSION_HEADER, "h-1".parse().unwrap());
+        assert_eq!(
+            crate::prepare::session(&headers, &f).as_deref(),
+            Some("h-1")
+        );
+        // Not a string: the engine's to refuse; routing reads no session.
+        for odd in [
+            &br#"{"model":"m","prompt":"hi","session_id":7}"#[..],
+            br#"{"model":"m","prompt":"hi","session_id":""}"#,
+            br#"{"model":"m","prompt":"hi","session_id":null}"#,
+        ] {
+            let f = parse(Endpoint::Completions, odd).unwrap();
+            assert_eq!(f.session_id, None);
+            assert_eq!(crate::prepare::session(&http::HeaderMap::new(), &f), None);
         }
     }
 

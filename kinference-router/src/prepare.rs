@@ -112,6 +112,8 @@ pub struct Prepared {
     /// When the request's TTFT target (`x-kinference-ttft-target-ms`) runs
     /// out, counted from its arrival.
     pub ttft_deadline: Option<Instant>,
+    /// The session it belongs to ([`session`]).
+    pub session: Option<Arc<str>>,
 }
 
 impl Prepared {
@@ -132,6 +134,7 @@ impl Prepared {
             routes,
             key_class: None,
             ttft_deadline: None,
+            session: None,
         }
     }
 
@@ -155,6 +158,22 @@ impl Prepared {
             body
         }
     }
+}
+
+/// The header naming a request's session.
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// The session a request belongs to: the [`SESSION_HEADER`] header, else
+/// the body's `session_id`. The engines attribute KV-cache stores to it
+/// (`session_id` on `BlockStored`, vLLM ≥ 0.30, SGLang ≥ 0.5.20), and the
+/// decision reads where they did ([`crate::kv::KvPlane::session_tokens`]).
+pub fn session(headers: &HeaderMap, fields: &Fields<'_>) -> Option<Arc<str>> {
+    headers
+        .get(SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| !s.is_empty())
+        .map(Arc::from)
+        .or_else(|| fields.session_id.as_deref().map(Arc::from))
 }
 
 /// The request's head, as the serving code read it.
@@ -217,6 +236,7 @@ pub async fn prepare(
         has_vllm_xargs: fields.has_vllm_xargs,
         path_and_query: head.path_and_query,
         ttft_deadline: crate::admit::target(&head.headers).map(|t| head.arrived + t),
+        session: session(&head.headers, &fields),
         headers: head.headers,
         routes,
         body: body.clone(),

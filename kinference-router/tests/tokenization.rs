@@ -1,6 +1,7 @@
 //! Tokenization modes through the router: a local tokenizer that matches the
 //! engine is used in-process; one that does not is caught by the self-check
-//! and the worker set falls back to the engine's `/tokenize`.
+//! and the worker set falls back to the engine's `/tokenize`. Without token
+//! ids, a session goes where the engines' events say its context lives.
 
 mod support;
 
@@ -161,5 +162,80 @@ async fn approximate_mode_keeps_a_prefix_together_without_token_ids() {
             "request {i} left the engine its prefix went to"
         );
     }
+    r.shutdown().await;
+}
+
+/// The engines attribute their KV stores to the request's session (vLLM
+/// ≥ 0.30). A router that cannot key the prompt (approximate mode) and
+/// never saw the sessions' first turns (another replica, or a restart,
+/// sent them) still sends each next turn where its context lives. With
+/// four engines, chance alone would do so for all six sessions once in
+/// 4,096 runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_goes_where_the_engines_events_put_it() {
+    const SESSIONS: usize = 6;
+    let sims = engines(4, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts {
+        profile: "approx".into(),
+        profile_spec: Some("  tokenization: {mode: approximate}\n".into()),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &[]).await;
+    wait_routable(&r, 4, true).await;
+    let first = |i: usize| format!("{} w{}", words(1000 * (i + 1), 300), i);
+    for i in 0..SESSIONS {
+        // Straight to an engine, not through this router.
+        let engine = sims[i % sims.len()].http_addr();
+        let session = format!("chat-{i}");
+        let reply = send(
+            engine,
+            "POST",
+            "/v1/chat/completions",
+            &[("x-session-id", session.as_str())],
+            Bytes::from(serde_json::to_vec(&chat(MODEL, &first(i), false, 2)).unwrap()),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+    }
+    eventually(
+        Duration::from_secs(20),
+        "the router to hear every session's stores",
+        || async {
+            let e = endpoints(&r).await;
+            (e["kv_index"]["sessions"].as_u64() == Some(SESSIONS as u64)).then_some(())
+        },
+    )
+    .await;
+    for i in 0..SESSIONS {
+        // The next turn: the header for even sessions, the body for odd.
+        let session = format!("chat-{i}");
+        let mut body = chat(MODEL, &format!("{} w7 w8 w9", first(i)), false, 2);
+        let headers: Vec<(&str, &str)> = if i % 2 == 0 {
+            vec![("x-session-id", session.as_str())]
+        } else {
+            body["session_id"] = Value::String(session.clone());
+            vec![]
+        };
+        let reply = send(
+            r.api(),
+            "POST",
+            "/v1/chat/completions",
+            &headers,
+            Bytes::from(serde_json::to_vec(&body).unwrap()),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        assert_eq!(
+            reply.endpoint(),
+            sims[i % sims.len()].http_addr().to_string(),
+            "session {i} left the engine holding its first turn"
+        );
+    }
+    let metrics = get(r.admin(), "/metrics").await.text();
+    assert!(
+        metrics.contains(&format!("kinference_router_kv_index_sessions {SESSIONS}")),
+        "{metrics}"
+    );
     r.shutdown().await;
 }

@@ -70,6 +70,7 @@ fn fleet(seed: u64) -> Vec<Candidate> {
                     capacity_blocks: 20_000,
                     used_blocks: r(25_000) as u32,
                 },
+                session_blocks: 0,
             }
         })
         .collect()

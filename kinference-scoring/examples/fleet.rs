@@ -221,6 +221,7 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                             capacity_blocks: CACHE_BLOCKS as u32,
                             used_blocks: engine.cache.at.len() as u32,
                         },
+                        session_blocks: 0,
                     });
                 }
                 let request = Request {

@@ -153,6 +153,20 @@ pub struct Candidate {
     /// evict.
     #[serde(default)]
     pub room: KvRoom,
+    /// Blocks (of [`Request::block_tokens`]) of the request's session
+    /// that the engine reported storing (`session_id` on its KV events),
+    /// at most the prompt's: where the session's context lives when the
+    /// prompt itself cannot be matched (approximate tokenization, a
+    /// template the router renders differently, a session another router
+    /// placed). An upper bound (evictions carry no session), so
+    /// [`crate::Kinference`] counts it like the approximate record
+    /// (`LatencyParams::approximate_credit`), and only where it exceeds
+    /// `cached`. 0: no session, or none there. Set it only when the
+    /// cache source found nothing better: the router does so in
+    /// approximate mode, and in exact mode only when the index shows no
+    /// candidate holding any of the prompt.
+    #[serde(default)]
+    pub session_blocks: u32,
 }
 
 /// The KV cache of one candidate, in blocks of the request's width

@@ -196,6 +196,8 @@ pub(crate) struct Model {
     block: f64,
     /// Source credit (approximate discount), folded into the tier credits.
     credits: TierCredits,
+    /// Credit of a block of the request's session ([`Candidate::session_blocks`]).
+    session_credit: f64,
     most_cached: f64,
     ms_per_token: f64,
     budget: f64,
@@ -254,6 +256,7 @@ impl Model {
                 disk: c.disk * source,
                 storage: c.storage * source,
             },
+            session_credit: c.gpu * params.approximate_credit,
             most_cached: f64::from(request.prompt_tokens.saturating_sub(1)),
             ms_per_token: 1e3 / params.prefill_tokens_per_second,
             budget,
@@ -392,7 +395,13 @@ impl Model {
     /// `(cached, uncached)` prompt tokens of a candidate.
     #[inline]
     pub(crate) fn cache_terms(&self, candidate: &Candidate) -> (f64, f64) {
-        let credited = credited_blocks(&candidate.cached, &self.credits);
+        let mut credited = credited_blocks(&candidate.cached, &self.credits);
+        if candidate.session_blocks > 0 {
+            credited = max(
+                credited,
+                f64::from(candidate.session_blocks) * self.session_credit,
+            );
+        }
         let cached = min(credited * self.block, self.most_cached);
         (cached, max(self.prompt - cached, 1.0))
     }

@@ -54,6 +54,7 @@
 //!         adapter: kinference_scoring::AdapterSlot::Unknown, // a base-model request
 //!         // Its KV cache: 20,000 blocks, 12,000 taken (the index's count).
 //!         room: kinference_scoring::KvRoom { capacity_blocks: 20_000, used_blocks: 12_000 },
+//!         session_blocks: 0, // the request names no session
 //!     },
 //!     Candidate { endpoint: EndpointId(1), ..Candidate::default() },
 //! ];

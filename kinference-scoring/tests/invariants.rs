@@ -90,6 +90,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
         arb_engine(),
         arb_adapter(),
         arb_room(),
+        prop_oneof![Just(0u32), 0u32..3000],
     )
         .prop_map(
             move |(
@@ -98,6 +99,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                 engine,
                 adapter,
                 room,
+                session_blocks,
             )| {
                 Candidate {
                     endpoint: EndpointId(endpoint),
@@ -117,6 +119,7 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                     evidence: kinference_scoring::Evidence::default(),
                     adapter,
                     room,
+                    session_blocks,
                 }
             },
         )

@@ -11,6 +11,7 @@ mod evict;
 mod export;
 mod groups;
 mod lookup;
+mod sessions;
 mod tree;
 mod write;
 
@@ -26,6 +27,8 @@ pub use budget::{BYTES_PER_ENTRY, max_entries_for_budget};
 pub use export::Imported;
 use groups::Group;
 pub use lookup::{Matches, WorkerMatch};
+pub use sessions::SessionHolder;
+use sessions::Sessions;
 use tree::{Cold, Hot, NodeMut};
 
 /// Compact id of a registered worker (an `(endpoint, dp_rank)` pair).
@@ -92,6 +95,9 @@ pub struct IndexConfig {
     pub max_entries: u64,
     /// Most workers registered at once (at most 2²⁰).
     pub max_workers: u32,
+    /// Most sessions remembered (`session_id` on stores; see
+    /// [`KvIndex::session_holders`]); 0 turns the table off.
+    pub max_sessions: usize,
 }
 
 impl Default for IndexConfig {
@@ -100,6 +106,7 @@ impl Default for IndexConfig {
             shards: 1024,
             max_entries: 200_000_000,
             max_workers: 65_536,
+            max_sessions: 1 << 16,
         }
     }
 }
@@ -286,6 +293,8 @@ pub struct IndexStats {
     pub evictions: u64,
     /// Entries the budget evicted in all.
     pub evicted_entries: u64,
+    /// Sessions remembered ([`KvIndex::session_holders`]).
+    pub sessions: u64,
 }
 
 /// How much one applied event or batch changed.
@@ -331,6 +340,8 @@ pub struct KvIndex {
     positions: AtomicU64,
     nodes: AtomicU64,
     writer: Mutex<Writer>,
+    /// Written under `writer` (stores, clears); read by lookups.
+    sessions: RwLock<Sessions>,
     config: IndexConfig,
 }
 
@@ -370,6 +381,7 @@ impl KvIndex {
             positions: AtomicU64::new(0),
             nodes: AtomicU64::new(0),
             writer: Mutex::new(Writer::default()),
+            sessions: RwLock::new(Sessions::new(config.max_sessions)),
             config,
         }
     }
@@ -621,7 +633,20 @@ impl KvIndex {
             bytes,
             evictions: wr.evictions,
             evicted_entries: wr.evicted_entries,
+            sessions: read(&self.sessions).len() as u64,
         }
+    }
+
+    /// The workers the engines said stored blocks for session `id`
+    /// (`session_id` on `BlockStored`), most recent first, with the depth
+    /// of the session's context each stored (an upper bound: see the
+    /// `sessions` module), written to `out` (cleared first).
+    pub fn session_holders(&self, id: &str, out: &mut Vec<SessionHolder>) {
+        out.clear();
+        if self.config.max_sessions == 0 {
+            return;
+        }
+        out.extend_from_slice(read(&self.sessions).holders(sessions::session_key(id)));
     }
 
     /// (block, worker, group) entries held now.

@@ -639,3 +639,87 @@ fn a_worker_position_goes_with_its_blocks() {
     ix.clear_worker(w).expect("clears");
     assert_eq!(ix.position(w), None);
 }
+
+fn with_session(ev: KvEvent, session: &str) -> KvEvent {
+    match ev {
+        KvEvent::BlockStored(s) => KvEvent::BlockStored(BlockStored {
+            session_id: Some(session.to_owned()),
+            ..s
+        }),
+        other => other,
+    }
+}
+
+#[test]
+fn sessions_follow_the_engines_stores_and_leave_with_clears() {
+    let ix = idx();
+    let a = ix.register_worker(WorkerRef::new("a", 0), 4).unwrap();
+    let b = ix.register_worker(WorkerRef::new("b", 0), 4).unwrap();
+    let t = tokens(24, 7);
+    // Turn 1 of chat-1 on a: two blocks from the start; turn 2: one more
+    // block after them.
+    ix.apply_event(
+        a,
+        &with_session(stored(&[1, 2], None, &t[..8], 4), "chat-1"),
+    )
+    .unwrap();
+    ix.apply_event(
+        a,
+        &with_session(stored(&[3], Some(2), &t[8..12], 4), "chat-1"),
+    )
+    .unwrap();
+    // Another session on b, and a store with no session.
+    ix.apply_event(b, &with_session(stored(&[9], None, &t[..4], 4), "chat-2"))
+        .unwrap();
+    ix.apply_event(b, &stored(&[10], None, &t[12..16], 4))
+        .unwrap();
+    // An orphan (unknown parent) tells nothing about the session.
+    ix.apply_event(
+        b,
+        &with_session(stored(&[11], Some(999), &t[16..20], 4), "chat-1"),
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    ix.session_holders("chat-1", &mut out);
+    assert_eq!(
+        out,
+        [SessionHolder {
+            worker: a,
+            tokens: 12
+        }]
+    );
+    ix.session_holders("chat-2", &mut out);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].worker, b);
+    ix.session_holders("chat-3", &mut out);
+    assert!(out.is_empty());
+    assert_eq!(ix.stats().sessions, 2);
+    // The engine reset its cache: a no longer holds chat-1.
+    ix.apply_event(a, &KvEvent::AllBlocksCleared).unwrap();
+    ix.session_holders("chat-1", &mut out);
+    assert!(out.is_empty());
+    assert!(ix.remove_worker(b));
+    ix.session_holders("chat-2", &mut out);
+    assert!(out.is_empty());
+    assert_eq!(ix.stats().sessions, 0);
+}
+
+#[test]
+fn sessions_can_be_turned_off() {
+    let ix = KvIndex::new(IndexConfig {
+        max_sessions: 0,
+        ..IndexConfig::default()
+    });
+    let a = ix.register_worker(WorkerRef::new("a", 0), 4).unwrap();
+    let t = tokens(8, 1);
+    ix.apply_event(a, &with_session(stored(&[1, 2], None, &t, 4), "s"))
+        .unwrap();
+    let mut out = Vec::new();
+    ix.session_holders("s", &mut out);
+    assert!(out.is_empty());
+    assert_eq!(
+        ix.find_matches(&BlockKeyer::new(4, None).keys(&t, &ExtraKeys::none()))
+            .max_blocks(),
+        2
+    );
+}

@@ -198,6 +198,20 @@ impl KvIndex {
             spec,
         );
         wr.keys = locals;
+        // Sessions: one group's stores tell the depth (every group of a
+        // hybrid model stores the same tokens); orphans tell nothing.
+        if let Some(sid) = s.session_id.as_deref()
+            && g == 0
+            && out.dropped == 0
+            && self.config.max_sessions > 0
+        {
+            write(&self.sessions).stored(
+                super::sessions::session_key(sid),
+                super::WorkerId(w as u32),
+                s.token_ids.len() as u64,
+                parent.is_none(),
+            );
+        }
         out
     }
 

@@ -124,6 +124,25 @@ impl Fixture {
         self.kv.index().apply_event(w, &ev).expect("apply");
     }
 
+    /// `address` stores the blocks of `ids` for session `session`, as a
+    /// chain of its own (hashes from `salt`).
+    fn store_session(&self, address: &str, ids: &[u32], session: &str, salt: u64) {
+        let e = self.endpoint(address);
+        let w = self.kv.attach(&e, 0, BLOCK).expect("attach");
+        let blocks = ids.len() / BLOCK as usize;
+        let ev = KvEvent::BlockStored(BlockStored {
+            block_hashes: (0..blocks)
+                .map(|i| BlockHash::Uint(salt << 32 | (1 + i as u64)))
+                .collect(),
+            parent_block_hash: None,
+            token_ids: ids[..blocks * BLOCK as usize].to_vec(),
+            block_size: BLOCK,
+            session_id: Some(session.to_owned()),
+            ..BlockStored::default()
+        });
+        self.kv.index().apply_event(w, &ev).expect("apply");
+    }
+
     /// A request for `ids` to every worker set.
     fn prepared(&self, ids: &[u32]) -> Prepared {
         let routes = (0..self.view.worker_sets.len())
@@ -570,4 +589,35 @@ fn a_new_prefix_goes_where_it_evicts_no_blocks_in_recent_use() {
     // room is given, so no charge.
     roomy.set_kv_blocks_held(None);
     assert_eq!(roomy_room(), KvRoom::default());
+}
+
+#[test]
+fn a_session_counts_only_where_the_index_knows_nothing_of_the_prompt() {
+    let f = fixture(&[(
+        "a",
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        PolicyName::Kinference,
+    )]);
+    // The engine on .3 stored the session's first turn, in tokens the
+    // router's keys do not reproduce (another template, say).
+    f.store_session("10.0.0.3", &prompt(9, 30), "chat-1", 9);
+    let ids = prompt(1, 40);
+    let mut p = f.prepared(&ids);
+    p.session = Some("chat-1".into());
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.key.address, "10.0.0.3");
+    assert_eq!(d.candidate.session_blocks, 30);
+    assert_eq!(d.candidate.cached, CachedBlocks::default());
+    // Once the index shows the prompt somewhere, it rules: it sees
+    // evictions, the sessions do not.
+    f.store("10.0.0.1", 0, &ids);
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.key.address, "10.0.0.1");
+    let e = d.explanation.expect("asked for");
+    assert!(e.candidates.iter().all(|c| c.inputs.session_blocks == 0));
+    // A session no engine reported changes nothing.
+    let mut other = f.prepared(&prompt(2, 40));
+    other.session = Some("chat-2".into());
+    let d = f.decide(&other, &[], T).unwrap();
+    assert_eq!(d.candidate.session_blocks, 0);
 }

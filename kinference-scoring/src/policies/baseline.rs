@@ -180,6 +180,7 @@ pub(super) mod test_support {
             evidence: crate::input::Evidence::default(),
             adapter: crate::input::AdapterSlot::Unknown,
             room: crate::input::KvRoom::default(),
+            session_blocks: 0,
         }
     }
 

@@ -737,6 +737,7 @@ mod tests {
             evidence: crate::input::Evidence::default(),
             adapter: crate::input::AdapterSlot::Unknown,
             room: KvRoom::default(),
+            session_blocks: 0,
         }
     }
 
@@ -754,6 +755,47 @@ mod tests {
         assert_eq!(choice.reason, Reason::LowestPredictedTtft);
         assert_eq!(choice.tie, Tie::None);
         assert_eq!(choice.uncached_tokens(), 4000 - 240 * 16);
+    }
+
+    #[test]
+    fn a_sessions_engine_wins_when_the_prompt_cannot_be_matched() {
+        let params = LatencyParams::default();
+        let mut p = Kinference::new(params);
+        let mut rng = SplitMix64::new(1);
+        let session = |id, blocks| Candidate {
+            session_blocks: blocks,
+            ..cand(id, 0, 0)
+        };
+        // Nothing matched anywhere (the router could not key the prompt as
+        // the engine did); the engines' events put the session on 2.
+        let cands = [cand(0, 0, 0), cand(1, 0, 0), session(2, 200), cand(3, 0, 0)];
+        for source in [
+            CacheSource::Index,
+            CacheSource::Approximate,
+            CacheSource::None,
+        ] {
+            let req = Request {
+                cache: source,
+                ..request()
+            };
+            let choice = p.pick(&req, &cands, secs(1), &mut rng).unwrap();
+            assert_eq!(choice.endpoint, EndpointId(2), "{source:?}");
+            let credited = 200.0 * params.approximate_credit * 16.0;
+            assert_eq!(choice.uncached_tokens(), (4000.0 - credited).ceil() as u32);
+        }
+        // Where the prompt itself is matched deeper, the session adds nothing.
+        let cands = [cand(0, 240, 0), session(2, 100)];
+        let choice = p.pick(&request(), &cands, secs(2), &mut rng).unwrap();
+        assert_eq!(choice.endpoint, EndpointId(0));
+        let same = [
+            Candidate {
+                session_blocks: 100,
+                ..cand(0, 240, 0)
+            },
+            cand(1, 0, 0),
+        ];
+        let with = p.pick(&request(), &same, secs(3), &mut rng).unwrap();
+        assert_eq!(with.uncached_tokens(), 4000 - 240 * 16);
     }
 
     #[test]
