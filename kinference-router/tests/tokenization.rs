@@ -173,8 +173,18 @@ async fn approximate_mode_keeps_a_prefix_together_without_token_ids() {
 /// 4,096 runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_goes_where_the_engines_events_put_it() {
+    for mode in [
+        kinference_sim::EngineMode::default(),
+        kinference_sim::EngineMode::sglang(kinference_sim::Version::new(0, 5, 20)),
+    ] {
+        session_follows_its_engine(mode).await;
+    }
+}
+
+async fn session_follows_its_engine(mode: kinference_sim::EngineMode) {
     const SESSIONS: usize = 6;
-    let sims = engines(4, |_| {}).await;
+    eprintln!("engine mode {mode}");
+    let sims = engines(4, |c| c.engine_mode = mode).await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let opts = WorkerSetOpts {
         profile: "approx".into(),
@@ -229,7 +239,7 @@ async fn a_session_goes_where_the_engines_events_put_it() {
         assert_eq!(
             reply.endpoint(),
             sims[i % sims.len()].http_addr().to_string(),
-            "session {i} left the engine holding its first turn"
+            "session {i} left the engine holding its first turn ({mode})"
         );
     }
     let metrics = get(r.admin(), "/metrics").await.text();
