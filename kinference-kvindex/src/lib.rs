@@ -120,7 +120,9 @@
 //!   adds its tokens. Removals name no session, so the depth is an upper
 //!   bound. Bounded by `IndexConfig::max_sessions` (two generations: the
 //!   sessions stored into least recently go first); a worker's clear
-//!   drops it from every session. Sessions are not in snapshots.
+//!   drops it from every session. Snapshots carry each worker's sessions
+//!   (in at most a quarter of the export's byte budget, the most recently
+//!   stored into first).
 //!
 //! # Memory budget
 //!

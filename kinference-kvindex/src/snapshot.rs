@@ -29,7 +29,8 @@
 //! ["kinference-kv-snapshot", 1, truncated, [worker…], [node…]]
 //! worker = [endpoint, dp_rank, width, nil | [seq, digest],
 //!           [[group, kind (0 full, 1 window, 2 state), keys per block, align, nil | window tokens]…],
-//!           overrides: bin of (node u32, offset u32, hash u64) little-endian records]
+//!           overrides: bin of (node u32, offset u32, hash u64) little-endian records,
+//!           sessions: bin of (session key u64, tokens u64) LE records (absent before 2026-12-03)]
 //! node   = [parent (u32::MAX: a root), at (offset in the parent where it leaves; 0 for a root),
 //!           keys: bin of u64 LE, hashes: bin of u64 LE (0: none),
 //!           [[worker, group, runs: bin of (start u32, end u32, tiers u8) LE records]…]]
@@ -108,6 +109,9 @@ pub(crate) struct SnapWorker {
     /// (node, offset, engine hash) where the worker names a position by
     /// another hash than the shared record.
     pub(crate) overrides: Vec<(u32, u32, u64)>,
+    /// (session key, tokens): the sessions the worker stored for
+    /// ([`crate::KvIndex::session_holders`]).
+    pub(crate) sessions: Vec<(u64, u64)>,
     /// Entries it holds in the snapshot (computed when decoding).
     pub(crate) entries: u64,
 }
@@ -368,7 +372,18 @@ fn read_worker(r: &mut Reader<'_>) -> Result<SnapWorker, SnapshotError> {
         .chunks_exact(16)
         .map(|c| (le32(&c[0..4]), le32(&c[4..8]), le64(&c[8..16])))
         .collect();
-    for _ in 6..n {
+    let mut sessions = Vec::new();
+    if n > 6 {
+        let b = r.read_bin()?;
+        if b.len() % 16 != 0 {
+            return Err(invalid("sessions are 16-byte records".into()));
+        }
+        sessions = b
+            .chunks_exact(16)
+            .map(|c| (le64(&c[0..8]), le64(&c[8..16])))
+            .collect();
+    }
+    for _ in 7..n {
         r.skip()?;
     }
     Ok(SnapWorker {
@@ -377,6 +392,7 @@ fn read_worker(r: &mut Reader<'_>) -> Result<SnapWorker, SnapshotError> {
         position,
         groups,
         overrides,
+        sessions,
         entries: 0,
     })
 }
@@ -466,7 +482,7 @@ pub(crate) fn write_head(w: &mut Writer, truncated: bool, workers: &[SnapWorker]
     w.bool(truncated);
     w.array(workers.len());
     for sw in workers {
-        w.array(6);
+        w.array(7);
         w.str(&sw.worker.endpoint);
         w.uint(u64::from(sw.worker.dp_rank));
         w.uint(u64::from(sw.width));
@@ -495,6 +511,12 @@ pub(crate) fn write_head(w: &mut Writer, truncated: bool, workers: &[SnapWorker]
             ov.extend_from_slice(&node.to_le_bytes());
             ov.extend_from_slice(&off.to_le_bytes());
             ov.extend_from_slice(&h.to_le_bytes());
+        }
+        w.bin(&ov);
+        ov.clear();
+        for &(key, tokens) in &sw.sessions {
+            ov.extend_from_slice(&key.to_le_bytes());
+            ov.extend_from_slice(&tokens.to_le_bytes());
         }
         w.bin(&ov);
     }
@@ -558,6 +580,7 @@ mod tests {
                 window: None,
             }],
             overrides: vec![(1, 0, 42)],
+            sessions: vec![(0xfeed, 48)],
             entries: 0,
         }];
         let nodes = vec![
@@ -603,8 +626,36 @@ mod tests {
         let w = s.find(&WorkerRef::new("10.0.0.1:8000", 0)).expect("listed");
         assert_eq!(w.position, Some(Position { seq: 7, digest: 9 }));
         assert_eq!(s.workers[0].overrides, vec![(1, 0, 42)]);
+        assert_eq!(s.workers[0].sessions, vec![(0xfeed, 48)]);
         assert_eq!(s.nodes[1].holders[0].runs, vec![(0, 1, 3)]);
         assert!(!s.truncated());
+    }
+
+    #[test]
+    fn a_snapshot_from_before_sessions_reads_back() {
+        let (mut workers, nodes) = sample();
+        workers[0].sessions.clear();
+        let mut head = Writer::default();
+        write_head(&mut head, false, &workers);
+        let mut old = head.into_vec();
+        // The worker without its last field: a 6-array, no sessions bin.
+        assert_eq!(old[old.len() - 2..], [0xc4, 0x00], "an empty bin last");
+        old.truncate(old.len() - 2);
+        let at = old
+            .iter()
+            .position(|&b| b == 0x97)
+            .expect("the worker's array");
+        old[at] = 0x96;
+        let mut rest = Writer::default();
+        rest.array(nodes.len());
+        for (p, at, keys, holders) in &nodes {
+            write_node(&mut rest, *p, *at, keys, keys, holders);
+        }
+        old.extend(rest.into_vec());
+        let s = Snapshot::decode(&old).expect("decodes");
+        assert!(s.workers[0].sessions.is_empty());
+        assert_eq!(s.workers[0].overrides, vec![(1, 0, 42)]);
+        assert_eq!((s.nodes(), s.positions(), s.entries()), (2, 4, 4));
     }
 
     #[test]

@@ -116,8 +116,23 @@ impl KvIndex {
                         (n, o, *h)
                     })
                     .collect(),
+                sessions: Vec::new(),
                 entries: 0,
             });
+        }
+        // Sessions, the most recently stored into first, in at most a
+        // quarter of the budget (the blocks matter more).
+        let mut room = max_bytes / 4 / 16;
+        for (key, holders) in read(&self.sessions).iter() {
+            for h in holders {
+                if room == 0 {
+                    break;
+                }
+                if let Some(Some(i)) = part.get(h.worker.0 as usize) {
+                    workers[*i as usize].sessions.push((key, h.tokens));
+                    room -= 1;
+                }
+            }
         }
         // The head with every override bounds the head actually written.
         let head_bound = {
@@ -321,6 +336,13 @@ impl KvIndex {
         for &(n, o, h) in &sw.overrides {
             if let Some(&pos) = map[n as usize].get(o as usize) {
                 self.name(&mut wr, w, h, pos, nodes[n as usize].keys[o as usize]);
+            }
+        }
+        if self.config.max_sessions > 0 && !sw.sessions.is_empty() {
+            let mut sessions = write(&self.sessions);
+            // Oldest first, so the table keeps the exporter's most recent.
+            for &(key, tokens) in sw.sessions.iter().rev() {
+                sessions.stored(key, into, tokens, true);
             }
         }
         let positions = self.positions.load(Ordering::Relaxed) - before;

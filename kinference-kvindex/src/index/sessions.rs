@@ -108,6 +108,14 @@ impl Sessions {
         }
     }
 
+    /// Every session and its holders, the newer generation first.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, &[SessionHolder])> {
+        self.newer
+            .iter()
+            .chain(self.older.iter())
+            .map(|(k, h)| (*k, h.as_slice()))
+    }
+
     /// Sessions held (both generations; a session is in one).
     pub(super) fn len(&self) -> usize {
         self.newer.len() + self.older.len()

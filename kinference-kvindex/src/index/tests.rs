@@ -2,7 +2,7 @@ use super::*;
 use crate::event::{BlockHash, BlockRemoved, BlockStored, KvEvent, Tier};
 use crate::key;
 use crate::key::{BlockKeyer, ExtraKeys};
-use crate::snapshot::Position;
+use crate::snapshot::{Position, Snapshot};
 
 fn idx() -> KvIndex {
     KvIndex::new(IndexConfig {
@@ -722,4 +722,42 @@ fn sessions_can_be_turned_off() {
             .max_blocks(),
         2
     );
+}
+
+#[test]
+fn sessions_go_with_a_snapshot() {
+    let a = idx();
+    let wa = a.register_worker(WorkerRef::new("e1", 0), 4).unwrap();
+    let t = tokens(12, 3);
+    a.apply_event(
+        wa,
+        &with_session(stored(&[1, 2], None, &t[..8], 4), "chat-9"),
+    )
+    .unwrap();
+    a.apply_event(
+        wa,
+        &with_session(stored(&[3], Some(2), &t[8..], 4), "chat-9"),
+    )
+    .unwrap();
+    let snap = Snapshot::decode(&a.export(1 << 20)).expect("decodes");
+    let b = idx();
+    let wb = b.register_worker(WorkerRef::new("e1", 0), 4).unwrap();
+    let part = snap
+        .workers
+        .iter()
+        .position(|w| w.worker.endpoint == "e1")
+        .unwrap();
+    b.import(wb, &snap, part, None).unwrap();
+    let mut out = Vec::new();
+    b.session_holders("chat-9", &mut out);
+    assert_eq!(
+        out,
+        [SessionHolder {
+            worker: wb,
+            tokens: 12
+        }]
+    );
+    // A budget too small for sessions leaves them out, not the snapshot.
+    let tiny = Snapshot::decode(&a.export(60)).expect("decodes");
+    assert!(tiny.workers.iter().all(|w| w.sessions.is_empty()));
 }
