@@ -109,26 +109,20 @@ impl Fixture {
 
     /// `address` (rank `rank`) stores the blocks of `ids`.
     fn store(&self, address: &str, rank: u32, ids: &[u32]) {
-        let e = self.endpoint(address);
-        let w = self.kv.attach(&e, rank, BLOCK).expect("attach");
-        let blocks = ids.len() / BLOCK as usize;
-        let ev = KvEvent::BlockStored(BlockStored {
-            block_hashes: (0..blocks)
-                .map(|i| BlockHash::Uint(u64::from(rank) << 32 | (1 + i as u64)))
-                .collect(),
-            parent_block_hash: None,
-            token_ids: ids[..blocks * BLOCK as usize].to_vec(),
-            block_size: BLOCK,
-            ..BlockStored::default()
-        });
-        self.kv.index().apply_event(w, &ev).expect("apply");
+        self.store_chain(address, rank, ids, u64::from(rank), None);
     }
 
     /// `address` stores the blocks of `ids` for session `session`, as a
     /// chain of its own (hashes from `salt`).
     fn store_session(&self, address: &str, ids: &[u32], session: &str, salt: u64) {
+        self.store_chain(address, 0, ids, salt, Some(session));
+    }
+
+    /// One `BlockStored` of `ids`' full blocks from the start, engine
+    /// hashes `salt << 32 | 1, 2, …`.
+    fn store_chain(&self, address: &str, rank: u32, ids: &[u32], salt: u64, session: Option<&str>) {
         let e = self.endpoint(address);
-        let w = self.kv.attach(&e, 0, BLOCK).expect("attach");
+        let w = self.kv.attach(&e, rank, BLOCK).expect("attach");
         let blocks = ids.len() / BLOCK as usize;
         let ev = KvEvent::BlockStored(BlockStored {
             block_hashes: (0..blocks)
@@ -137,7 +131,7 @@ impl Fixture {
             parent_block_hash: None,
             token_ids: ids[..blocks * BLOCK as usize].to_vec(),
             block_size: BLOCK,
-            session_id: Some(session.to_owned()),
+            session_id: session.map(str::to_owned),
             ..BlockStored::default()
         });
         self.kv.index().apply_event(w, &ev).expect("apply");
