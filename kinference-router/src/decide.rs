@@ -238,22 +238,23 @@ fn cached_blocks(
 
 /// Per candidate, the blocks of the request's session its engines stored
 /// (`session`: tokens per endpoint, from [`KvPlane::session_tokens`]), in
-/// the route's block width and at most the prompt's blocks; all 0 in
-/// exact mode when any candidate holds any of the prompt: then the index,
-/// which sees evictions, knows better than the sessions, which do not.
+/// the route's block width and at most the prompt's blocks; none (an
+/// empty vector, no allocation) without a session, and in exact mode when
+/// any candidate holds any of the prompt: then the index, which sees
+/// evictions, knows better than the sessions, which do not.
 fn session_blocks(
     route: &Route,
     endpoints: &[Arc<Endpoint>],
     cached: &[CachedBlocks],
     session: &[(EndpointId, u64)],
 ) -> Vec<u32> {
-    let mut out = vec![0; endpoints.len()];
     if session.is_empty()
         || (route.request.cache == CacheSource::Index
             && cached.iter().any(|c| *c != CachedBlocks::default()))
     {
-        return out;
+        return Vec::new();
     }
+    let mut out = vec![0; endpoints.len()];
     let width = u64::from(route.request.block_tokens.max(1));
     let most = u64::from(route.request.prompt_tokens) / width;
     for (e, o) in endpoints.iter().zip(out.iter_mut()) {
@@ -323,10 +324,10 @@ fn decide_route(
         .iter()
         .zip(&cached)
         .zip(&recent)
-        .zip(&session)
-        .map(|(((e, c), recent), session)| {
+        .enumerate()
+        .map(|(i, ((e, c), recent))| {
             let mut cand = candidate(e, *c, now);
-            cand.session_blocks = *session;
+            cand.session_blocks = session.get(i).copied().unwrap_or(0);
             if let (Some(tokens), Some(held)) = (e.kv_capacity_tokens(), e.kv_blocks_held()) {
                 // What the index shows it holding (prompts and outputs, in
                 // the worker set's block width), or what this router sent
