@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-fn client() -> HttpClient {
+pub(crate) fn client() -> HttpClient {
     let mut c = HttpConnector::new();
     c.set_nodelay(true);
     Client::builder(hyper_util::rt::TokioExecutor::new())

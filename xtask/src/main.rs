@@ -30,6 +30,7 @@ mod load;
 mod procs;
 mod proxy_bench;
 mod quickstart;
+mod sessions_bench;
 
 #[derive(Parser, Debug)]
 #[command(name = "cargo xtask", about = "kinference project automation")]

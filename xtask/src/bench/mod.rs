@@ -46,6 +46,9 @@ pub(crate) enum BenchCommand {
     /// The router's added latency, CPU per request and throughput against
     /// direct calls and nginx (needs wrk and nginx).
     Proxy(crate::proxy_bench::Options),
+    /// What naming a session (`x-session-id`) gives router replicas that
+    /// did not place a conversation's earlier turns (approximate mode).
+    Sessions(crate::sessions_bench::Options),
     /// Write a synthetic agent trace in the Mooncake format (JSON lines of
     /// timestamp, input_length, output_length, hash_ids), for `bench
     /// routing --trace` or a third-party replayer.
@@ -176,6 +179,7 @@ pub(crate) fn run(root: &Path, cmd: BenchCommand) -> Result<ExitCode> {
             crate::faults::run(o)
         }
         BenchCommand::Proxy(o) => crate::proxy_bench::run(o),
+        BenchCommand::Sessions(o) => crate::sessions_bench::run(o),
         BenchCommand::Routing(a) => {
             let mut o = routing::RoutingOptions::defaults(root);
             o.quick = a.quick;
