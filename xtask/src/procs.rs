@@ -125,3 +125,17 @@ pub(crate) async fn wait_ok(url: &str, within: Duration, proc: &mut Proc) -> Res
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Runs a bench's `main` on a new runtime; Ctrl-C ends it with 130 (its
+/// children are killed on drop).
+pub(crate) fn run_until_ctrl_c(
+    main: impl std::future::Future<Output = Result<std::process::ExitCode>>,
+) -> Result<std::process::ExitCode> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        tokio::select! {
+            r = main => r,
+            _ = tokio::signal::ctrl_c() => Ok(std::process::ExitCode::from(130)),
+        }
+    })
+}

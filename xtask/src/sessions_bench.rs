@@ -57,13 +57,7 @@ struct Figures {
 }
 
 pub(crate) fn run(opts: Options) -> Result<ExitCode> {
-    let rt = tokio::runtime::Runtime::new()?;
-    rt.block_on(async {
-        tokio::select! {
-            r = bench(opts) => r,
-            _ = tokio::signal::ctrl_c() => Ok(ExitCode::from(130)),
-        }
-    })
+    procs::run_until_ctrl_c(bench(opts))
 }
 
 async fn bench(opts: Options) -> Result<ExitCode> {
