@@ -55,9 +55,7 @@ impl KvIndex {
             ws.overrides = super::EngineMap::default();
             ws.position = None;
         }
-        if self.config.max_sessions > 0 {
-            write(&self.sessions).forget_worker(super::WorkerId(wid));
-        }
+        write(&self.sessions).forget_worker(super::WorkerId(wid));
         removed
     }
 

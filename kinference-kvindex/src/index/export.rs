@@ -338,7 +338,7 @@ impl KvIndex {
                 self.name(&mut wr, w, h, pos, nodes[n as usize].keys[o as usize]);
             }
         }
-        if self.config.max_sessions > 0 && !sw.sessions.is_empty() {
+        if !sw.sessions.is_empty() {
             let mut sessions = write(&self.sessions);
             // Oldest first, so the table keeps the exporter's most recent.
             for &(key, tokens) in sw.sessions.iter().rev() {

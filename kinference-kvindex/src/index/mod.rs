@@ -643,9 +643,6 @@ impl KvIndex {
     /// `sessions` module), written to `out` (cleared first).
     pub fn session_holders(&self, id: &str, out: &mut Vec<SessionHolder>) {
         out.clear();
-        if self.config.max_sessions == 0 {
-            return;
-        }
         out.extend_from_slice(read(&self.sessions).holders(sessions::session_key(id)));
     }
 

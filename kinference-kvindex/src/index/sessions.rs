@@ -19,8 +19,9 @@
 //!
 //! Bounded: two generations of at most `capacity / 2` sessions each; when
 //! the newer fills, the older is dropped and the newer takes its place,
-//! so the sessions stored into least recently go first. A lookup or store
-//! of a session found in the older generation moves it to the newer.
+//! so the sessions stored into least recently go first. A store to a
+//! session found in the older generation moves it to the newer. A
+//! capacity of 0 turns the table off: it stores nothing.
 
 use hashbrown::HashMap;
 use smallvec::SmallVec;
@@ -48,6 +49,7 @@ type Holders = SmallVec<[SessionHolder; 2]>;
 pub(super) struct Sessions {
     newer: HashMap<u64, Holders>,
     older: HashMap<u64, Holders>,
+    /// Most sessions per generation; 0: off.
     half: usize,
 }
 
@@ -61,7 +63,11 @@ impl Sessions {
         Sessions {
             newer: HashMap::new(),
             older: HashMap::new(),
-            half: (capacity / 2).max(1),
+            half: if capacity == 0 {
+                0
+            } else {
+                (capacity / 2).max(1)
+            },
         }
     }
 
@@ -179,6 +185,17 @@ mod tests {
             s.stored(session_key(&format!("s{i}")), WorkerId(0), 16, true);
         }
         assert_eq!(s.holders(old).len(), 2, "kept: it was stored into again");
+    }
+
+    #[test]
+    fn a_table_of_no_capacity_stores_nothing() {
+        let mut s = Sessions::new(0);
+        s.stored(session_key("a"), WorkerId(1), 16, true);
+        assert!(s.holders(session_key("a")).is_empty());
+        assert_eq!(s.len(), 0);
+        let mut one = Sessions::new(1);
+        one.stored(session_key("a"), WorkerId(1), 16, true);
+        assert_eq!(one.len(), 1, "a capacity of 1 still keeps one");
     }
 
     #[test]

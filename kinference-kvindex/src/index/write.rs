@@ -203,7 +203,6 @@ impl KvIndex {
         if let Some(sid) = s.session_id.as_deref()
             && g == 0
             && out.dropped == 0
-            && self.config.max_sessions > 0
         {
             write(&self.sessions).stored(
                 super::sessions::session_key(sid),
