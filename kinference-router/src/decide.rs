@@ -37,7 +37,7 @@ use kinference_scoring::{
 use tokio::time::Instant;
 
 use crate::endpoint::{Endpoint, EndpointId};
-use crate::kv::{Held, KvPlane};
+use crate::kv::{Held, KvPlane, SessionHeld};
 use crate::openai::ApiError;
 use crate::prepare::{Prepared, Route};
 use crate::view::{View, WorkerSetView};
@@ -237,16 +237,18 @@ fn cached_blocks(
 }
 
 /// Per candidate, the blocks of the request's session its engines stored
-/// (`session`: tokens per endpoint, from [`KvPlane::session_tokens`]), in
-/// the route's block width and at most the prompt's blocks; none (an
-/// empty vector, no allocation) without a session, and in exact mode when
-/// any candidate holds any of the prompt: then the index, which sees
-/// evictions, knows better than the sessions, which do not.
+/// (`session`, from [`KvPlane::session_tokens`]), in the route's block
+/// width and at most the prompt's blocks, with the DP rank holding them
+/// where the index named none; none (an empty vector, no allocation)
+/// without a session, and in exact mode when any candidate holds any of
+/// the prompt: then the index, which sees evictions, knows better than the
+/// sessions, which do not.
 fn session_blocks(
     route: &Route,
     endpoints: &[Arc<Endpoint>],
     cached: &[CachedBlocks],
-    session: &[(EndpointId, u64)],
+    best_rank: &mut [Option<u32>],
+    session: &[SessionHeld],
 ) -> Vec<u32> {
     if session.is_empty()
         || (route.request.cache == CacheSource::Index
@@ -257,9 +259,10 @@ fn session_blocks(
     let mut out = vec![0; endpoints.len()];
     let width = u64::from(route.request.block_tokens.max(1));
     let most = u64::from(route.request.prompt_tokens) / width;
-    for (e, o) in endpoints.iter().zip(out.iter_mut()) {
-        if let Some((_, tokens)) = session.iter().find(|(id, _)| *id == e.id) {
-            *o = u32::try_from((tokens / width).min(most)).unwrap_or(u32::MAX);
+    for ((e, o), rank) in endpoints.iter().zip(out.iter_mut()).zip(best_rank) {
+        if let Some(s) = session.iter().find(|s| s.endpoint == e.id) {
+            *o = u32::try_from((s.tokens / width).min(most)).unwrap_or(u32::MAX);
+            rank.get_or_insert(s.rank);
         }
     }
     out
@@ -309,16 +312,16 @@ fn decide_route(
     now: Now,
     rng: &mut dyn RandomSource,
     explain: bool,
-    session: &[(EndpointId, u64)],
+    session: &[SessionHeld],
     held: &mut Vec<Held>,
     scratch: &mut Matches,
 ) -> Option<Decision> {
     let CacheView {
         cached,
-        best_rank,
+        mut best_rank,
         recent,
     } = cached_blocks(ws, kv, route, endpoints, now, held, scratch);
-    let session = session_blocks(route, endpoints, &cached, session);
+    let session = session_blocks(route, endpoints, &cached, &mut best_rank, session);
     let block_tokens = u64::from(route.request.block_tokens.max(1));
     let candidates: Vec<Candidate> = endpoints
         .iter()

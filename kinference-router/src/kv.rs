@@ -120,6 +120,18 @@ pub struct Held {
     pub disk_blocks: u32,
 }
 
+/// Where a session's context lives on one endpoint
+/// ([`KvPlane::session_tokens`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionHeld {
+    /// The endpoint.
+    pub endpoint: EndpointId,
+    /// Its DP rank that stored the most of the session.
+    pub rank: u32,
+    /// Tokens of the session's context that rank stored (an upper bound).
+    pub tokens: u64,
+}
+
 type Owners = Vec<Option<(EndpointId, u32)>>;
 
 /// The index, its subscriptions and its owner table.
@@ -371,10 +383,10 @@ impl KvPlane {
     }
 
     /// For each endpoint whose engines stored blocks for `session` (their
-    /// events' `session_id`), the deepest context one of its DP ranks
-    /// stored, in tokens, written to `out` (cleared first); see
+    /// events' `session_id`), the DP rank that stored the deepest context
+    /// and that depth in tokens, written to `out` (cleared first); see
     /// [`KvIndex::session_holders`] for what the depth means.
-    pub fn session_tokens(&self, session: &str, out: &mut Vec<(EndpointId, u64)>) {
+    pub fn session_tokens(&self, session: &str, out: &mut Vec<SessionHeld>) {
         out.clear();
         let mut holders = Vec::new();
         self.index.session_holders(session, &mut holders);
@@ -383,12 +395,20 @@ impl KvPlane {
         }
         let owners = self.owners.load();
         for h in holders {
-            let Some(Some((endpoint, _))) = owners.get(h.worker.0 as usize).copied() else {
+            let Some(Some((endpoint, rank))) = owners.get(h.worker.0 as usize).copied() else {
                 continue;
             };
-            match out.iter_mut().find(|(e, _)| *e == endpoint) {
-                Some((_, t)) => *t = (*t).max(h.tokens),
-                None => out.push((endpoint, h.tokens)),
+            match out.iter_mut().find(|s| s.endpoint == endpoint) {
+                Some(s) if s.tokens >= h.tokens => {}
+                Some(s) => {
+                    s.rank = rank;
+                    s.tokens = h.tokens;
+                }
+                None => out.push(SessionHeld {
+                    endpoint,
+                    rank,
+                    tokens: h.tokens,
+                }),
             }
         }
     }

@@ -615,3 +615,21 @@ fn a_session_counts_only_where_the_index_knows_nothing_of_the_prompt() {
     let d = f.decide(&other, &[], T).unwrap();
     assert_eq!(d.candidate.session_blocks, 0);
 }
+
+#[test]
+fn a_session_names_the_dp_rank_that_stored_it() {
+    let f = fixture(&[("a", &["10.0.0.1", "10.0.0.2"], PolicyName::Kinference)]);
+    // Rank 1 of .2 stored the session; rank 0 is there too, empty.
+    f.store_chain("10.0.0.2", 1, &prompt(9, 30), 9, Some("chat-1"));
+    f.store_chain("10.0.0.2", 0, &prompt(8, 2), 8, None);
+    f.endpoint("10.0.0.2").set_kv_ranks(2);
+    let mut p = f.prepared(&prompt(1, 40));
+    p.session = Some("chat-1".into());
+    let d = f.decide(&p, &[], T).unwrap();
+    assert_eq!(d.endpoint.key.address, "10.0.0.2");
+    assert_eq!(
+        d.dp_rank,
+        Some(1),
+        "the engine's own balancer might pick rank 0"
+    );
+}
