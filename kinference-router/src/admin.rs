@@ -101,7 +101,7 @@ pub fn handle(
                 "peers": shared.runtime.peer_state.read().clone(),
                 "kv_bootstrap": shared.kv.bootstrap_report(),
                 "worker_sets": reports::worker_set_reports(&view),
-                "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now(), shared.now()),
+                "endpoints": reports::endpoint_reports(&view, &shared.kv, Instant::now(), Some(shared.now())),
                 "kv_index": {
                     "entries": stats.entries,
                     "bytes": stats.bytes,
@@ -455,7 +455,8 @@ impl Collector for StateCollector {
         )?;
 
         let view = shared.view();
-        let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now(), shared.now());
+        // The gauges below read no calibration: no policy lock per scrape.
+        let endpoints = reports::endpoint_reports(&view, &shared.kv, Instant::now(), None);
         single_gauge(
             &mut encoder,
             "kv_bootstrap_blocks",

@@ -180,23 +180,27 @@ pub struct WorkerSetReport {
 }
 
 /// A report per endpoint of `view` (an endpoint listed by two worker sets
-/// appears once).
+/// appears once); with `calibrated_at` (the router's time since start),
+/// each with its calibration, which takes each worker set's policy lock
+/// (the lock decisions take) once.
 pub fn endpoint_reports(
     view: &View,
     kv: &KvPlane,
     now: Instant,
-    since_start: std::time::Duration,
+    calibrated_at: Option<std::time::Duration>,
 ) -> Vec<EndpointReport> {
     let mut out: Vec<EndpointReport> = Vec::new();
     for ws in &view.worker_sets {
-        // One lock of the policy (which decisions take) per worker set.
-        let calibrations: Vec<_> = {
-            use kinference_scoring::Pick as _;
-            let policy = ws.runtime.policy.lock();
-            ws.endpoints
-                .iter()
-                .map(|e| policy.calibration(kinference_scoring::EndpointId(e.id.0), since_start))
-                .collect()
+        let calibrations: Vec<_> = match calibrated_at {
+            Some(at) => {
+                use kinference_scoring::Pick as _;
+                let policy = ws.runtime.policy.lock();
+                ws.endpoints
+                    .iter()
+                    .map(|e| policy.calibration(kinference_scoring::EndpointId(e.id.0), at))
+                    .collect()
+            }
+            None => vec![None; ws.endpoints.len()],
         };
         for (e, calibration) in ws.endpoints.iter().zip(calibrations) {
             if let Some(r) = out.iter_mut().find(|r| r.id == e.id.0) {
