@@ -85,7 +85,7 @@ async fn bench(opts: Options) -> Result<ExitCode> {
             "{name} sessions: {} conversations × {} turns…",
             opts.conversations, opts.turns
         );
-        let mut engines = sim
+        let engines = sim
             .start(&bin, "kinference-sim", &dir.join(format!("sim-{name}.log")))
             .await?;
         let mut routers = Vec::new();
@@ -106,7 +106,7 @@ async fn bench(opts: Options) -> Result<ExitCode> {
         for r in routers {
             r.stop().await;
         }
-        engines.kill()?;
+        engines.stop().await;
         rows.push((name, figures?));
     }
     println!();
@@ -177,12 +177,17 @@ async fn conversations(opts: Options, session: bool) -> Result<Figures> {
                 .to_owned();
             history[c].push(json!({"role": "assistant", "content": answer}));
             if t > 0 {
+                let usage = &reply["usage"];
+                let (Some(prompt), Some(cached)) = (
+                    usage["prompt_tokens"].as_u64(),
+                    usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+                ) else {
+                    bail!("no prompt_tokens_details.cached_tokens in the reply's usage: {usage}");
+                };
                 f.turns += 1;
                 f.same_engine += usize::from(endpoint == last[c]);
-                f.prompt_tokens += reply["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
-                f.cached_tokens += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
-                    .as_u64()
-                    .unwrap_or(0);
+                f.prompt_tokens += prompt;
+                f.cached_tokens += cached;
             }
             last[c] = endpoint;
         }
@@ -203,15 +208,17 @@ async fn chat(addr: &str, body: &Value, headers: &[(&str, &str)]) -> Result<(Str
         .await
         .context("timed out")??;
     let status = resp.status();
+    // Without it every turn would count as kept on its engine.
     let endpoint = resp
         .headers()
         .get("x-kinference-endpoint")
         .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned();
+        .filter(|e| !e.is_empty())
+        .map(str::to_owned);
     let bytes = resp.into_body().collect().await?.to_bytes();
     if !status.is_success() {
         bail!("{status}: {}", String::from_utf8_lossy(&bytes));
     }
+    let endpoint = endpoint.context("no x-kinference-endpoint in the router's answer")?;
     Ok((endpoint, serde_json::from_slice(&bytes)?))
 }
