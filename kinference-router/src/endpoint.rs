@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -91,6 +92,58 @@ pub struct Load {
     /// What the other router replicas report they have in flight here,
     /// summed over the fresh reports ([`crate::peers`]); 0 without peers.
     pub peers: PeerLoad,
+    /// The time integral of `decoding` ([`Load::decode_area`]).
+    pub decode_clock: parking_lot::Mutex<DecodeClock>,
+    /// Uncached prompt tokens of every request past its first token: the
+    /// prefill work done there (as this router knows it), cumulative.
+    pub prefilled: AtomicU64,
+}
+
+/// Sequences decoding × time, integrated as they start and end.
+#[derive(Debug, Default)]
+pub struct DecodeClock {
+    /// Sequences decoding.
+    decoding: u32,
+    /// When that last changed ([`clock_micros`]).
+    since: i64,
+    /// Sequence-microseconds up to `since`.
+    area: i64,
+}
+
+impl DecodeClock {
+    fn advance(&mut self, t: i64) {
+        if t > self.since {
+            self.area = self
+                .area
+                .saturating_add(i64::from(self.decoding).saturating_mul(t - self.since));
+            self.since = t;
+        }
+    }
+
+    /// The area up to `t`.
+    fn at(&mut self, t: i64) -> i64 {
+        self.advance(t);
+        self.area
+    }
+
+    /// One more (`+1`) or one fewer (`-1`) decoding from `t`.
+    fn change(&mut self, t: i64, up: bool) -> i64 {
+        self.advance(t);
+        self.decoding = if up {
+            self.decoding.saturating_add(1)
+        } else {
+            self.decoding.saturating_sub(1)
+        };
+        self.area
+    }
+}
+
+/// Microseconds since the process's first call: the clock of
+/// [`Load::decode_area`].
+pub fn clock_micros(at: Instant) -> i64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    i64::try_from(at.saturating_duration_since(epoch).as_micros()).unwrap_or(i64::MAX)
 }
 
 /// Other replicas' load on an endpoint (the same five figures).
@@ -210,6 +263,13 @@ pub struct LoadSnapshot {
 }
 
 impl Load {
+    /// Decoding sequences × microseconds up to `t` ([`clock_micros`]): the
+    /// difference between two readings over their time apart is the mean
+    /// number decoding.
+    pub fn decode_area(&self, t: i64) -> i64 {
+        self.decode_clock.lock().at(t)
+    }
+
     /// The load the routers have on the endpoint: this replica's and what
     /// its peers report (what decisions read).
     pub fn snapshot(&self) -> LoadSnapshot {
@@ -674,8 +734,24 @@ impl Endpoint {
             phase: Phase::Prefilling,
             waiting_slot: None,
             adapter: None,
+            decode_mark: None,
         }
     }
+}
+
+/// Where a request's decoding started, to measure its steps at the end.
+#[derive(Clone, Copy, Debug)]
+struct DecodeMark {
+    /// [`clock_micros`] at the first token.
+    at: i64,
+    /// [`Load::decode_area`] then.
+    area: i64,
+    /// [`Load::prefilled`] then (its own prompt included), moved up to the
+    /// count at its next chunk: requests whose first token came in the same
+    /// engine step, read after its own, were prefilled before its decoding.
+    prefilled: u64,
+    /// Whether `prefilled` was moved up.
+    settled: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -695,6 +771,8 @@ pub struct InFlight {
     waiting_slot: Option<usize>,
     /// The LoRA adapter it names, counted in the endpoint's adapters.
     adapter: Option<Arc<str>>,
+    /// Set at the first token.
+    decode_mark: Option<DecodeMark>,
 }
 
 impl InFlight {
@@ -726,15 +804,34 @@ impl InFlight {
     }
 
     /// The first token arrived (or is assumed to have): prefill work is done.
-    /// Idempotent.
+    /// Idempotent; call it on every chunk of the response.
     pub fn first_token(&mut self) {
+        if let Some(mark) = &mut self.decode_mark
+            && !mark.settled
+        {
+            mark.prefilled = self.endpoint.load.prefilled.load(Ordering::Relaxed);
+            mark.settled = true;
+            return;
+        }
         self.stop_waiting();
         if self.phase == Phase::Prefilling {
             let l = &self.endpoint.load;
             l.prefilling.fetch_sub(1, Ordering::Relaxed);
             l.prefill_tokens
                 .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            let t = clock_micros(Instant::now());
+            let prefilled = l
+                .prefilled
+                .fetch_add(self.prefill_tokens, Ordering::Relaxed)
+                .wrapping_add(self.prefill_tokens);
+            let area = l.decode_clock.lock().change(t, true);
             l.decoding.fetch_add(1, Ordering::Relaxed);
+            self.decode_mark = Some(DecodeMark {
+                at: t,
+                area,
+                prefilled,
+                settled: false,
+            });
             self.phase = Phase::Decoding;
             crate::admit::capacity_freed();
             crate::peers::load_changed();
@@ -744,6 +841,31 @@ impl InFlight {
     /// Whether the first token has been seen.
     pub fn past_first_token(&self) -> bool {
         self.phase == Phase::Decoding
+    }
+
+    /// The engine's steps since the first token, now that `tokens` more
+    /// have come ([`kinference_scoring::steps`]): the time, the sequences
+    /// decoding there on average (this router's over the time, its peers'
+    /// as they last reported), and the prompt tokens prefilled there
+    /// meanwhile. `None` before the first token.
+    pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
+        let mark = self.decode_mark?;
+        let t = clock_micros(Instant::now());
+        let elapsed = t.checked_sub(mark.at).filter(|&e| e > 0)?;
+        let l = &self.endpoint.load;
+        let area = l.decode_area(t).saturating_sub(mark.area);
+        let own = area as f64 / elapsed as f64;
+        let peers = f64::from(l.peers.decoding.load(Ordering::Relaxed));
+        let prefilled = l
+            .prefilled
+            .load(Ordering::Relaxed)
+            .wrapping_sub(mark.prefilled);
+        Some(kinference_scoring::StepSample {
+            tokens,
+            millis: elapsed as f64 / 1e3,
+            decoding: own.max(1.0) + peers,
+            prefill_tokens: prefilled as f64,
+        })
     }
 }
 
@@ -761,6 +883,9 @@ impl Drop for InFlight {
                     .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
             }
             Phase::Decoding => {
+                l.decode_clock
+                    .lock()
+                    .change(clock_micros(Instant::now()), false);
                 l.decoding.fetch_sub(1, Ordering::Relaxed);
             }
         }

@@ -237,6 +237,13 @@ impl Exchange {
     fn completion(&self) -> u64 {
         self.usage_completion.unwrap_or(self.events)
     }
+
+    /// Tokens a streamed response carried so far (its `usage` when sent,
+    /// else its text events); `None` when not streamed.
+    pub fn streamed_tokens(&self) -> Option<u32> {
+        self.stream
+            .then(|| u32::try_from(self.completion()).unwrap_or(u32::MAX))
+    }
 }
 
 impl Drop for Exchange {

@@ -3,8 +3,10 @@
 //! The first body bytes of a streamed response are its time to first token
 //! as the router sees it: they go to the metrics (the TTFT histogram, and
 //! observed ÷ predicted) and to the policy's calibration of that endpoint
-//! ([`kinference_scoring::Pick::observe`]). Non-streamed responses carry no
-//! first-token time and teach nothing.
+//! ([`kinference_scoring::Pick::observe`]). Its end gives the engine's
+//! steps since then, which teach the policy the fleet's step costs
+//! ([`kinference_scoring::Pick::observe_steps`]). Non-streamed responses
+//! carry no first-token time and teach nothing.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,7 +14,7 @@ use std::time::Duration;
 use kinference_scoring::{Choice, Pick as _};
 
 use crate::metrics::{ModelLabels, WorkerSetLabels};
-use crate::proxy::OnFirstByte;
+use crate::proxy::{OnFirstByte, OnStreamEnd};
 use crate::runtime::WsRuntime;
 use crate::state::Shared;
 
@@ -40,5 +42,14 @@ pub fn on_first_token(
             .policy
             .lock()
             .observe(endpoint, &prediction, ttft, now);
+    })
+}
+
+/// The hook a streamed response runs at its end.
+pub fn on_stream_end(runtime: &Arc<WsRuntime>, choice: &Choice) -> OnStreamEnd {
+    let runtime = runtime.clone();
+    let endpoint = choice.endpoint;
+    Box::new(move |sample| {
+        runtime.policy.lock().observe_steps(endpoint, &sample);
     })
 }

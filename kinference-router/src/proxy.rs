@@ -263,6 +263,10 @@ fn is_error_event(data: &[u8]) -> bool {
 /// Called once, with the time from sending to the first body bytes.
 pub type OnFirstByte = Box<dyn FnOnce(Duration) + Send + Sync>;
 
+/// Called once at the end of a streamed response, with the engine's steps
+/// since its first token.
+pub type OnStreamEnd = Box<dyn FnOnce(kinference_scoring::StepSample) + Send + Sync>;
+
 /// A proxied response body: passes frames through and keeps the request's
 /// load accounted until it ends. A body that sends nothing for `idle`
 /// fails (the client sees the response cut, as when the engine dies) and
@@ -276,6 +280,7 @@ pub struct TrackedBody {
     inflight: Option<InFlight>,
     sent_at: Instant,
     on_first_byte: Option<OnFirstByte>,
+    on_end: Option<OnStreamEnd>,
     idle: Duration,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
     /// The client request's record, written when the body ends or drops.
@@ -319,6 +324,7 @@ impl TrackedBody {
             inflight: Some(inflight),
             sent_at,
             on_first_byte,
+            on_end: None,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
             exchange: None,
@@ -329,6 +335,14 @@ impl TrackedBody {
     #[must_use]
     pub fn with_exchange(mut self, exchange: Exchange) -> Self {
         self.exchange = Some(exchange);
+        self
+    }
+
+    /// The same, reporting the stream's steps to `hook` when it ends
+    /// (with an [`Exchange`], which counts its tokens).
+    #[must_use]
+    pub fn with_on_end(mut self, hook: OnStreamEnd) -> Self {
+        self.on_end = Some(hook);
         self
     }
 
@@ -410,8 +424,16 @@ impl Body for TrackedBody {
                 }
             }
             Poll::Ready(None) => {
-                // The end: release the load now rather than when hyper
-                // drops the body, and write the request's record.
+                // The end: report the steps, release the load now rather
+                // than when hyper drops the body, and write the request's
+                // record.
+                if let (Some(hook), Some(g), Some(x)) =
+                    (this.on_end.take(), &this.inflight, &this.exchange)
+                    && let Some(tokens) = x.streamed_tokens()
+                    && let Some(sample) = g.step_sample(tokens.saturating_sub(1))
+                {
+                    hook(sample);
+                }
                 this.inflight = None;
                 if let Some(mut x) = this.exchange.take() {
                     x.ended();

@@ -158,6 +158,7 @@ pub fn params_for(route: &WorkerSetRoute) -> Result<LatencyParams, String> {
         storage_credit: credits.storage,
         tolerance_millis: l.tolerance_millis,
         calibrate: l.calibrate,
+        learn_step_costs: l.learn_step_costs,
     };
     base.with_overrides(&overrides).map_err(|e| e.to_string())
 }

@@ -698,6 +698,9 @@ async fn route(
             .then(|| x.model_labels().cloned())
             .flatten()
             .map(|labels| feedback::on_first_token(shared, &ws.runtime, &d.choice, labels));
+        let on_end = on_first
+            .is_some()
+            .then(|| feedback::on_stream_end(&ws.runtime, &d.choice));
         let (mut rparts, rbody) = resp.into_parts();
         proxy::strip_hop_by_hop(&mut rparts.headers);
         if let Some(v) = &d.endpoint.authority_header {
@@ -725,6 +728,9 @@ async fn route(
             on_first,
             shared.config.upstream_timeout,
         );
+        if let Some(hook) = on_end {
+            body = body.with_on_end(hook);
+        }
         if let Some((b, at)) = first {
             body = body.with_first(b, at);
         }

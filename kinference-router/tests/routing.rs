@@ -553,3 +553,62 @@ async fn an_adapter_request_avoids_an_engine_whose_slots_run_other_adapters() {
     drop(held);
     r.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleets_step_costs_are_learnt_from_its_streams() {
+    // An engine far from the built-in profile (an H100: 6 ms a step, 0.1 ms
+    // per decoding sequence, 0.04 ms per prompt token): 10 ms a step, 3 ms
+    // per decoding sequence, 0.5 ms per prompt token. A decoding sequence
+    // costs it 6 prompt tokens where the profile says 2.5, a step 20 where
+    // the profile says 150: calibration's scale cannot fix that shape.
+    let truth = kinference_sim::LatencyModel {
+        base_ms: 10.0,
+        prefill_ms_per_token: 0.5,
+        decode_ms_per_seq: 3.0,
+    };
+    let sims = engines(1, |c| {
+        c.latency = truth;
+        c.output = kinference_sim::OutputLen::MaxTokens { default: 24 };
+    })
+    .await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 1, true).await;
+    let before = endpoints(&r).await["endpoints"][0]["calibration"]["steps"].clone();
+    assert_eq!(before["samples"], 0, "{before}");
+    assert_eq!(before["in_use"], false, "{before}");
+
+    // Waves of 1 to 6 concurrent streams, each with a new prompt (its
+    // prefill shares steps with the others' decodes).
+    let mut n = 0;
+    for wave in 0..12usize {
+        let width = 1 + wave % 6;
+        let sends = (0..width).map(|i| {
+            n += 1;
+            let body = json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
+                "max_tokens": 24, "stream": true});
+            let api = r.api();
+            async move { stream_timed(api, "/v1/completions", &body, &[]).await }
+        });
+        for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
+            assert_eq!(reply.status, 200);
+        }
+    }
+    let steps = eventually(Duration::from_secs(5), "step costs learnt", || async {
+        let s = endpoints(&r).await["endpoints"][0]["calibration"]["steps"].clone();
+        (s["samples"].as_u64() >= Some(40)).then_some(s)
+    })
+    .await;
+    let near = |field: &str, want: f64| {
+        let got = steps[field].as_f64().unwrap();
+        assert!(
+            got / want > 0.6 && got / want < 1.6,
+            "{field} {got} against the engine's {want}: {steps}"
+        );
+    };
+    near("prefill_ms_per_token", truth.prefill_ms_per_token);
+    near("decode_ms", truth.decode_ms_per_seq);
+    assert_eq!(steps["in_use"], true, "{steps}");
+    eprintln!("FIGURE learnt step costs: {steps}");
+    r.shutdown().await;
+}

@@ -69,6 +69,11 @@ pub struct CalibrationView {
     /// policy without one).
     #[serde(default = "one")]
     pub fleet_scale: f64,
+    /// The step costs the policy predicts with, learnt from the fleet's
+    /// streams ([`crate::steps`]); absent for a policy that does not learn
+    /// them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steps: Option<crate::steps::StepCosts>,
 }
 
 fn one() -> f64 {
@@ -190,6 +195,7 @@ impl Calibration {
             clipped: self.clipped,
             spread: self.spread,
             fleet_scale: 1.0,
+            steps: None,
         }
     }
 

@@ -102,6 +102,7 @@ mod pick;
 pub mod policies;
 mod profile;
 mod rng;
+pub mod steps;
 
 pub use crate::approx::{PrefixRecord, RecordMark};
 pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
@@ -117,3 +118,4 @@ pub use crate::profile::{
     BUILTIN_PROFILES, CalibrationParams, LatencyParams, Overrides, ParamsError, TierCredits,
 };
 pub use crate::rng::{RandomSource, SplitMix64, below};
+pub use crate::steps::{StepCosts, StepFit, StepSample};

@@ -150,8 +150,20 @@ pub struct LatencyParams {
     /// charge off.
     #[serde(default = "default_eviction_weight")]
     pub eviction_weight: f64,
+    /// With `calibrate`, learn the engines' step costs (overhead, decode
+    /// cost, prefill speed) from the gaps between streamed tokens and
+    /// predict with them ([`crate::steps`]; CRD `learnStepCosts`). Turn it
+    /// off where a stream's chunks are not one token a step (vLLM's
+    /// `--stream-interval` above 1, speculative decoding) and the response
+    /// has no `usage`.
+    #[serde(default = "yes")]
+    pub learn_step_costs: bool,
     /// The online calibrator.
     pub calibration: CalibrationParams,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The reference engine of the built-in `default` profile: vLLM (V1 engine,
@@ -246,6 +258,7 @@ const DEFAULT: LatencyParams = LatencyParams {
     // are what its next requests need. Measured on the benchmark's
     // heterogeneous workload (docs/benchmarks.md).
     eviction_weight: 1.0,
+    learn_step_costs: true,
     calibration: CalibrationParams {
         forgetting: 0.98,
         offset_prior_sd_millis: 50.0,
@@ -302,6 +315,8 @@ pub struct Overrides {
     pub tolerance_millis: Option<f64>,
     /// `calibrate`.
     pub calibrate: Option<bool>,
+    /// `learnStepCosts`.
+    pub learn_step_costs: Option<bool>,
 }
 
 /// A parameter outside its valid range.
@@ -359,6 +374,9 @@ impl LatencyParams {
         }
         if let Some(v) = o.calibrate {
             self.calibrate = v;
+        }
+        if let Some(v) = o.learn_step_costs {
+            self.learn_step_costs = v;
         }
         self.validate()?;
         Ok(self)

@@ -133,10 +133,10 @@ fn arb_params() -> impl Strategy<Value = LatencyParams> {
     (
         (1_000.0f64..100_000.0, 0.0f64..100.0, 0.0f64..2.0),
         (0.0f64..=1.0, 0.0f64..=1.0, 0.0f64..=1.0),
-        (0.0f64..500.0, any::<bool>()),
+        (0.0f64..500.0, any::<bool>(), any::<bool>()),
     )
         .prop_map(
-            |((tps, base, decode), (gpu, cpu, disk), (tolerance, calibrate))| {
+            |((tps, base, decode), (gpu, cpu, disk), (tolerance, calibrate, learn))| {
                 let o = Overrides {
                     prefill_tokens_per_second: Some(tps),
                     base_millis: Some(base),
@@ -147,6 +147,7 @@ fn arb_params() -> impl Strategy<Value = LatencyParams> {
                     storage_credit: Some(disk / 2.0),
                     tolerance_millis: Some(tolerance),
                     calibrate: Some(calibrate),
+                    learn_step_costs: Some(learn),
                 };
                 LatencyParams::default()
                     .with_overrides(&o)

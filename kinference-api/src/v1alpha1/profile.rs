@@ -254,6 +254,14 @@ pub struct LatencyModel {
     /// Correct the model online per endpoint from observed time to first token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibrate: Option<bool>,
+
+    /// With `calibrate`, learn the engines' step costs (step overhead, decode
+    /// cost, prefill speed) from the gaps between streamed tokens and predict
+    /// with them (default true). Turn off where stream chunks are not one
+    /// token each (vLLM `--stream-interval` above 1, speculative decoding)
+    /// and responses carry no `usage`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub learn_step_costs: Option<bool>,
 }
 
 /// Credit for a cached block by tier: 1 means as good as GPU-resident, 0 worthless.

@@ -10,6 +10,7 @@ use crate::pick::{CandidateExplanation, Choice, Explanation, Reason, ScoreDetail
 use crate::policies::{Pick, PolicyName, check, millis};
 use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
+use crate::steps::{StepCosts, StepFit, StepSample};
 
 /// The mean prefill time assumed before any decision: an
 /// `unseen_request_tokens` prompt.
@@ -178,7 +179,12 @@ const FLEET_DEAD_ZONE: f64 = 2.0;
 /// candidates whose lower-bound score cannot win skip the full model.
 #[derive(Debug, Clone)]
 pub struct Kinference {
+    /// The model decisions use: the profile, with the step costs learnt
+    /// from the fleet's streams once they tell them ([`StepFit`]).
     params: LatencyParams,
+    /// The step costs learnt from the fleet's streams (boxed: read only
+    /// when a stream ends).
+    steps: Box<Steps>,
     fresh: Slot,
     slots: Vec<Slot>,
     scores: Vec<f64>,
@@ -190,6 +196,16 @@ pub struct Kinference {
     inv_mean_prefill_ms: f64,
     /// The fleet's speed against the profile ([`FleetScale`]).
     fleet: FleetScale,
+}
+
+/// The fleet's step costs ([`crate::steps`]).
+#[derive(Debug, Clone)]
+struct Steps {
+    /// The worker set's profile as configured.
+    profile: LatencyParams,
+    fit: StepFit,
+    /// Whether `Kinference::params` holds the fit's costs.
+    in_use: bool,
 }
 
 /// The fleet's speed against the profile: the median over endpoints of how
@@ -210,7 +226,8 @@ pub struct Kinference {
 struct FleetScale {
     /// The median, 1 until an endpoint votes.
     scale: f64,
-    /// Reusable buffer for the median.
+    /// Reusable buffer for the median (and for the endpoints' speeds in
+    /// `Kinference::relative_speed`).
     votes: Vec<f64>,
     /// Observations since the median was last taken.
     pending: u32,
@@ -279,6 +296,11 @@ impl Kinference {
     pub fn new(params: LatencyParams) -> Self {
         Self {
             params,
+            steps: Box::new(Steps {
+                profile: params,
+                fit: StepFit::new(&params),
+                in_use: false,
+            }),
             fresh: Slot::new(&params),
             slots: Vec::new(),
             scores: Vec::new(),
@@ -290,9 +312,15 @@ impl Kinference {
         }
     }
 
-    /// The latency model in use.
+    /// The latency model in use: the profile, with the step overhead and
+    /// decode cost learnt from the fleet's streams once they tell them.
     pub fn params(&self) -> &LatencyParams {
         &self.params
+    }
+
+    /// The fleet's step costs as fitted so far ([`StepFit`]).
+    pub fn step_costs(&self) -> StepCosts {
+        self.steps.fit.costs(&self.steps.profile)
     }
 
     /// `endpoint`'s calibration state (the prior if it has none).
@@ -359,6 +387,29 @@ impl Kinference {
                 ..room
             }
         }
+    }
+
+    /// `endpoint`'s calibrated scale over the median of the calibrated
+    /// endpoints' (1 on a fleet larger than [`FLEET_UPDATE_ALWAYS`], where
+    /// the median is not taken per stream).
+    fn relative_speed(&mut self, endpoint: EndpointId) -> f64 {
+        let own = self.slot(endpoint).scale;
+        if self.slot(endpoint).calibration.samples() == 0 || self.slots.len() > FLEET_UPDATE_ALWAYS
+        {
+            return 1.0;
+        }
+        let scales = &mut self.fleet.votes;
+        scales.clear();
+        scales.extend(
+            self.slots
+                .iter()
+                .filter(|s| s.calibration.samples() > 0)
+                .map(|s| s.scale),
+        );
+        let n = scales.len();
+        let (_, median, _) = scales.select_nth_unstable_by(n / 2, f64::total_cmp);
+        let r = own / *median;
+        if r.is_finite() && r > 0.0 { r } else { 1.0 }
     }
 
     /// The fleet's speed against the profile ([`FleetScale`]).
@@ -685,7 +736,51 @@ impl Pick for Kinference {
         let mut view = self.slot(endpoint).calibration.view(&self.params, now);
         view.fleet_scale = self.fleet.scale;
         view.scale *= self.fleet.scale;
+        view.steps = Some(self.step_costs());
         Some(view)
+    }
+
+    /// A finished stream: its steps go to the fleet's step costs, relative
+    /// to the endpoint's speed against the fleet's median (a slower
+    /// engine's steps are all slower), and once the streams pin the costs
+    /// down, decisions predict with them. The first time, if the prefill
+    /// cost is off the profile's by more than [`FLEET_DEAD_ZONE`], every
+    /// endpoint's calibration starts again from the prior: it was fitted to
+    /// the profile's costs.
+    fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
+        if endpoint.0 >= EndpointId::LIMIT {
+            return ObserveOutcome::Ignored;
+        }
+        let speed = self.relative_speed(endpoint);
+        let sample = StepSample {
+            millis: sample.millis / speed,
+            ..*sample
+        };
+        let steps = &mut *self.steps;
+        let outcome = steps.fit.observe(&steps.profile, &sample);
+        if let Some((overhead, decode, prefill)) = steps.fit.model(&steps.profile) {
+            // Calibration absorbed the profile's error; where that was
+            // more than the fleet's dead zone, it now double-counts.
+            let off = prefill / steps.profile.prefill_tokens_per_second;
+            let first = !steps.in_use && !(1.0 / FLEET_DEAD_ZONE..=FLEET_DEAD_ZONE).contains(&off);
+            steps.in_use = true;
+            self.params.step_overhead_millis = overhead;
+            self.params.decode_cost_millis = decode;
+            self.params.prefill_tokens_per_second = prefill;
+            if first {
+                let params = self.params;
+                self.fresh = Slot::new(&params);
+                for slot in &mut self.slots {
+                    let last_chosen = slot.last_chosen;
+                    *slot = Slot::new(&params);
+                    slot.last_chosen = last_chosen;
+                }
+                self.fleet.update(&self.slots);
+                self.mean_prefill_ms = initial_mean_prefill_ms(&params);
+                self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
+            }
+        }
+        outcome
     }
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
@@ -1091,6 +1186,90 @@ mod tests {
                 p.observe(EndpointId(i as u32), &pred, observed, *now);
             }
         }
+    }
+
+    /// Finished streams from engines whose steps cost `truth` = (overhead
+    /// ms, decode ms per sequence, prefill ms per token), round robin over
+    /// `endpoints`.
+    fn feed_steps(p: &mut Kinference, truth: [f64; 3], endpoints: u32, n: u32) {
+        use crate::rng::unit;
+        let mut rng = SplitMix64::new(17);
+        for i in 0..n {
+            let decoding = 1.0 + unit(&mut rng) * 30.0;
+            let prefill_tokens = if i % 2 == 0 {
+                0.0
+            } else {
+                unit(&mut rng) * 6000.0
+            };
+            let millis = 100.0 * (truth[0] + truth[1] * decoding) + truth[2] * prefill_tokens;
+            let sample = StepSample {
+                tokens: 100,
+                millis,
+                decoding,
+                prefill_tokens,
+            };
+            p.observe_steps(EndpointId(i % endpoints), &sample);
+        }
+    }
+
+    #[test]
+    fn streams_teach_the_step_costs_and_calibration_starts_again_once() {
+        // Engines 21× slower to prefill than the built-in profile, whose
+        // first tokens the fleet's scale and the endpoints' fits absorbed.
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut now = Duration::ZERO;
+        feed_fleet(&mut p, &[8.0; 4], 10, &mut now);
+        assert!(p.fleet_scale() > 2.0);
+        assert!(p.calibration_state(EndpointId(0)).samples() > 0);
+        feed_steps(&mut p, [5.0, 0.65, 0.86], 4, 40);
+        let m = *p.params();
+        assert!(
+            (m.prefill_tokens_per_second / (1e3 / 0.86) - 1.0).abs() < 0.1,
+            "{m:?}"
+        );
+        assert!((m.decode_cost_millis / 0.65 - 1.0).abs() < 0.1, "{m:?}");
+        assert!((m.step_overhead_millis / 5.0 - 1.0).abs() < 0.1, "{m:?}");
+        assert!(p.step_costs().in_use);
+        // What calibration had learnt was the profile's error: gone.
+        assert_eq!(p.calibration_state(EndpointId(0)).samples(), 0);
+        assert!((p.fleet_scale() - 1.0).abs() < 1e-12);
+        let view = p.calibration(EndpointId(0), now).unwrap();
+        assert_eq!(view.steps, Some(p.step_costs()));
+        // Later streams move the costs, not calibration.
+        feed_fleet(&mut p, &[1.0; 4], 3, &mut now);
+        feed_steps(&mut p, [5.0, 0.65, 0.86], 4, 20);
+        assert_eq!(p.calibration_state(EndpointId(0)).samples(), 3);
+    }
+
+    #[test]
+    fn a_profile_near_the_engines_keeps_its_calibration() {
+        let profile = LatencyParams {
+            step_overhead_millis: 5.0,
+            decode_cost_millis: 0.65,
+            prefill_tokens_per_second: 1e3 / 0.86,
+            ..LatencyParams::default()
+        };
+        let mut p = Kinference::new(profile);
+        let mut now = Duration::ZERO;
+        feed_fleet(&mut p, &[1.3; 4], 10, &mut now);
+        feed_steps(&mut p, [5.0, 0.65, 1.2], 4, 40);
+        assert!(p.step_costs().in_use);
+        assert!((p.params().prefill_tokens_per_second / (1e3 / 1.2) - 1.0).abs() < 0.1);
+        assert_eq!(p.calibration_state(EndpointId(0)).samples(), 10);
+        // Off in the profile: nothing is learnt.
+        let mut off = Kinference::new(LatencyParams {
+            learn_step_costs: false,
+            ..profile
+        });
+        feed_steps(&mut off, [5.0, 0.65, 1.2], 4, 40);
+        assert_eq!(
+            *off.params(),
+            LatencyParams {
+                learn_step_costs: false,
+                ..profile
+            }
+        );
+        assert_eq!(off.step_costs().samples, 0);
     }
 
     /// How much later than the profile `endpoint`'s prediction is now.

@@ -48,6 +48,7 @@ use crate::latency::Prediction;
 use crate::pick::{Choice, Explanation};
 use crate::profile::LatencyParams;
 use crate::rng::RandomSource;
+use crate::steps::StepSample;
 
 /// A policy's name, as the router's and the harness's flags spell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -224,6 +225,13 @@ pub trait Pick {
         ObserveOutcome::Disabled
     }
 
+    /// Report a finished stream's steps on `endpoint` (see
+    /// [`crate::steps`]). Only policies that learn step costs use it.
+    fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
+        let _ = (endpoint, sample);
+        ObserveOutcome::Disabled
+    }
+
     /// Forget everything about `endpoint` (it left the set). Its id may be
     /// reused afterwards.
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
@@ -343,6 +351,10 @@ impl Pick for Policy {
         now: Duration,
     ) -> ObserveOutcome {
         self.inner().observe(endpoint, prediction, observed, now)
+    }
+
+    fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
+        self.inner().observe_steps(endpoint, sample)
     }
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {

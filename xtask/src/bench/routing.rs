@@ -776,6 +776,13 @@ async fn one_run(
         .collect();
     let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
     let cpu_after = cpu(&pids);
+    // Our routers' view of the engines at the end (calibration, learnt step
+    // costs), for looking into a row afterwards.
+    for (i, admin) in running.admins.iter().enumerate() {
+        if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/endpoints")).await {
+            let _ = std::fs::write(logs.join(format!("endpoints-{tag}-{i}.json")), &body);
+        }
+    }
     if policy == "kinference"
         && let Some(admin) = running.admins.first()
     {
