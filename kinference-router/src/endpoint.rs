@@ -92,54 +92,59 @@ pub struct Load {
     /// What the other router replicas report they have in flight here,
     /// summed over the fresh reports ([`crate::peers`]); 0 without peers.
     pub peers: PeerLoad,
-    /// The time integral of `decoding` ([`Load::decode_area`]).
-    pub decode_clock: parking_lot::Mutex<DecodeClock>,
+    /// Which first tokens came out of one engine step.
+    pub bursts: parking_lot::Mutex<Bursts>,
     /// Uncached prompt tokens of every request past its first token: the
     /// prefill work done there (as this router knows it), cumulative.
     pub prefilled: AtomicU64,
 }
 
-/// Sequences decoding × time, integrated as they start and end.
+/// First tokens close enough in time to come from one engine step: the
+/// ones [`SAME_STEP`] or less apart. A request's steps start after its
+/// whole burst's prefill (the others' prompts were computed before its
+/// first token, whichever chunk the router happened to read first).
 #[derive(Debug, Default)]
-pub struct DecodeClock {
-    /// Sequences decoding.
-    decoding: u32,
-    /// When that last changed ([`clock_micros`]).
-    since: i64,
-    /// Sequence-microseconds up to `since`.
-    area: i64,
+pub struct Bursts {
+    /// Numbers the bursts.
+    id: u64,
+    /// The latest first token's [`clock_micros`].
+    last: i64,
+    /// [`Load::prefilled`] when the burst before ended.
+    prev_end: u64,
 }
 
-impl DecodeClock {
-    fn advance(&mut self, t: i64) {
-        if t > self.since {
-            self.area = self
-                .area
-                .saturating_add(i64::from(self.decoding).saturating_mul(t - self.since));
-            self.since = t;
+/// First tokens read this close are taken to come from one engine step:
+/// an engine's step takes milliseconds, its chunks of one step reach the
+/// router within microseconds of each other.
+const SAME_STEP: i64 = 2_000;
+
+impl Bursts {
+    /// A first token at `t`, `count` prefilled tokens before it: the burst
+    /// it belongs to.
+    fn first_token(&mut self, t: i64, count: u64) -> u64 {
+        if self.id == 0 || t - self.last > SAME_STEP {
+            self.id += 1;
+            self.prev_end = count;
         }
+        self.last = self.last.max(t);
+        self.id
     }
 
-    /// The area up to `t`.
-    fn at(&mut self, t: i64) -> i64 {
-        self.advance(t);
-        self.area
-    }
-
-    /// One more (`+1`) or one fewer (`-1`) decoding from `t`.
-    fn change(&mut self, t: i64, up: bool) -> i64 {
-        self.advance(t);
-        self.decoding = if up {
-            self.decoding.saturating_add(1)
+    /// The prefilled count at the end of burst `id`, now that it is `now`;
+    /// `None` once a later burst has ended too.
+    fn end(&self, id: u64, now: u64) -> Option<u64> {
+        if self.id == id {
+            Some(now)
+        } else if self.id == id + 1 {
+            Some(self.prev_end)
         } else {
-            self.decoding.saturating_sub(1)
-        };
-        self.area
+            None
+        }
     }
 }
 
 /// Microseconds since the process's first call: the clock of
-/// [`Load::decode_area`].
+/// [`Bursts`] and step samples.
 pub fn clock_micros(at: Instant) -> i64 {
     static EPOCH: OnceLock<Instant> = OnceLock::new();
     let epoch = *EPOCH.get_or_init(Instant::now);
@@ -263,13 +268,6 @@ pub struct LoadSnapshot {
 }
 
 impl Load {
-    /// Decoding sequences × microseconds up to `t` ([`clock_micros`]): the
-    /// difference between two readings over their time apart is the mean
-    /// number decoding.
-    pub fn decode_area(&self, t: i64) -> i64 {
-        self.decode_clock.lock().at(t)
-    }
-
     /// The load the routers have on the endpoint: this replica's and what
     /// its peers report (what decisions read).
     pub fn snapshot(&self) -> LoadSnapshot {
@@ -744,14 +742,23 @@ impl Endpoint {
 struct DecodeMark {
     /// [`clock_micros`] at the first token.
     at: i64,
-    /// [`Load::decode_area`] then.
-    area: i64,
-    /// [`Load::prefilled`] then (its own prompt included), moved up to the
-    /// count at its next chunk: requests whose first token came in the same
-    /// engine step, read after its own, were prefilled before its decoding.
+    /// [`Load::prefilled`] then (its own prompt included), moved up at its
+    /// next chunk to the end of its burst: requests whose first token came
+    /// in the same engine step, read after its own, were prefilled before
+    /// its decoding.
     prefilled: u64,
+    /// Its burst ([`Bursts::first_token`]).
+    burst: u64,
     /// Whether `prefilled` was moved up.
     settled: bool,
+    /// Sequences decoding there (this router's and its peers'), summed
+    /// over the chunks after the first: each chunk ends a step, and the
+    /// count then is the next step's batch. Averaged per chunk, not per
+    /// unit of time: a long prefill step beside few decodes would
+    /// otherwise weigh in as many steps.
+    decoding_sum: u64,
+    /// The chunks summed.
+    reads: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -806,11 +813,20 @@ impl InFlight {
     /// The first token arrived (or is assumed to have): prefill work is done.
     /// Idempotent; call it on every chunk of the response.
     pub fn first_token(&mut self) {
-        if let Some(mark) = &mut self.decode_mark
-            && !mark.settled
-        {
-            mark.prefilled = self.endpoint.load.prefilled.load(Ordering::Relaxed);
-            mark.settled = true;
+        if let Some(mark) = &mut self.decode_mark {
+            let l = &self.endpoint.load;
+            if !mark.settled {
+                let bursts = l.bursts.lock();
+                let now = l.prefilled.load(Ordering::Relaxed);
+                if let Some(end) = bursts.end(mark.burst, now) {
+                    mark.prefilled = mark.prefilled.max(end);
+                }
+                mark.settled = true;
+            }
+            let decoding = l.decoding.load(Ordering::Relaxed);
+            let peers = l.peers.decoding.load(Ordering::Relaxed);
+            mark.decoding_sum += u64::from(decoding) + u64::from(peers);
+            mark.reads += 1;
             return;
         }
         self.stop_waiting();
@@ -820,17 +836,20 @@ impl InFlight {
             l.prefill_tokens
                 .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
             let t = clock_micros(Instant::now());
-            let prefilled = l
+            let mut bursts = l.bursts.lock();
+            let before = l
                 .prefilled
-                .fetch_add(self.prefill_tokens, Ordering::Relaxed)
-                .wrapping_add(self.prefill_tokens);
-            let area = l.decode_clock.lock().change(t, true);
+                .fetch_add(self.prefill_tokens, Ordering::Relaxed);
+            let burst = bursts.first_token(t, before);
+            drop(bursts);
             l.decoding.fetch_add(1, Ordering::Relaxed);
             self.decode_mark = Some(DecodeMark {
                 at: t,
-                area,
-                prefilled,
+                prefilled: before + self.prefill_tokens,
+                burst,
                 settled: false,
+                decoding_sum: 0,
+                reads: 0,
             });
             self.phase = Phase::Decoding;
             crate::admit::capacity_freed();
@@ -845,26 +864,33 @@ impl InFlight {
 
     /// The engine's steps since the first token, now that `tokens` more
     /// have come ([`kinference_scoring::steps`]): the time, the sequences
-    /// decoding there on average (this router's over the time, its peers'
-    /// as they last reported), and the prompt tokens prefilled there
-    /// meanwhile. `None` before the first token.
+    /// decoding there on average over its chunks (this router's and, as
+    /// they reported them, its peers'), and the prompt tokens prefilled
+    /// there meanwhile.
+    /// Peers do not report what they prefilled: with peers, this router's
+    /// count is scaled by the routers' requests there over its own.
+    /// `None` before the first token.
     pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
         let mark = self.decode_mark?;
         let t = clock_micros(Instant::now());
         let elapsed = t.checked_sub(mark.at).filter(|&e| e > 0)?;
         let l = &self.endpoint.load;
-        let area = l.decode_area(t).saturating_sub(mark.area);
-        let own = area as f64 / elapsed as f64;
-        let peers = f64::from(l.peers.decoding.load(Ordering::Relaxed));
+        let decoding = if mark.reads == 0 {
+            1.0
+        } else {
+            mark.decoding_sum as f64 / f64::from(mark.reads)
+        };
         let prefilled = l
             .prefilled
             .load(Ordering::Relaxed)
-            .wrapping_sub(mark.prefilled);
+            .saturating_sub(mark.prefilled) as f64;
+        let own = f64::from(l.requests.load(Ordering::Relaxed).max(1));
+        let peers = f64::from(l.peers.requests.load(Ordering::Relaxed));
         Some(kinference_scoring::StepSample {
             tokens,
             millis: elapsed as f64 / 1e3,
-            decoding: own.max(1.0) + peers,
-            prefill_tokens: prefilled as f64,
+            decoding: decoding.max(1.0),
+            prefill_tokens: prefilled * (own + peers) / own,
         })
     }
 }
@@ -883,9 +909,6 @@ impl Drop for InFlight {
                     .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
             }
             Phase::Decoding => {
-                l.decode_clock
-                    .lock()
-                    .change(clock_micros(Instant::now()), false);
                 l.decoding.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -1026,6 +1049,25 @@ mod tests {
             );
         }
         assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn first_tokens_of_one_engine_step_form_one_burst() {
+        let mut c = Bursts::default();
+        // A, then B 0.3 ms later: one step. C a step (10 ms) later.
+        let a = c.first_token(10_000, 0);
+        let b = c.first_token(10_300, 100);
+        assert_eq!(a, b);
+        // At A's next chunk, before C: its burst ends at the count now.
+        assert_eq!(c.end(a, 250), Some(250));
+        let cc = c.first_token(20_000, 250);
+        assert_ne!(cc, a);
+        // C read before A's next chunk: A's burst ended at 250, C's prompt
+        // was prefilled in A's steps.
+        assert_eq!(c.end(a, 400), Some(250));
+        c.first_token(30_000, 400);
+        assert_eq!(c.end(a, 500), None);
+        assert_eq!(c.end(cc, 500), Some(400));
     }
 
     #[test]

@@ -599,10 +599,13 @@ async fn the_fleets_step_costs_are_learnt_from_its_streams() {
         (s["samples"].as_u64() >= Some(40)).then_some(s)
     })
     .await;
+    // Within a third: the batch is averaged per chunk (a long prefill
+    // step beside one decode counts as one step); averaged per unit of
+    // time it made the prefill cost 1.3-1.7x too high here.
     let near = |field: &str, want: f64| {
         let got = steps[field].as_f64().unwrap();
         assert!(
-            got / want > 0.6 && got / want < 1.6,
+            got / want > 0.75 && got / want < 1.33,
             "{field} {got} against the engine's {want}: {steps}"
         );
     };

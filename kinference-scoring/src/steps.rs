@@ -17,7 +17,8 @@
 //!
 //! ```text
 //! n = tokens after the first        T = time from the first to the last
-//! D = sequences decoding there, on average over T (its own and its peers')
+//! D = sequences decoding there, on average over its steps (its own and
+//!     its peers', read at each chunk)
 //! P = prompt tokens prefilled there meanwhile
 //!     (uncached tokens of requests whose first token came within T)
 //! T ÷ n ≈ overhead + decode cost × D + (P ÷ n) ÷ throughput
@@ -42,10 +43,14 @@
 //! Known limits: a stream whose chunks hold several tokens (vLLM's
 //! `--stream-interval`, speculative decoding) is counted by its `usage`
 //! when the client asked for it, else by its chunks, and then looks slower
-//! per step (the profile's `learnStepCosts: false` turns the fit off); the
-//! prefill other routers send is seen only through its effect, so with
-//! router replicas the decode cost is over-estimated (1.0–1.2 ms against
-//! the simulated engines' 0.65 in the benchmark's two-replica rows).
+//! per step (the profile's `learnStepCosts: false` turns the fit off).
+//! With router replicas, the peers report how many sequences they have
+//! decoding but not what they prefilled: the router scales its own
+//! prefilled tokens by all routers' requests over its own, which is right
+//! on average but not stream by stream, and the decode cost comes out high
+//! (1.2–1.7 ms against the simulated engines' 0.65 in the benchmark's
+//! two-replica multi-turn rows; 2.5–3.5 before the peers' decoding was
+//! counted).
 //!
 //! Cost: a 3 × 3 solve per finished stream; 128 bytes per worker set.
 
