@@ -113,6 +113,10 @@ pub struct Bursts {
     prev_end: u64,
 }
 
+/// How late a peer's report may tell of its first tokens (twice its
+/// fastest poll, [`crate::peers::MIN_GAP`]), microseconds.
+const PEER_LAG: i64 = 2 * crate::peers::MIN_GAP.as_micros() as i64;
+
 /// First tokens read this close are taken to come from one engine step:
 /// an engine's step takes milliseconds, its chunks of one step reach the
 /// router within microseconds of each other.
@@ -164,9 +168,26 @@ pub struct PeerLoad {
     pub decoding: AtomicU32,
     /// Prompt tokens of the requests in flight.
     pub context_tokens: AtomicU64,
+    /// What the peers prefilled here, cumulative, summed over their
+    /// reports; [`PeerLoad::UNKNOWN`] when one of them does not say.
+    pub prefilled: AtomicU64,
 }
 
 impl PeerLoad {
+    /// [`PeerLoad::prefilled`] when a peer does not report it.
+    pub const UNKNOWN: u64 = u64::MAX;
+
+    /// What the peers prefilled here, if they all say.
+    pub fn prefilled(&self) -> Option<u64> {
+        Some(self.prefilled.load(Ordering::Relaxed)).filter(|&p| p != Self::UNKNOWN)
+    }
+
+    /// Sets what the peers prefilled here (`None`: one does not say).
+    pub fn set_prefilled(&self, p: Option<u64>) {
+        let p = p.map_or(Self::UNKNOWN, |p| p.min(Self::UNKNOWN - 1));
+        self.prefilled.store(p, Ordering::Relaxed);
+    }
+
     /// Reads the figures.
     pub fn snapshot(&self) -> LoadSnapshot {
         LoadSnapshot {
@@ -759,6 +780,10 @@ struct DecodeMark {
     decoding_sum: u64,
     /// The chunks summed.
     reads: u32,
+    /// [`PeerLoad::prefilled`] at the first chunk [`PEER_LAG`] after the
+    /// first token, if the peers say: their reports of first tokens that
+    /// came in the same engine step as this one arrive up to a poll late.
+    peers_prefilled: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -823,6 +848,10 @@ impl InFlight {
                 }
                 mark.settled = true;
             }
+            if mark.peers_prefilled.is_none() && clock_micros(Instant::now()) - mark.at >= PEER_LAG
+            {
+                mark.peers_prefilled = l.peers.prefilled();
+            }
             let decoding = l.decoding.load(Ordering::Relaxed);
             let peers = l.peers.decoding.load(Ordering::Relaxed);
             mark.decoding_sum += u64::from(decoding) + u64::from(peers);
@@ -850,6 +879,7 @@ impl InFlight {
                 settled: false,
                 decoding_sum: 0,
                 reads: 0,
+                peers_prefilled: None,
             });
             self.phase = Phase::Decoding;
             crate::admit::capacity_freed();
@@ -867,8 +897,11 @@ impl InFlight {
     /// decoding there on average over its chunks (this router's and, as
     /// they reported them, its peers'), and the prompt tokens prefilled
     /// there meanwhile.
-    /// Peers do not report what they prefilled: with peers, this router's
-    /// count is scaled by the routers' requests there over its own.
+    /// The peers' prefill is what they report prefilled meanwhile, from
+    /// [`PEER_LAG`] after the first token (their reports come up to a poll
+    /// late, at both ends alike); a shorter stream, or a peer too old to
+    /// report it, leaves this router's count scaled by the routers'
+    /// requests there over its own.
     /// `None` before the first token.
     pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
         let mark = self.decode_mark?;
@@ -884,13 +917,19 @@ impl InFlight {
             .prefilled
             .load(Ordering::Relaxed)
             .saturating_sub(mark.prefilled) as f64;
-        let own = f64::from(l.requests.load(Ordering::Relaxed).max(1));
-        let peers = f64::from(l.peers.requests.load(Ordering::Relaxed));
+        let prefill_tokens =
+            if let (Some(then), Some(now)) = (mark.peers_prefilled, l.peers.prefilled()) {
+                prefilled + now.saturating_sub(then) as f64
+            } else {
+                let own = f64::from(l.requests.load(Ordering::Relaxed).max(1));
+                let peers = f64::from(l.peers.requests.load(Ordering::Relaxed));
+                prefilled * (own + peers) / own
+            };
         Some(kinference_scoring::StepSample {
             tokens,
             millis: elapsed as f64 / 1e3,
             decoding: decoding.max(1.0),
-            prefill_tokens: prefilled * (own + peers) / own,
+            prefill_tokens,
         })
     }
 }
@@ -1049,6 +1088,42 @@ mod tests {
             );
         }
         assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn step_samples_count_what_the_peers_prefilled_meanwhile() {
+        let stop = CancellationToken::new();
+        let mut reg = Registry::default();
+        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let mut a = e.begin(300, 300);
+        a.first_token();
+        a.first_token();
+        // Reports of first tokens in A's engine step, up to a poll late.
+        e.load.peers.set_prefilled(Some(1000));
+        std::thread::sleep(Duration::from_micros(PEER_LAG as u64));
+        // The chunk that takes the peers' count as the start.
+        a.first_token();
+        // A peer's request of 600 tokens got its first token meanwhile, and
+        // one of this router's of 200.
+        let mut b = e.begin(200, 200);
+        std::thread::sleep(Duration::from_millis(3));
+        b.first_token();
+        e.load.peers.set_prefilled(Some(1600));
+        a.first_token();
+        let s = a.step_sample(3).unwrap();
+        assert!((s.prefill_tokens - 800.0).abs() < 1e-9, "{s:?}");
+        assert_eq!(s.tokens, 3);
+        // One decoding at the first two reads, two at the third.
+        assert!((s.decoding - 4.0 / 3.0).abs() < 1e-9, "{s:?}");
+        // A peer that does not say: this router's count, scaled by the
+        // routers' requests (2 of its own, 2 of the peers') over its own.
+        e.load.peers.set_prefilled(None);
+        e.load.peers.set(Some(LoadSnapshot {
+            requests: 2,
+            ..LoadSnapshot::default()
+        }));
+        let s = a.step_sample(3).unwrap();
+        assert!((s.prefill_tokens - 400.0).abs() < 1e-9, "{s:?}");
     }
 
     #[test]

@@ -243,6 +243,12 @@ pub struct Report {
     /// replicas' reports).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub records: Vec<PeerRecord>,
+    /// Per engine: the uncached prompt tokens of every request this
+    /// replica sent there that got its first token, cumulative (absent
+    /// from older replicas' reports). Lets each replica count the others'
+    /// prefill in the engine steps it measures ([`crate::endpoint`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefilled: Option<HashMap<String, u64>>,
 }
 
 /// A prefix a replica sent an engine.
@@ -263,9 +269,14 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let view = shared.view();
     let mut engines = HashMap::new();
     let mut records = Vec::new();
+    let mut prefilled = HashMap::new();
     for ws in &view.worker_sets {
         ws.runtime.sent.since(after, &mut records);
         for e in &ws.endpoints {
+            let p = e.load.prefilled.load(Ordering::Relaxed);
+            if p > 0 {
+                prefilled.insert(e.authority.clone(), p);
+            }
             let l = e.load.own();
             if l.requests == 0 && l.prefilling == 0 {
                 continue;
@@ -286,6 +297,7 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
         replica: shared.runtime.replica.clone(),
         engines,
         records,
+        prefilled: Some(prefilled),
     }
 }
 
@@ -477,6 +489,21 @@ pub fn sum<'a>(reports: impl IntoIterator<Item = &'a Report>) -> HashMap<String,
         }
     }
     out
+}
+
+/// Sums the fresh reports' prefilled tokens per engine; `None` if one of
+/// them does not say (a replica of an older version).
+pub fn sum_prefilled<'a>(
+    reports: impl IntoIterator<Item = &'a Report>,
+) -> Option<HashMap<String, u64>> {
+    let mut out: HashMap<String, u64> = HashMap::new();
+    for r in reports {
+        for (engine, p) in r.prefilled.as_ref()? {
+            let s = out.entry(engine.clone()).or_default();
+            *s = s.saturating_add(*p);
+        }
+    }
+    Some(out)
 }
 
 /// What the poller knows, for `/debug/endpoints`.
@@ -777,17 +804,26 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
 /// peers' status for `/debug/endpoints`.
 fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration) {
     let now = Instant::now();
-    let fresh = known.values().filter_map(|k| {
-        k.report
-            .as_ref()
-            .filter(|(_, at)| now.saturating_duration_since(*at) <= staleness)
-            .map(|(r, _)| r)
-    });
-    let sums = sum(fresh);
+    let fresh: Vec<&Report> = known
+        .values()
+        .filter_map(|k| {
+            k.report
+                .as_ref()
+                .filter(|(_, at)| now.saturating_duration_since(*at) <= staleness)
+                .map(|(r, _)| r)
+        })
+        .collect();
+    let sums = sum(fresh.iter().copied());
+    let prefilled = sum_prefilled(fresh.iter().copied());
     let view = shared.view();
     for ws in &view.worker_sets {
         for e in &ws.endpoints {
             e.load.peers.set(sums.get(&e.authority).copied());
+            e.load.peers.set_prefilled(
+                prefilled
+                    .as_ref()
+                    .map(|m| m.get(&e.authority).copied().unwrap_or(0)),
+            );
         }
     }
     *shared.runtime.peer_state.write() = PeerState {
@@ -826,6 +862,18 @@ mod tests {
         assert_eq!(s["10.0.0.1:8000"].requests, 2);
         assert_eq!(s["10.0.0.1:8000"].prefill_tokens, 1000);
         assert_eq!(s["e"].requests, MAX_REQUESTS);
+    }
+
+    #[test]
+    fn prefilled_tokens_sum_only_when_every_report_says() {
+        let new =
+            parse(br#"{"replica":"a","engines":{},"prefilled":{"e:1":700,"f:1":5}}"#).unwrap();
+        let idle = parse(br#"{"replica":"b","engines":{},"prefilled":{}}"#).unwrap();
+        let old = parse(br#"{"replica":"c","engines":{}}"#).unwrap();
+        let s = sum_prefilled([&new, &idle, &new]).unwrap();
+        assert_eq!((s["e:1"], s["f:1"]), (1400, 10));
+        assert_eq!(sum_prefilled([&new, &old]), None);
+        assert_eq!(sum_prefilled([]), Some(HashMap::new()));
     }
 
     #[test]

@@ -912,3 +912,72 @@ async fn a_peers_new_prefix_is_found_before_the_engines_events() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_learn_the_step_costs_from_each_others_prefill() {
+    // The engine of `the_fleets_step_costs_are_learnt_from_its_streams`
+    // (routing.rs), far from the built-in profile, behind two replicas
+    // that share the streams: a stream's steps hold the prefill of
+    // prompts the other replica sent, which it learns from its peer's
+    // reports.
+    let truth = kinference_sim::LatencyModel {
+        base_ms: 10.0,
+        prefill_ms_per_token: 0.5,
+        decode_ms_per_seq: 3.0,
+    };
+    let sims = engines(1, |c| {
+        c.latency = truth;
+        c.output = kinference_sim::OutputLen::MaxTokens { default: 24 };
+    })
+    .await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let (a_admin, b_admin) = (free_addr(), free_addr());
+    let opts = WorkerSetOpts::default();
+    let common = ["--peer-interval", "100ms"];
+    let a = peered(&addrs, &opts, &a_admin, &b_admin, &common).await;
+    let b = peered(&addrs, &opts, &b_admin, &a_admin, &common).await;
+    wait_routable(&a, 1, true).await;
+    wait_routable(&b, 1, true).await;
+
+    // Waves of 2 to 7 concurrent streams, each with a new prompt: the
+    // first through A and the rest through B when the wave is even, the
+    // other way round when odd. The first is prefilled alone and decodes
+    // beside the others' prefill: every prompt prefilled in a replica's
+    // streams came through the other.
+    let mut n = 0;
+    for wave in 0..16usize {
+        let width = 2 + wave % 6;
+        let sends = (0..width).map(|i| {
+            n += 1;
+            let body = serde_json::json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
+                "max_tokens": 24, "stream": true});
+            let via = if (i == 0) == (wave % 2 == 0) { &a } else { &b };
+            let api = via.api();
+            async move { stream_timed(api, "/v1/completions", &body, &[]).await }
+        });
+        for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
+            assert_eq!(reply.status, 200);
+        }
+    }
+    for (name, r) in [("A", &a), ("B", &b)] {
+        let steps = eventually(Duration::from_secs(5), "step costs learnt", || async {
+            let s = endpoints(r).await["endpoints"][0]["calibration"]["steps"].clone();
+            (s["samples"].as_u64() >= Some(30)).then_some(s)
+        })
+        .await;
+        eprintln!("FIGURE learnt step costs, replica {name}: {steps}");
+        for (field, want) in [
+            ("prefill_ms_per_token", truth.prefill_ms_per_token),
+            ("decode_ms", truth.decode_ms_per_seq),
+        ] {
+            let got = steps[field].as_f64().unwrap();
+            assert!(
+                got / want > 0.75 && got / want < 1.33,
+                "replica {name}: {field} {got} against the engine's {want}: {steps}"
+            );
+        }
+        assert_eq!(steps["in_use"], true, "{steps}");
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
