@@ -44,13 +44,14 @@
 //! `--stream-interval`, speculative decoding) is counted by its `usage`
 //! when the client asked for it, else by its chunks, and then looks slower
 //! per step (the profile's `learnStepCosts: false` turns the fit off).
-//! With router replicas, the peers report how many sequences they have
-//! decoding but not what they prefilled: the router scales its own
-//! prefilled tokens by all routers' requests over its own, which is right
-//! on average but not stream by stream, and the decode cost comes out high
-//! (1.2–1.7 ms against the simulated engines' 0.65 in the benchmark's
-//! two-replica multi-turn rows; 2.5–3.5 before the peers' decoding was
-//! counted).
+//! With router replicas, each counts the sequences its peers report
+//! decoding and the prompt tokens they report prefilled; their reports
+//! come up to a poll late, so a peer's prompt whose first token came in a
+//! stream's first 40 ms is not counted in it, and a replica sees only its
+//! own streams: half as many
+//! samples with two (on the benchmark's agent rows, 58 per replica, the
+//! decode cost is not pinned down: 0.02 and 1.35 ms against the engines'
+//! 0.65).
 //!
 //! Cost: a 3 × 3 solve per finished stream; 128 bytes per worker set.
 
