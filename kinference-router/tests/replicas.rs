@@ -920,16 +920,7 @@ async fn replicas_learn_the_step_costs_from_each_others_prefill() {
     // that share the streams: a stream's steps hold the prefill of
     // prompts the other replica sent, which it learns from its peer's
     // reports.
-    let truth = kinference_sim::LatencyModel {
-        base_ms: 10.0,
-        prefill_ms_per_token: 0.5,
-        decode_ms_per_seq: 3.0,
-    };
-    let sims = engines(1, |c| {
-        c.latency = truth;
-        c.output = kinference_sim::OutputLen::MaxTokens { default: 24 };
-    })
-    .await;
+    let sims = step_truth_engine().await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let (a_admin, b_admin) = (free_addr(), free_addr());
     let opts = WorkerSetOpts::default();
@@ -965,18 +956,7 @@ async fn replicas_learn_the_step_costs_from_each_others_prefill() {
             (s["samples"].as_u64() >= Some(30)).then_some(s)
         })
         .await;
-        eprintln!("FIGURE learnt step costs, replica {name}: {steps}");
-        for (field, want) in [
-            ("prefill_ms_per_token", truth.prefill_ms_per_token),
-            ("decode_ms", truth.decode_ms_per_seq),
-        ] {
-            let got = steps[field].as_f64().unwrap();
-            assert!(
-                got / want > 0.75 && got / want < 1.33,
-                "replica {name}: {field} {got} against the engine's {want}: {steps}"
-            );
-        }
-        assert_eq!(steps["in_use"], true, "{steps}");
+        assert_learnt_step_truth(&format!("replica {name}"), &steps);
     }
     a.shutdown().await;
     b.shutdown().await;

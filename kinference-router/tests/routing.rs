@@ -556,21 +556,7 @@ async fn an_adapter_request_avoids_an_engine_whose_slots_run_other_adapters() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleets_step_costs_are_learnt_from_its_streams() {
-    // An engine far from the built-in profile (an H100: 6 ms a step, 0.1 ms
-    // per decoding sequence, 0.04 ms per prompt token): 10 ms a step, 3 ms
-    // per decoding sequence, 0.5 ms per prompt token. A decoding sequence
-    // costs it 6 prompt tokens where the profile says 2.5, a step 20 where
-    // the profile says 150: calibration's scale cannot fix that shape.
-    let truth = kinference_sim::LatencyModel {
-        base_ms: 10.0,
-        prefill_ms_per_token: 0.5,
-        decode_ms_per_seq: 3.0,
-    };
-    let sims = engines(1, |c| {
-        c.latency = truth;
-        c.output = kinference_sim::OutputLen::MaxTokens { default: 24 };
-    })
-    .await;
+    let sims = step_truth_engine().await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
     wait_routable(&r, 1, true).await;
@@ -602,16 +588,6 @@ async fn the_fleets_step_costs_are_learnt_from_its_streams() {
     // Within a third: the batch is averaged per chunk (a long prefill
     // step beside one decode counts as one step); averaged per unit of
     // time it made the prefill cost 1.3-1.7x too high here.
-    let near = |field: &str, want: f64| {
-        let got = steps[field].as_f64().unwrap();
-        assert!(
-            got / want > 0.75 && got / want < 1.33,
-            "{field} {got} against the engine's {want}: {steps}"
-        );
-    };
-    near("prefill_ms_per_token", truth.prefill_ms_per_token);
-    near("decode_ms", truth.decode_ms_per_seq);
-    assert_eq!(steps["in_use"], true, "{steps}");
-    eprintln!("FIGURE learnt step costs: {steps}");
+    assert_learnt_step_truth("the router", &steps);
     r.shutdown().await;
 }

@@ -23,6 +23,43 @@ pub const MODEL: &str = "kinference/sim";
 pub const ALIAS: &str = "sim-alias";
 
 /// Starts `n` simulated engines with ephemeral ports.
+/// An engine far from the built-in profile (an H100: 6 ms a step, 0.1 ms
+/// per decoding sequence, 0.04 ms per prompt token): 10 ms a step, 3 ms
+/// per decoding sequence, 0.5 ms per prompt token. A decoding sequence
+/// costs it 6 prompt tokens where the profile says 2.5, a step 20 where
+/// the profile says 150: calibration's scale cannot fix that shape.
+pub const STEP_TRUTH: kinference_sim::LatencyModel = kinference_sim::LatencyModel {
+    base_ms: 10.0,
+    prefill_ms_per_token: 0.5,
+    decode_ms_per_seq: 3.0,
+};
+
+/// One engine that steps as [`STEP_TRUTH`] says and answers 24 tokens.
+pub async fn step_truth_engine() -> Vec<SimHandle> {
+    engines(1, |c| {
+        c.latency = STEP_TRUTH;
+        c.output = kinference_sim::OutputLen::MaxTokens { default: 24 };
+    })
+    .await
+}
+
+/// Asserts that `who`'s learnt step costs (`calibration.steps` of
+/// `/debug/endpoints`) are in use and within a third of [`STEP_TRUTH`].
+pub fn assert_learnt_step_truth(who: &str, steps: &Value) {
+    eprintln!("FIGURE learnt step costs, {who}: {steps}");
+    for (field, want) in [
+        ("prefill_ms_per_token", STEP_TRUTH.prefill_ms_per_token),
+        ("decode_ms", STEP_TRUTH.decode_ms_per_seq),
+    ] {
+        let got = steps[field].as_f64().unwrap();
+        assert!(
+            got / want > 0.75 && got / want < 1.33,
+            "{who}: {field} {got} against the engine's {want}: {steps}"
+        );
+    }
+    assert_eq!(steps["in_use"], true, "{who}: {steps}");
+}
+
 pub async fn engines(n: usize, tweak: impl Fn(&mut SimConfig)) -> Vec<SimHandle> {
     let mut out = Vec::new();
     for i in 0..n {
