@@ -39,6 +39,31 @@ fn f64_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
     Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
 }
 
+/// A kinference router's learnt step costs at the end of a row
+/// (`calibration.steps` in its `/debug/endpoints`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StepCosts {
+    pub overhead_ms: f64,
+    pub decode_ms: f64,
+    pub prefill_ms_per_token: f64,
+    /// Streams fitted (with forgetting).
+    pub samples: u64,
+    /// Whether the router predicts with them.
+    pub in_use: bool,
+}
+
+impl StepCosts {
+    /// The first endpoint's fit in a `/debug/endpoints` body (every
+    /// endpoint of a worker set shows the same).
+    pub(crate) fn of_endpoints(body: &[u8]) -> Option<Self> {
+        let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+        v["endpoints"]
+            .as_array()?
+            .iter()
+            .find_map(|e| serde_json::from_value(e["calibration"]["steps"].clone()).ok())
+    }
+}
+
 /// One (workload, rate, policy, repeat) run's figures.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Row {
@@ -148,6 +173,10 @@ pub(crate) struct Row {
     pub join_requests: usize,
     #[serde(default)]
     pub join_bootstrap: String,
+    /// Each kinference router's learnt step costs at the end, in replica
+    /// order (the first repeat's, in medians).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub step_costs: Vec<StepCosts>,
 }
 
 /// The two-tenant scenario: the light tenant alone and with the heavy one,
@@ -439,6 +468,7 @@ pub(crate) fn summarize(
         join_peers_hit_rate: f64::NAN,
         join_requests: 0,
         join_bootstrap: String::new(),
+        step_costs: Vec::new(),
     }
 }
 
@@ -543,6 +573,7 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 join_peers_hit_rate: m(|r| r.join_peers_hit_rate),
                 join_requests: mu(|r| r.join_requests),
                 join_bootstrap: first.join_bootstrap.clone(),
+                step_costs: first.step_costs.clone(),
             }
         })
         .collect()
@@ -1019,6 +1050,37 @@ pub(crate) fn plots(rows: &[Row], workload: &str, dir: &Path) -> Result<Vec<std:
     Ok(out)
 }
 
+/// The kinference rows' learnt step costs, one line per router (empty
+/// without any).
+pub(crate) fn step_costs(rows: &[Row]) -> String {
+    let mut out = String::new();
+    for r in rows {
+        for (i, c) in r.step_costs.iter().enumerate() {
+            if out.is_empty() {
+                out.push_str(
+                    "\n**Learnt step costs** (each kinference router's at the end of the row)\n\n\
+                     | workload | req/s | policy | repeat | router | overhead ms | decode ms/seq | prefill ms/token | streams | in use |\n\
+                     |---|---:|---|---:|---:|---:|---:|---:|---:|---|\n",
+                );
+            }
+            let _ = writeln!(
+                out,
+                "| {} | {:.2} | {} | {} | {i} | {:.2} | {:.2} | {:.3} | {} | {} |",
+                r.workload,
+                r.rate,
+                r.policy,
+                r.repeat,
+                c.overhead_ms,
+                c.decode_ms,
+                c.prefill_ms_per_token,
+                c.samples,
+                if c.in_use { "yes" } else { "no" },
+            );
+        }
+    }
+    out
+}
+
 /// Writes `results.csv`, `results.json` (with `meta`), `results.md` and the
 /// plots into `dir`.
 pub(crate) fn write_all(
@@ -1036,7 +1098,10 @@ pub(crate) fn write_all(
     std::fs::write(&json_path, serde_json::to_string_pretty(&doc)?)?;
     files.push(json_path);
     let md_path = dir.join("results.md");
-    std::fs::write(&md_path, format!("{}\n{}", goals(rows), markdown(rows)))?;
+    std::fs::write(
+        &md_path,
+        format!("{}\n{}{}", goals(rows), markdown(rows), step_costs(rows)),
+    )?;
     files.push(md_path);
     let mut workloads: Vec<&str> = Vec::new();
     for r in rows {
@@ -1098,6 +1163,28 @@ mod tests {
         );
         r.ttft_p90_ms = ttft;
         r
+    }
+
+    #[test]
+    fn learnt_step_costs_are_read_from_the_router_and_listed_per_router() {
+        let body = br#"{"endpoints": [
+            {"endpoint": "a:1", "calibration": null},
+            {"endpoint": "b:1", "calibration": {"steps": {"overhead_ms": 5.1,
+              "decode_ms": 0.7, "prefill_ms_per_token": 0.88, "samples": 181,
+              "spread": 0.06, "prefill_sd": 0.05, "in_use": true}}}]}"#;
+        let c = StepCosts::of_endpoints(body).expect("the second endpoint's fit");
+        assert_eq!((c.samples, c.in_use), (181, true));
+        assert!((c.prefill_ms_per_token - 0.88).abs() < 1e-9);
+        assert_eq!(StepCosts::of_endpoints(b"garbage"), None);
+        assert_eq!(StepCosts::of_endpoints(br#"{"endpoints": []}"#), None);
+
+        let mut r = row("kinference-installed", 0, 100.0);
+        assert_eq!(step_costs(std::slice::from_ref(&r)), "");
+        r.step_costs = vec![c.clone(), StepCosts { in_use: false, ..c }];
+        let md = step_costs(&[r]);
+        assert!(md.contains("| 5.10 | 0.70 | 0.880 | 181 | yes |"), "{md}");
+        assert!(md.contains("| kinference-installed | 0 | 1 | 5.10"), "{md}");
+        assert!(md.contains("| no |"), "{md}");
     }
 
     #[test]

@@ -777,9 +777,12 @@ async fn one_run(
     let _ = std::fs::write(logs.join(format!("samples-{tag}.jsonl")), lines.join("\n"));
     let cpu_after = cpu(&pids);
     // Our routers' view of the engines at the end (calibration, learnt step
-    // costs), for looking into a row afterwards.
+    // costs), for looking into a row afterwards; the step costs go in the
+    // row.
+    let mut step_costs = Vec::new();
     for (i, admin) in running.admins.iter().enumerate() {
         if let Ok((200, body)) = load::get(&format!("http://{admin}/debug/endpoints")).await {
+            step_costs.extend(report::StepCosts::of_endpoints(body.as_ref()));
             let _ = std::fs::write(logs.join(format!("endpoints-{tag}-{i}.json")), &body);
         }
     }
@@ -840,6 +843,7 @@ async fn one_run(
         });
     }
     row.absorb_ms = absorbed.map_or(f64::NAN, |d| d.as_secs_f64() * 1e3);
+    row.step_costs = step_costs;
     // Bytes between replicas: every replica counts what it received (a
     // killed one's are lost with it, so a kill row has none).
     if !matches!(contender, Contender::Replicas { kill: true, .. }) && !admins.is_empty() {
