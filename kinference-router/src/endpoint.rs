@@ -97,6 +97,9 @@ pub struct Load {
     /// Uncached prompt tokens of every request past its first token: the
     /// prefill work done there (as this router knows it), cumulative.
     pub prefilled: AtomicU64,
+    /// The load version ([`crate::peers::load_changed`]) when `prefilled`
+    /// last moved: what a peer's report sends.
+    pub prefilled_version: AtomicU64,
 }
 
 /// First tokens close enough in time to come from one engine step: the
@@ -168,24 +171,29 @@ pub struct PeerLoad {
     pub decoding: AtomicU32,
     /// Prompt tokens of the requests in flight.
     pub context_tokens: AtomicU64,
-    /// What the peers prefilled here, cumulative, summed over their
-    /// reports; [`PeerLoad::UNKNOWN`] when one of them does not say.
+    /// What the peers reported prefilled here since this router heard
+    /// from them, cumulative ([`crate::peers::PrefilledSeen`]).
     pub prefilled: AtomicU64,
+    /// Whether a fresh peer does not report what it prefilled (an older
+    /// version).
+    pub prefilled_unknown: AtomicBool,
 }
 
 impl PeerLoad {
-    /// [`PeerLoad::prefilled`] when a peer does not report it.
-    pub const UNKNOWN: u64 = u64::MAX;
-
     /// What the peers prefilled here, if they all say.
     pub fn prefilled(&self) -> Option<u64> {
-        Some(self.prefilled.load(Ordering::Relaxed)).filter(|&p| p != Self::UNKNOWN)
+        (!self.prefilled_unknown.load(Ordering::Relaxed))
+            .then(|| self.prefilled.load(Ordering::Relaxed))
     }
 
-    /// Sets what the peers prefilled here (`None`: one does not say).
-    pub fn set_prefilled(&self, p: Option<u64>) {
-        let p = p.map_or(Self::UNKNOWN, |p| p.min(Self::UNKNOWN - 1));
-        self.prefilled.store(p, Ordering::Relaxed);
+    /// A peer reported `n` more tokens prefilled here.
+    pub fn add_prefilled(&self, n: u64) {
+        self.prefilled.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether every fresh peer reports what it prefilled.
+    pub fn prefilled_known(&self, known: bool) {
+        self.prefilled_unknown.store(!known, Ordering::Relaxed);
     }
 
     /// Reads the figures.
@@ -848,9 +856,11 @@ impl InFlight {
                 }
                 mark.settled = true;
             }
-            if mark.peers_prefilled.is_none() && clock_micros(Instant::now()) - mark.at >= PEER_LAG
+            if mark.peers_prefilled.is_none()
+                && let Some(p) = l.peers.prefilled()
+                && clock_micros(Instant::now()) - mark.at >= PEER_LAG
             {
-                mark.peers_prefilled = l.peers.prefilled();
+                mark.peers_prefilled = Some(p);
             }
             let decoding = l.decoding.load(Ordering::Relaxed);
             let peers = l.peers.decoding.load(Ordering::Relaxed);
@@ -883,7 +893,8 @@ impl InFlight {
             });
             self.phase = Phase::Decoding;
             crate::admit::capacity_freed();
-            crate::peers::load_changed();
+            let version = crate::peers::load_changed();
+            l.prefilled_version.store(version, Ordering::Relaxed);
         }
     }
 
@@ -1056,11 +1067,18 @@ mod tests {
         }
     }
 
+    /// A registry's one endpoint (its tasks are never started).
+    fn one_endpoint() -> Arc<Endpoint> {
+        let stop = CancellationToken::new();
+        Registry::default()
+            .sync([key("10.0.0.1")], &stop)
+            .added
+            .remove(0)
+    }
+
     #[test]
     fn in_flight_is_released_exactly_once_on_every_path() {
-        let stop = CancellationToken::new();
-        let mut reg = Registry::default();
-        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let e = one_endpoint();
         {
             let mut a = e.begin(1000, 1200);
             let _b = e.begin(500, 600);
@@ -1092,14 +1110,12 @@ mod tests {
 
     #[test]
     fn step_samples_count_what_the_peers_prefilled_meanwhile() {
-        let stop = CancellationToken::new();
-        let mut reg = Registry::default();
-        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let e = one_endpoint();
         let mut a = e.begin(300, 300);
         a.first_token();
         a.first_token();
         // Reports of first tokens in A's engine step, up to a poll late.
-        e.load.peers.set_prefilled(Some(1000));
+        e.load.peers.add_prefilled(1000);
         std::thread::sleep(Duration::from_micros(PEER_LAG as u64));
         // The chunk that takes the peers' count as the start.
         a.first_token();
@@ -1108,7 +1124,7 @@ mod tests {
         let mut b = e.begin(200, 200);
         std::thread::sleep(Duration::from_millis(3));
         b.first_token();
-        e.load.peers.set_prefilled(Some(1600));
+        e.load.peers.add_prefilled(600);
         a.first_token();
         let s = a.step_sample(3).unwrap();
         assert!((s.prefill_tokens - 800.0).abs() < 1e-9, "{s:?}");
@@ -1117,7 +1133,7 @@ mod tests {
         assert!((s.decoding - 4.0 / 3.0).abs() < 1e-9, "{s:?}");
         // A peer that does not say: this router's count, scaled by the
         // routers' requests (2 of its own, 2 of the peers') over its own.
-        e.load.peers.set_prefilled(None);
+        e.load.peers.prefilled_known(false);
         e.load.peers.set(Some(LoadSnapshot {
             requests: 2,
             ..LoadSnapshot::default()
@@ -1147,9 +1163,7 @@ mod tests {
 
     #[test]
     fn waiting_requests_are_tracked_until_their_first_token_or_end() {
-        let stop = CancellationToken::new();
-        let mut reg = Registry::default();
-        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let e = one_endpoint();
         let ms = Duration::from_millis;
         assert_eq!(e.waiting.oldest(ms(1000)), None);
         let mut a = e.begin(100, 100);
@@ -1193,9 +1207,7 @@ mod tests {
 
     #[test]
     fn failures_eject_with_growing_backoff_and_success_heals() {
-        let stop = CancellationToken::new();
-        let mut reg = Registry::default();
-        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let e = one_endpoint();
         let t0 = Instant::now();
         assert!(e.healthy(t0));
         assert!(
@@ -1221,9 +1233,7 @@ mod tests {
 
     #[test]
     fn consecutive_server_errors_eject_and_503_never_does() {
-        let stop = CancellationToken::new();
-        let mut reg = Registry::default();
-        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let e = one_endpoint();
         let t0 = Instant::now();
         for _ in 1..CONSECUTIVE_5XX {
             assert!(!e.record(Outcome::ServerError, t0));
@@ -1246,9 +1256,7 @@ mod tests {
 
     #[tokio::test]
     async fn refused_probes_eject_and_wake_waiting_requests_timeouts_do_not_wake() {
-        let stop = CancellationToken::new();
-        let mut reg = Registry::default();
-        let e = reg.sync([key("10.0.0.1")], &stop).added.remove(0);
+        let e = one_endpoint();
         let t0 = Instant::now();
         // Timeouts: a busy engine. They eject for new requests after three,
         // and never wake the requests already waiting.

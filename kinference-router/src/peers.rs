@@ -170,9 +170,9 @@ impl SentRecords {
     }
 }
 
-/// This replica's load changed. Free when no peer waits.
-pub fn load_changed() {
-    bump_version();
+/// This replica's load changed: the new version. Free when no peer waits.
+pub fn load_changed() -> u64 {
+    bump_version()
 }
 
 /// Moves the version on, wakes the long polls waiting for it, and returns
@@ -244,9 +244,11 @@ pub struct Report {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub records: Vec<PeerRecord>,
     /// Per engine: the uncached prompt tokens of every request this
-    /// replica sent there that got its first token, cumulative (absent
-    /// from older replicas' reports). Lets each replica count the others'
-    /// prefill in the engine steps it measures ([`crate::endpoint`]).
+    /// replica sent there that got its first token, cumulative; only the
+    /// engines whose count moved at or after the asker's version (all of
+    /// them without one). Absent from older replicas' reports. Lets each
+    /// replica count the others' prefill in the engine steps it measures
+    /// ([`crate::endpoint`], [`PrefilledSeen`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefilled: Option<HashMap<String, u64>>,
 }
@@ -264,7 +266,9 @@ pub struct PeerRecord {
 }
 
 /// This replica's report; its records are those stamped after `after`
-/// (all it keeps, with `None`).
+/// (all it keeps, with `None`), its prefilled counts those that moved at or
+/// after it (a count moves before its version is stored: the boundary is
+/// sent twice rather than never).
 pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let view = shared.view();
     let mut engines = HashMap::new();
@@ -274,7 +278,8 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
         ws.runtime.sent.since(after, &mut records);
         for e in &ws.endpoints {
             let p = e.load.prefilled.load(Ordering::Relaxed);
-            if p > 0 {
+            let moved = e.load.prefilled_version.load(Ordering::Relaxed);
+            if p > 0 && after.is_none_or(|a| moved >= a) {
                 prefilled.insert(e.authority.clone(), p);
             }
             let l = e.load.own();
@@ -491,19 +496,47 @@ pub fn sum<'a>(reports: impl IntoIterator<Item = &'a Report>) -> HashMap<String,
     out
 }
 
-/// Sums the fresh reports' prefilled tokens per engine; `None` if one of
-/// them does not say (a replica of an older version).
-pub fn sum_prefilled<'a>(
-    reports: impl IntoIterator<Item = &'a Report>,
-) -> Option<HashMap<String, u64>> {
-    let mut out: HashMap<String, u64> = HashMap::new();
-    for r in reports {
-        for (engine, p) in r.prefilled.as_ref()? {
-            let s = out.entry(engine.clone()).or_default();
-            *s = s.saturating_add(*p);
+/// A peer's prefilled counts as last reported, to turn its reports into
+/// increases: a peer that starts reporting, comes back after going stale,
+/// or is found later adds only what it prefills from then on, never its
+/// whole history.
+#[derive(Debug, Default)]
+pub struct PrefilledSeen {
+    /// The peer process the counts are from ([`Report::replica`]).
+    replica: String,
+    /// Per engine.
+    counts: HashMap<String, u64>,
+}
+
+impl PrefilledSeen {
+    /// Takes in `r`'s counts; the increases per engine since the last. The
+    /// first report of a replica (always complete: asked without a
+    /// version) sets where it starts; an engine new in a later report
+    /// starts from zero; a count that went down starts again there.
+    pub fn update<'a>(&mut self, r: &'a Report) -> Vec<(&'a str, u64)> {
+        let Some(now) = &r.prefilled else {
+            return Vec::new();
+        };
+        let first = self.replica != r.replica;
+        if first {
+            self.replica.clone_from(&r.replica);
+            self.counts.clear();
         }
+        let mut out = Vec::new();
+        for (engine, &count) in now {
+            let last = self.counts.insert(engine.clone(), count);
+            let from = match last {
+                Some(l) if l <= count => l,
+                Some(_) => count,
+                None if first => count,
+                None => 0,
+            };
+            if count > from {
+                out.push((engine.as_str(), count - from));
+            }
+        }
+        out
     }
-    Some(out)
 }
 
 /// What the poller knows, for `/debug/endpoints`.
@@ -528,6 +561,7 @@ pub struct PeerStatus {
 struct Known {
     report: Option<(Report, Instant)>,
     error: Option<String>,
+    prefilled: PrefilledSeen,
 }
 
 /// Starts polling the peers, and (unless turned off) the bootstrap of the
@@ -760,6 +794,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
             let k = map.entry(address.clone()).or_insert(Known {
                 report: None,
                 error: None,
+                prefilled: PrefilledSeen::default(),
             });
             match result {
                 Ok((r, _)) if r.replica == shared.runtime.replica => {
@@ -769,6 +804,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 }
                 Ok((mut r, version)) => {
                     apply(&shared, &std::mem::take(&mut r.records));
+                    add_prefilled(&shared, &k.prefilled.update(&r));
                     k.report = Some((r, Instant::now()));
                     k.error = None;
                     after = version;
@@ -800,6 +836,21 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
     }
 }
 
+/// Counts a peer's prefill increases on the endpoints they name.
+fn add_prefilled(shared: &Shared, increases: &[(&str, u64)]) {
+    if increases.is_empty() {
+        return;
+    }
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        for e in &ws.endpoints {
+            if let Some((_, n)) = increases.iter().find(|(a, _)| *a == e.authority) {
+                e.load.peers.add_prefilled(*n);
+            }
+        }
+    }
+}
+
 /// Sets every endpoint's peer load to the sum of the fresh reports, and the
 /// peers' status for `/debug/endpoints`.
 fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration) {
@@ -814,16 +865,12 @@ fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration)
         })
         .collect();
     let sums = sum(fresh.iter().copied());
-    let prefilled = sum_prefilled(fresh.iter().copied());
+    let prefilled_known = fresh.iter().all(|r| r.prefilled.is_some());
     let view = shared.view();
     for ws in &view.worker_sets {
         for e in &ws.endpoints {
             e.load.peers.set(sums.get(&e.authority).copied());
-            e.load.peers.set_prefilled(
-                prefilled
-                    .as_ref()
-                    .map(|m| m.get(&e.authority).copied().unwrap_or(0)),
-            );
+            e.load.peers.prefilled_known(prefilled_known);
         }
     }
     *shared.runtime.peer_state.write() = PeerState {
@@ -865,15 +912,34 @@ mod tests {
     }
 
     #[test]
-    fn prefilled_tokens_sum_only_when_every_report_says() {
-        let new =
-            parse(br#"{"replica":"a","engines":{},"prefilled":{"e:1":700,"f:1":5}}"#).unwrap();
-        let idle = parse(br#"{"replica":"b","engines":{},"prefilled":{}}"#).unwrap();
-        let old = parse(br#"{"replica":"c","engines":{}}"#).unwrap();
-        let s = sum_prefilled([&new, &idle, &new]).unwrap();
-        assert_eq!((s["e:1"], s["f:1"]), (1400, 10));
-        assert_eq!(sum_prefilled([&new, &old]), None);
-        assert_eq!(sum_prefilled([]), Some(HashMap::new()));
+    fn a_peers_prefilled_counts_become_increases_from_its_first_report() {
+        let report = |replica: &str, body: &str| {
+            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
+        };
+        let mut seen = PrefilledSeen::default();
+        // Its first report: where it starts, whatever it did before.
+        let r = report("a", r#""prefilled":{"e:1":700,"f:1":5}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        // Only moved engines are sent: e grew, g is new (from zero).
+        let r = report("a", r#""prefilled":{"e:1":900,"g:1":40}"#);
+        let mut up = seen.update(&r);
+        up.sort_unstable();
+        assert_eq!(up, vec![("e:1", 200), ("g:1", 40)]);
+        // Sent twice (the version boundary): nothing more.
+        assert_eq!(seen.update(&r), vec![]);
+        // Restarted under the same address: a new replica starts again.
+        let r = report("b", r#""prefilled":{"e:1":50}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        let r = report("b", r#""prefilled":{"e:1":80}"#);
+        assert_eq!(seen.update(&r), vec![("e:1", 30)]);
+        // A count that went down starts again there.
+        let r = report("b", r#""prefilled":{"e:1":10}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        let r = report("b", r#""prefilled":{"e:1":15}"#);
+        assert_eq!(seen.update(&r), vec![("e:1", 5)]);
+        // An older replica says nothing.
+        let r = report("c", r#""records":[]"#);
+        assert_eq!(seen.update(&r), vec![]);
     }
 
     #[test]

@@ -48,10 +48,13 @@
 //! decoding and the prompt tokens they report prefilled; their reports
 //! come up to a poll late, so a peer's prompt whose first token came in a
 //! stream's first 40 ms is not counted in it, and a replica sees only its
-//! own streams: half as many
-//! samples with two (on the benchmark's agent rows, 58 per replica, the
-//! decode cost is not pinned down: 0.02 and 1.35 ms against the engines'
-//! 0.65).
+//! own streams: half as many samples with two (on the benchmark's agent
+//! rows, 58 per replica, the decode cost is not pinned down: 0.02 and
+//! 1.35 ms against the engines' 0.65, 2026-12-04 at `de4b793`).
+//! First tokens of one engine step are told apart from the next step's
+//! by arriving within 2 ms of each other: an engine whose step takes less,
+//! or whose server spreads one step's chunks over more (many streams on
+//! a busy API server), blurs the prefill counted in a stream's window.
 //!
 //! Cost: a 3 × 3 solve per finished stream; 128 bytes per worker set.
 
