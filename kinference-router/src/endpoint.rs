@@ -97,8 +97,10 @@ pub struct Load {
     /// Uncached prompt tokens of every request past its first token: the
     /// prefill work done there (as this router knows it), cumulative.
     pub prefilled: AtomicU64,
-    /// The load version ([`crate::peers::load_changed`]) when `prefilled`
-    /// last moved: what a peer's report sends.
+    /// Marks when `prefilled` last moved: the load version after the one
+    /// current then ([`crate::peers::version`]), set before the change is
+    /// announced; a peer's report sends the counts marked at or after the
+    /// version its asker has ([`crate::peers::report`]).
     pub prefilled_version: AtomicU64,
 }
 
@@ -876,9 +878,9 @@ impl InFlight {
                 .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
             let t = clock_micros(Instant::now());
             let mut bursts = l.bursts.lock();
-            let before = l
-                .prefilled
-                .fetch_add(self.prefill_tokens, Ordering::Relaxed);
+            let before = l.prefilled.fetch_add(self.prefill_tokens, Ordering::SeqCst);
+            l.prefilled_version
+                .fetch_max(crate::peers::version() + 1, Ordering::SeqCst);
             let burst = bursts.first_token(t, before);
             drop(bursts);
             l.decoding.fetch_add(1, Ordering::Relaxed);
@@ -893,8 +895,7 @@ impl InFlight {
             });
             self.phase = Phase::Decoding;
             crate::admit::capacity_freed();
-            let version = crate::peers::load_changed();
-            l.prefilled_version.store(version, Ordering::Relaxed);
+            crate::peers::load_changed();
         }
     }
 

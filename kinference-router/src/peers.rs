@@ -170,15 +170,15 @@ impl SentRecords {
     }
 }
 
-/// This replica's load changed: the new version. Free when no peer waits.
-pub fn load_changed() -> u64 {
-    bump_version()
+/// This replica's load changed. Free when no peer waits.
+pub fn load_changed() {
+    bump_version();
 }
 
 /// Moves the version on, wakes the long polls waiting for it, and returns
 /// the new version.
 fn bump_version() -> u64 {
-    let v = VERSION.fetch_add(1, Ordering::Relaxed) + 1;
+    let v = VERSION.fetch_add(1, Ordering::SeqCst) + 1;
     if WAITING.load(Ordering::Relaxed) > 0 {
         CHANGED.notify_waiters();
     }
@@ -187,7 +187,7 @@ fn bump_version() -> u64 {
 
 /// The current load version.
 pub fn version() -> u64 {
-    VERSION.load(Ordering::Relaxed)
+    VERSION.load(Ordering::SeqCst)
 }
 
 /// What a long poll asks: `after` (the version the asker has) and `wait_ms`.
@@ -266,9 +266,12 @@ pub struct PeerRecord {
 }
 
 /// This replica's report; its records are those stamped after `after`
-/// (all it keeps, with `None`), its prefilled counts those that moved at or
-/// after it (a count moves before its version is stored: the boundary is
-/// sent twice rather than never).
+/// (all it keeps, with `None`), its prefilled counts those marked at or
+/// after it. A count is marked with the version after the current one
+/// before that version is made ([`crate::endpoint::Load::prefilled_version`]),
+/// so the first answer whose version was read after the mark both sees
+/// the new count and sends it; the boundary may go twice, never not at
+/// all.
 pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let view = shared.view();
     let mut engines = HashMap::new();
@@ -277,8 +280,8 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     for ws in &view.worker_sets {
         ws.runtime.sent.since(after, &mut records);
         for e in &ws.endpoints {
-            let p = e.load.prefilled.load(Ordering::Relaxed);
-            let moved = e.load.prefilled_version.load(Ordering::Relaxed);
+            let moved = e.load.prefilled_version.load(Ordering::SeqCst);
+            let p = e.load.prefilled.load(Ordering::SeqCst);
             if p > 0 && after.is_none_or(|a| moved >= a) {
                 prefilled.insert(e.authority.clone(), p);
             }
