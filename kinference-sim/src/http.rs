@@ -27,6 +27,8 @@ use crate::engine::{Finished, NewRequest, ReqId};
 use crate::{FaultRequest, Shared};
 
 mod apis;
+mod messages;
+mod responses;
 
 /// Bodies up to 64 MiB (long prompts as text).
 const BODY_LIMIT: usize = 64 << 20;
@@ -38,7 +40,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/embeddings", post(apis::embeddings))
-        .route("/v1/responses", post(apis::responses))
+        .route("/v1/responses", post(responses::responses))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(crate::surface::health))
@@ -55,7 +57,7 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             .route("/reset_prefix_cache", post(reset_prefix_cache));
     }
     if mode.serves_anthropic_messages() {
-        app = app.route("/v1/messages", post(apis::messages));
+        app = app.route("/v1/messages", post(messages::messages));
     }
     if mode.serves_kv_event_sources() {
         app = app.route("/kv_event_sources", get(kv_event_sources));
