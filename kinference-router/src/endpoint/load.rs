@@ -1,0 +1,637 @@
+//! The router's own count of the work it has sent to an endpoint, what its
+//! peers report there, and each request's share ([`InFlight`]), whose
+//! first token and end move the counts exactly once.
+
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::time::Instant;
+
+use super::Endpoint;
+
+/// The router's own count of work it has sent to an endpoint.
+#[derive(Debug, Default)]
+pub struct Load {
+    /// Requests sent and not finished.
+    pub requests: AtomicU32,
+    /// Requests whose first token has not arrived.
+    pub prefilling: AtomicU32,
+    /// Uncached prompt tokens of the prefilling requests.
+    pub prefill_tokens: AtomicU64,
+    /// Requests past their first token and not finished.
+    pub decoding: AtomicU32,
+    /// Prompt tokens of all requests in flight (their context size).
+    pub context_tokens: AtomicU64,
+    /// What the other router replicas report they have in flight here,
+    /// summed over the fresh reports ([`crate::peers`]); 0 without peers.
+    pub peers: PeerLoad,
+    /// Which first tokens came out of one engine step.
+    pub bursts: parking_lot::Mutex<Bursts>,
+    /// Uncached prompt tokens of every request past its first token: the
+    /// prefill work done there (as this router knows it), cumulative.
+    pub prefilled: AtomicU64,
+    /// Marks when `prefilled` last moved: the load version after the one
+    /// current then ([`crate::peers::version`]), set before the change is
+    /// announced; a peer's report sends the counts marked at or after the
+    /// version its asker has ([`crate::peers::report`]).
+    pub prefilled_version: AtomicU64,
+}
+
+/// First tokens close enough in time to come from one engine step: the
+/// ones [`SAME_STEP`] or less apart. A request's steps start after its
+/// whole burst's prefill (the others' prompts were computed before its
+/// first token, whichever chunk the router happened to read first).
+#[derive(Debug, Default)]
+pub struct Bursts {
+    /// Numbers the bursts.
+    id: u64,
+    /// The latest first token's [`clock_micros`].
+    last: i64,
+    /// [`Load::prefilled`] when the burst before ended.
+    prev_end: u64,
+}
+
+/// How late a peer's report may tell of its first tokens (twice its
+/// fastest poll, [`crate::peers::MIN_GAP`]), microseconds.
+const PEER_LAG: i64 = 2 * crate::peers::MIN_GAP.as_micros() as i64;
+
+/// First tokens read this close are taken to come from one engine step:
+/// an engine's step takes milliseconds, its chunks of one step reach the
+/// router within microseconds of each other.
+const SAME_STEP: i64 = 2_000;
+
+impl Bursts {
+    /// A first token at `t`, `count` prefilled tokens before it: the burst
+    /// it belongs to.
+    fn first_token(&mut self, t: i64, count: u64) -> u64 {
+        if self.id == 0 || t - self.last > SAME_STEP {
+            self.id += 1;
+            self.prev_end = count;
+        }
+        self.last = self.last.max(t);
+        self.id
+    }
+
+    /// The prefilled count at the end of burst `id`, now that it is `now`;
+    /// `None` once a later burst has ended too.
+    fn end(&self, id: u64, now: u64) -> Option<u64> {
+        if self.id == id {
+            Some(now)
+        } else if self.id == id + 1 {
+            Some(self.prev_end)
+        } else {
+            None
+        }
+    }
+}
+
+/// Microseconds since the process's first call: the clock of
+/// [`Bursts`] and step samples.
+pub fn clock_micros(at: Instant) -> i64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    i64::try_from(at.saturating_duration_since(epoch).as_micros()).unwrap_or(i64::MAX)
+}
+
+/// Other replicas' load on an endpoint (the same five figures).
+#[derive(Debug, Default)]
+pub struct PeerLoad {
+    /// Requests in flight.
+    pub requests: AtomicU32,
+    /// Of which before their first token.
+    pub prefilling: AtomicU32,
+    /// Their uncached prompt tokens.
+    pub prefill_tokens: AtomicU64,
+    /// Requests decoding.
+    pub decoding: AtomicU32,
+    /// Prompt tokens of the requests in flight.
+    pub context_tokens: AtomicU64,
+    /// What the peers reported prefilled here since this router heard
+    /// from them, cumulative ([`crate::peers::PrefilledSeen`]).
+    pub prefilled: AtomicU64,
+    /// Whether a fresh peer does not report what it prefilled (an older
+    /// version).
+    pub prefilled_unknown: AtomicBool,
+}
+
+impl PeerLoad {
+    /// What the peers prefilled here, if they all say.
+    pub fn prefilled(&self) -> Option<u64> {
+        (!self.prefilled_unknown.load(Ordering::Relaxed))
+            .then(|| self.prefilled.load(Ordering::Relaxed))
+    }
+
+    /// A peer reported `n` more tokens prefilled here.
+    pub fn add_prefilled(&self, n: u64) {
+        self.prefilled.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Whether every fresh peer reports what it prefilled.
+    pub fn prefilled_known(&self, known: bool) {
+        self.prefilled_unknown.store(!known, Ordering::Relaxed);
+    }
+
+    /// Reads the figures.
+    pub fn snapshot(&self) -> LoadSnapshot {
+        LoadSnapshot {
+            requests: self.requests.load(Ordering::Relaxed),
+            prefilling: self.prefilling.load(Ordering::Relaxed),
+            prefill_tokens: self.prefill_tokens.load(Ordering::Relaxed),
+            decoding: self.decoding.load(Ordering::Relaxed),
+            context_tokens: self.context_tokens.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Sets the figures (`None`: no fresh peer report: zeros).
+    pub fn set(&self, s: Option<LoadSnapshot>) {
+        let s = s.unwrap_or_default();
+        self.requests.store(s.requests, Ordering::Relaxed);
+        self.prefilling.store(s.prefilling, Ordering::Relaxed);
+        self.prefill_tokens
+            .store(s.prefill_tokens, Ordering::Relaxed);
+        self.decoding.store(s.decoding, Ordering::Relaxed);
+        self.context_tokens
+            .store(s.context_tokens, Ordering::Relaxed);
+    }
+}
+
+/// Requests this router tracks per endpoint while they wait for their first
+/// token (the oldest of them is the evidence; see [`Waiting`]).
+pub const WAITING_SLOTS: usize = 32;
+
+const PREDICTED_BITS: u32 = 24;
+const PREDICTED_MASK: u64 = (1 << PREDICTED_BITS) - 1;
+const SENT_MAX: u64 = (1 << (64 - PREDICTED_BITS)) - 2;
+
+/// The router's requests at an endpoint that have no first token yet: when
+/// each was sent and what was predicted for it, so that decisions can read
+/// the oldest one's age as evidence about the engine now
+/// ([`kinference_scoring::Evidence`]). Lock-free: a fixed set of slots, each
+/// one atomic word (sent, ms since the router started, + 1, in 40 bits;
+/// predicted TTFT, ms, in 24), claimed at send and cleared at the first
+/// token or the end. When
+/// every slot is taken a new request goes untracked: the oldest ones, which
+/// are what counts, already hold slots.
+#[derive(Debug, Default)]
+pub struct Waiting {
+    slots: [AtomicU64; WAITING_SLOTS],
+}
+
+impl Waiting {
+    fn claim(&self, sent: Duration, predicted: Duration) -> Option<usize> {
+        // 40 bits of send time (34 years of uptime), 24 of prediction
+        // (4.6 hours, clamped).
+        let sent_ms = u64::try_from(sent.as_millis())
+            .unwrap_or(u64::MAX)
+            .min(SENT_MAX)
+            + 1;
+        let predicted_ms = u64::try_from(predicted.as_millis())
+            .unwrap_or(u64::MAX)
+            .min(PREDICTED_MASK);
+        let word = (sent_ms << PREDICTED_BITS) | predicted_ms;
+        self.slots.iter().position(|s| {
+            s.compare_exchange(0, word, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        })
+    }
+
+    fn release(&self, slot: usize) {
+        if let Some(s) = self.slots.get(slot) {
+            s.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// The oldest tracked request's `(age at now, predicted TTFT)`, `now`
+    /// being the time since the router started.
+    pub fn oldest(&self, now: Duration) -> Option<(Duration, Duration)> {
+        let word = self
+            .slots
+            .iter()
+            .map(|s| s.load(Ordering::Relaxed))
+            .filter(|&w| w != 0)
+            .min()?;
+        let sent = Duration::from_millis((word >> PREDICTED_BITS) - 1);
+        let predicted = Duration::from_millis(word & PREDICTED_MASK);
+        Some((now.saturating_sub(sent), predicted))
+    }
+}
+
+/// A point-in-time copy of [`Load`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct LoadSnapshot {
+    /// Requests in flight.
+    pub requests: u32,
+    /// Of which before their first token.
+    pub prefilling: u32,
+    /// Their uncached prompt tokens.
+    pub prefill_tokens: u64,
+    /// Requests decoding.
+    pub decoding: u32,
+    /// Prompt tokens of the requests in flight.
+    pub context_tokens: u64,
+}
+
+impl Load {
+    /// The load the routers have on the endpoint: this replica's and what
+    /// its peers report (what decisions read).
+    pub fn snapshot(&self) -> LoadSnapshot {
+        self.own().plus(self.peers.snapshot())
+    }
+
+    /// The peers' figures alone.
+    pub fn peers_snapshot(&self) -> LoadSnapshot {
+        self.peers.snapshot()
+    }
+
+    /// This replica's own counters (what it reports to its peers and in
+    /// its metrics).
+    pub fn own(&self) -> LoadSnapshot {
+        LoadSnapshot {
+            requests: self.requests.load(Ordering::Relaxed),
+            prefilling: self.prefilling.load(Ordering::Relaxed),
+            prefill_tokens: self.prefill_tokens.load(Ordering::Relaxed),
+            decoding: self.decoding.load(Ordering::Relaxed),
+            context_tokens: self.context_tokens.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl LoadSnapshot {
+    /// Both together (saturating).
+    #[must_use]
+    pub fn plus(self, o: Self) -> Self {
+        Self {
+            requests: self.requests.saturating_add(o.requests),
+            prefilling: self.prefilling.saturating_add(o.prefilling),
+            prefill_tokens: self.prefill_tokens.saturating_add(o.prefill_tokens),
+            decoding: self.decoding.saturating_add(o.decoding),
+            context_tokens: self.context_tokens.saturating_add(o.context_tokens),
+        }
+    }
+}
+
+impl Endpoint {
+    /// Counts a request as sent: prefilling `prefill_tokens` uncached tokens
+    /// of a `context_tokens`-token prompt.
+    pub fn begin(self: &Arc<Self>, prefill_tokens: u64, context_tokens: u64) -> InFlight {
+        self.load.requests.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .context_tokens
+            .fetch_add(context_tokens, Ordering::Relaxed);
+        self.load.prefilling.fetch_add(1, Ordering::Relaxed);
+        self.load
+            .prefill_tokens
+            .fetch_add(prefill_tokens, Ordering::Relaxed);
+        crate::peers::load_changed();
+        InFlight {
+            endpoint: self.clone(),
+            prefill_tokens,
+            context_tokens,
+            phase: Phase::Prefilling,
+            waiting_slot: None,
+            adapter: None,
+            decode_mark: None,
+        }
+    }
+}
+
+/// Where a request's decoding started, to measure its steps at the end.
+#[derive(Clone, Copy, Debug)]
+struct DecodeMark {
+    /// [`clock_micros`] at the first token.
+    at: i64,
+    /// [`Load::prefilled`] then (its own prompt included), moved up at its
+    /// next chunk to the end of its burst: requests whose first token came
+    /// in the same engine step, read after its own, were prefilled before
+    /// its decoding.
+    prefilled: u64,
+    /// Its burst ([`Bursts::first_token`]).
+    burst: u64,
+    /// Whether `prefilled` was moved up.
+    settled: bool,
+    /// Sequences decoding there (this router's and its peers'), summed
+    /// over the chunks after the first: each chunk ends a step, and the
+    /// count then is the next step's batch. Averaged per chunk, not per
+    /// unit of time: a long prefill step beside few decodes would
+    /// otherwise weigh in as many steps.
+    decoding_sum: u64,
+    /// The chunks summed.
+    reads: u32,
+    /// [`PeerLoad::prefilled`] at the first chunk [`PEER_LAG`] after the
+    /// first token, if the peers say: their reports of first tokens that
+    /// came in the same engine step as this one arrive up to a poll late.
+    peers_prefilled: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Prefilling,
+    Decoding,
+}
+
+/// One request's share of an endpoint's load; releases it when dropped.
+#[derive(Debug)]
+pub struct InFlight {
+    endpoint: Arc<Endpoint>,
+    prefill_tokens: u64,
+    context_tokens: u64,
+    phase: Phase,
+    /// Its slot in the endpoint's [`Waiting`] until the first token.
+    waiting_slot: Option<usize>,
+    /// The LoRA adapter it names, counted in the endpoint's adapters.
+    adapter: Option<Arc<str>>,
+    /// Set at the first token.
+    decode_mark: Option<DecodeMark>,
+}
+
+impl InFlight {
+    /// Counts the request as one for `adapter` there until it ends.
+    pub fn for_adapter(&mut self, adapter: &Arc<str>) {
+        if self.adapter.is_none() {
+            self.endpoint.adapters.begin(adapter);
+            self.adapter = Some(adapter.clone());
+        }
+    }
+
+    /// Tracks the request as waiting for its first token since `sent` (time
+    /// since the router started), predicted to take `predicted`.
+    pub fn waiting_since(&mut self, sent: Duration, predicted: Duration) {
+        if self.phase == Phase::Prefilling && self.waiting_slot.is_none() {
+            self.waiting_slot = self.endpoint.waiting.claim(sent, predicted);
+        }
+    }
+
+    fn stop_waiting(&mut self) {
+        if let Some(slot) = self.waiting_slot.take() {
+            self.endpoint.waiting.release(slot);
+        }
+    }
+
+    /// The endpoint this request went to.
+    pub fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.endpoint
+    }
+
+    /// The first token arrived (or is assumed to have): prefill work is done.
+    /// Idempotent; call it on every chunk of the response.
+    pub fn first_token(&mut self) {
+        if let Some(mark) = &mut self.decode_mark {
+            let l = &self.endpoint.load;
+            if !mark.settled {
+                let bursts = l.bursts.lock();
+                let now = l.prefilled.load(Ordering::Relaxed);
+                if let Some(end) = bursts.end(mark.burst, now) {
+                    mark.prefilled = mark.prefilled.max(end);
+                }
+                mark.settled = true;
+            }
+            if mark.peers_prefilled.is_none()
+                && let Some(p) = l.peers.prefilled()
+                && clock_micros(Instant::now()) - mark.at >= PEER_LAG
+            {
+                mark.peers_prefilled = Some(p);
+            }
+            let decoding = l.decoding.load(Ordering::Relaxed);
+            let peers = l.peers.decoding.load(Ordering::Relaxed);
+            mark.decoding_sum += u64::from(decoding) + u64::from(peers);
+            mark.reads += 1;
+            return;
+        }
+        self.stop_waiting();
+        if self.phase == Phase::Prefilling {
+            let l = &self.endpoint.load;
+            l.prefilling.fetch_sub(1, Ordering::Relaxed);
+            l.prefill_tokens
+                .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            let t = clock_micros(Instant::now());
+            let mut bursts = l.bursts.lock();
+            let before = l.prefilled.fetch_add(self.prefill_tokens, Ordering::SeqCst);
+            l.prefilled_version
+                .fetch_max(crate::peers::version() + 1, Ordering::SeqCst);
+            let burst = bursts.first_token(t, before);
+            drop(bursts);
+            l.decoding.fetch_add(1, Ordering::Relaxed);
+            self.decode_mark = Some(DecodeMark {
+                at: t,
+                prefilled: before + self.prefill_tokens,
+                burst,
+                settled: false,
+                decoding_sum: 0,
+                reads: 0,
+                peers_prefilled: None,
+            });
+            self.phase = Phase::Decoding;
+            crate::admit::capacity_freed();
+            crate::peers::load_changed();
+        }
+    }
+
+    /// Whether the first token has been seen.
+    pub fn past_first_token(&self) -> bool {
+        self.phase == Phase::Decoding
+    }
+
+    /// The engine's steps since the first token, now that `tokens` more
+    /// have come ([`kinference_scoring::steps`]): the time, the sequences
+    /// decoding there on average over its chunks (this router's and, as
+    /// they reported them, its peers'), and the prompt tokens prefilled
+    /// there meanwhile.
+    /// The peers' prefill is what they report prefilled meanwhile, from
+    /// [`PEER_LAG`] after the first token (their reports come up to a poll
+    /// late, at both ends alike); a shorter stream, or a peer too old to
+    /// report it, leaves this router's count scaled by the routers'
+    /// requests there over its own.
+    /// `None` before the first token.
+    pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
+        let mark = self.decode_mark?;
+        let t = clock_micros(Instant::now());
+        let elapsed = t.checked_sub(mark.at).filter(|&e| e > 0)?;
+        let l = &self.endpoint.load;
+        let decoding = if mark.reads == 0 {
+            1.0
+        } else {
+            mark.decoding_sum as f64 / f64::from(mark.reads)
+        };
+        let prefilled = l
+            .prefilled
+            .load(Ordering::Relaxed)
+            .saturating_sub(mark.prefilled) as f64;
+        let prefill_tokens =
+            if let (Some(then), Some(now)) = (mark.peers_prefilled, l.peers.prefilled()) {
+                prefilled + now.saturating_sub(then) as f64
+            } else {
+                let own = f64::from(l.requests.load(Ordering::Relaxed).max(1));
+                let peers = f64::from(l.peers.requests.load(Ordering::Relaxed));
+                prefilled * (own + peers) / own
+            };
+        Some(kinference_scoring::StepSample {
+            tokens,
+            millis: elapsed as f64 / 1e3,
+            decoding: decoding.max(1.0),
+            prefill_tokens,
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.stop_waiting();
+        if let Some(a) = self.adapter.take() {
+            self.endpoint.adapters.end(&a);
+        }
+        let l = &self.endpoint.load;
+        match self.phase {
+            Phase::Prefilling => {
+                l.prefilling.fetch_sub(1, Ordering::Relaxed);
+                l.prefill_tokens
+                    .fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            }
+            Phase::Decoding => {
+                l.decoding.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+        l.context_tokens
+            .fetch_sub(self.context_tokens, Ordering::Relaxed);
+        l.requests.fetch_sub(1, Ordering::Relaxed);
+        crate::admit::capacity_freed();
+        crate::peers::load_changed();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::one_endpoint;
+    use super::*;
+
+    #[test]
+    fn in_flight_is_released_exactly_once_on_every_path() {
+        let e = one_endpoint();
+        {
+            let mut a = e.begin(1000, 1200);
+            let _b = e.begin(500, 600);
+            assert_eq!(
+                e.load.snapshot(),
+                LoadSnapshot {
+                    requests: 2,
+                    prefilling: 2,
+                    prefill_tokens: 1500,
+                    decoding: 0,
+                    context_tokens: 1800,
+                }
+            );
+            a.first_token();
+            a.first_token();
+            assert_eq!(
+                e.load.snapshot(),
+                LoadSnapshot {
+                    requests: 2,
+                    prefilling: 1,
+                    prefill_tokens: 500,
+                    decoding: 1,
+                    context_tokens: 1800,
+                }
+            );
+        }
+        assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+    }
+
+    #[test]
+    fn step_samples_count_what_the_peers_prefilled_meanwhile() {
+        let e = one_endpoint();
+        let mut a = e.begin(300, 300);
+        a.first_token();
+        a.first_token();
+        // Reports of first tokens in A's engine step, up to a poll late.
+        e.load.peers.add_prefilled(1000);
+        std::thread::sleep(Duration::from_micros(PEER_LAG as u64));
+        // The chunk that takes the peers' count as the start.
+        a.first_token();
+        // A peer's request of 600 tokens got its first token meanwhile, and
+        // one of this router's of 200.
+        let mut b = e.begin(200, 200);
+        std::thread::sleep(Duration::from_millis(3));
+        b.first_token();
+        e.load.peers.add_prefilled(600);
+        a.first_token();
+        let s = a.step_sample(3).unwrap();
+        assert!((s.prefill_tokens - 800.0).abs() < 1e-9, "{s:?}");
+        assert_eq!(s.tokens, 3);
+        // One decoding at the first two reads, two at the third.
+        assert!((s.decoding - 4.0 / 3.0).abs() < 1e-9, "{s:?}");
+        // A peer that does not say: this router's count, scaled by the
+        // routers' requests (2 of its own, 2 of the peers') over its own.
+        e.load.peers.prefilled_known(false);
+        e.load.peers.set(Some(LoadSnapshot {
+            requests: 2,
+            ..LoadSnapshot::default()
+        }));
+        let s = a.step_sample(3).unwrap();
+        assert!((s.prefill_tokens - 400.0).abs() < 1e-9, "{s:?}");
+    }
+
+    #[test]
+    fn first_tokens_of_one_engine_step_form_one_burst() {
+        let mut c = Bursts::default();
+        // A, then B 0.3 ms later: one step. C a step (10 ms) later.
+        let a = c.first_token(10_000, 0);
+        let b = c.first_token(10_300, 100);
+        assert_eq!(a, b);
+        // At A's next chunk, before C: its burst ends at the count now.
+        assert_eq!(c.end(a, 250), Some(250));
+        let cc = c.first_token(20_000, 250);
+        assert_ne!(cc, a);
+        // C read before A's next chunk: A's burst ended at 250, C's prompt
+        // was prefilled in A's steps.
+        assert_eq!(c.end(a, 400), Some(250));
+        c.first_token(30_000, 400);
+        assert_eq!(c.end(a, 500), None);
+        assert_eq!(c.end(cc, 500), Some(400));
+    }
+
+    #[test]
+    fn waiting_requests_are_tracked_until_their_first_token_or_end() {
+        let e = one_endpoint();
+        let ms = Duration::from_millis;
+        assert_eq!(e.waiting.oldest(ms(1000)), None);
+        let mut a = e.begin(100, 100);
+        a.waiting_since(ms(1000), ms(40));
+        let mut b = e.begin(100, 100);
+        b.waiting_since(ms(1200), ms(70));
+        assert_eq!(e.waiting.oldest(ms(1500)), Some((ms(500), ms(40))));
+        a.first_token();
+        assert_eq!(e.waiting.oldest(ms(1500)), Some((ms(300), ms(70))));
+        drop(b);
+        assert_eq!(e.waiting.oldest(ms(1500)), None);
+        drop(a);
+        // Full slots: the oldest stay tracked, newer ones go untracked.
+        let mut held: Vec<_> = (0..WAITING_SLOTS as u64 + 4)
+            .map(|i| {
+                let mut g = e.begin(1, 1);
+                g.waiting_since(ms(2000 + i), ms(10));
+                g
+            })
+            .collect();
+        assert_eq!(e.waiting.oldest(ms(3000)), Some((ms(1000), ms(10))));
+        held.clear();
+        assert_eq!(e.waiting.oldest(ms(3000)), None);
+        assert_eq!(e.load.snapshot(), LoadSnapshot::default());
+        // After 60 days of uptime ages are still right (a 32-bit send
+        // time would have clamped at 49.7 days).
+        let day = Duration::from_secs(86_400);
+        let mut late = e.begin(1, 1);
+        late.waiting_since(day * 60, ms(300));
+        assert_eq!(
+            e.waiting.oldest(day * 60 + ms(250)),
+            Some((ms(250), ms(300)))
+        );
+        drop(late);
+        // Refusals.
+        assert_eq!(e.refused_age(ms(10)), None);
+        e.record_refusal(ms(100));
+        assert_eq!(e.refused_age(ms(350)), Some(ms(250)));
+        assert!(e.healthy(Instant::now()), "a 503 ejects nothing");
+    }
+}
