@@ -1,0 +1,235 @@
+//! What a run measures beside the requests' figures: the routers' CPU,
+//! the machine's load, a late replica's hit rate against its peers', the
+//! bytes between replicas, a replica killed mid-run, the slow engine's
+//! share.
+
+use std::time::Duration;
+
+use super::{Proc, drive, http_port, load};
+
+/// `utime + stime` of a process, seconds.
+pub(crate) fn cpu_seconds(pid: u32, ticks_per_s: f64) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    parse_cpu_ticks(&stat).map(|t| t as f64 / ticks_per_s)
+}
+
+/// `utime + stime` (clock ticks) from a `/proc/PID/stat` line.
+pub(crate) fn parse_cpu_ticks(stat: &str) -> Option<u64> {
+    // The command name may contain spaces: fields start after the last ')'.
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest[0] is field 3 (state); utime is field 14, stime 15.
+    let utime: u64 = f.get(11)?.parse().ok()?;
+    let stime: u64 = f.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+pub(super) fn clock_ticks() -> f64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .unwrap_or(100.0)
+}
+
+pub(super) fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// How long after a late replica is ready its hit rate is compared with
+/// its peers' (issue 17: "within 10 s").
+pub(crate) const JOIN_WINDOW: Duration = Duration::from_secs(10);
+
+/// The prefix-cache hit rate (cached ÷ prompt tokens, from each response's
+/// usage) of the requests replica `index` answered that were sent within
+/// `window` of `from`, that of the other replicas' in the same interval,
+/// and how many the replica answered.
+pub(crate) fn join_window(
+    samples: &[drive::Sample],
+    index: usize,
+    from: Duration,
+    window: Duration,
+) -> (f64, f64, usize) {
+    let mut sums = [(0u64, 0u64, 0usize); 2];
+    for s in samples {
+        let (Some(r), Some(p), Some(c)) = (s.replica, s.prompt_tokens, s.cached_tokens) else {
+            continue;
+        };
+        if s.sent_at < from || s.sent_at >= from + window {
+            continue;
+        }
+        let x = &mut sums[usize::from(r != index)];
+        x.0 += c;
+        x.1 += p;
+        x.2 += 1;
+    }
+    let rate = |(c, p, _): (u64, u64, usize)| {
+        if p == 0 {
+            f64::NAN
+        } else {
+            c as f64 / p as f64
+        }
+    };
+    (rate(sums[0]), rate(sums[1]), sums[0].2)
+}
+
+/// Bytes every reachable replica received from its peers: load polls and
+/// their answers, snapshots and their requests
+/// (`kinference_router_peer_bytes_total{direction="received"}`).
+pub(super) async fn peer_bytes(admins: &[String]) -> (f64, f64) {
+    let mut out = (0.0, 0.0);
+    for a in admins {
+        let Ok((200, body)) = load::get(&format!("http://{a}/metrics")).await else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&body);
+        for s in kinference_api::engine::prometheus::samples(&text) {
+            if s.name != "kinference_router_peer_bytes_total"
+                || s.label("direction") != Some("received")
+            {
+                continue;
+            }
+            match s.label("kind") {
+                Some("load") => out.0 += s.value,
+                Some("snapshot") => out.1 += s.value,
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// Kills router `victim` (SIGKILL, as an OOM kill does: its port refuses
+/// connections at once) after `at`, then watches the survivors'
+/// `kinference_router_peers_reporting`: the time until every survivor
+/// stopped counting the killed replica's load (each then hears only from
+/// the other survivors), or `None` if that took over 10 s. Gives the
+/// process back, to be reaped with the others.
+pub(super) async fn kill_and_watch(
+    mut victim: Proc,
+    survivors: Vec<String>,
+    at: Duration,
+) -> (Proc, Option<Duration>) {
+    tokio::time::sleep(at).await;
+    let killed = tokio::time::Instant::now();
+    if victim.kill().is_err() {
+        return (victim, None);
+    }
+    let others = (survivors.len().saturating_sub(1)) as f64;
+    while killed.elapsed() < Duration::from_secs(10) {
+        let mut all = true;
+        for a in &survivors {
+            let reporting = match load::get(&format!("http://{a}/metrics")).await {
+                Ok((200, body)) => peers_reporting(&String::from_utf8_lossy(&body)),
+                _ => None,
+            };
+            all &= reporting.is_some_and(|r| r <= others);
+        }
+        if all {
+            return (victim, Some(killed.elapsed()));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (victim, None)
+}
+
+/// `kinference_router_peers_reporting` from a metrics page.
+pub(super) fn peers_reporting(metrics: &str) -> Option<f64> {
+    kinference_api::engine::prometheus::samples(metrics)
+        .find(|s| s.name == "kinference_router_peers_reporting")
+        .map(|s| s.value)
+}
+
+/// The share of the measured requests the slowest engine served, when one
+/// engine is slower than the others and the router names engines
+/// (`x-kinference-endpoint`); NaN otherwise.
+pub(super) fn slow_share(samples: &[drive::Sample], slowdowns: &[f64], port_base: u16) -> f64 {
+    let Some((i, s)) = slowdowns
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+    else {
+        return f64::NAN;
+    };
+    if *s <= 1.0 || slowdowns.iter().filter(|x| (*x - s).abs() < 1e-9).count() != 1 {
+        return f64::NAN;
+    }
+    let slow = format!("127.0.0.1:{}", http_port(port_base, i));
+    let named: Vec<&drive::Sample> = samples
+        .iter()
+        .filter(|x| x.measured && x.engine.is_some())
+        .collect();
+    if named.is_empty() {
+        return f64::NAN;
+    }
+    named
+        .iter()
+        .filter(|x| x.engine.as_deref() == Some(slow.as_str()))
+        .count() as f64
+        / named.len() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_late_replica_is_compared_with_its_peers_over_the_same_window() {
+        let s = |replica: usize, at: u64, prompt: u64, cached: u64| drive::Sample {
+            replica: Some(replica),
+            sent_at: Duration::from_secs(at),
+            prompt_tokens: Some(prompt),
+            cached_tokens: Some(cached),
+            ..drive::Sample::default()
+        };
+        let samples = [
+            // Before it was ready, after its window: not counted.
+            s(0, 4, 100, 0),
+            s(2, 21, 100, 0),
+            // Its requests, and its peers', in [5 s, 15 s).
+            s(2, 5, 100, 50),
+            s(2, 14, 300, 250),
+            s(0, 6, 100, 90),
+            s(1, 10, 100, 70),
+            // No usage (an error): not counted.
+            drive::Sample {
+                replica: Some(2),
+                sent_at: Duration::from_secs(7),
+                ..drive::Sample::default()
+            },
+        ];
+        let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(5), JOIN_WINDOW);
+        assert!((own - 0.75).abs() < 1e-12, "{own}");
+        assert!((peers - 0.8).abs() < 1e-12, "{peers}");
+        assert_eq!(n, 2);
+        let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(30), JOIN_WINDOW);
+        assert!(own.is_nan() && peers.is_nan() && n == 0);
+    }
+
+    #[test]
+    fn proc_stat_cpu_fields() {
+        let stat = "1234 (kinference-ro ter) S 1 1234 1234 0 -1 4194560 2040 0 0 0 250 37 0 0 20 0 9 0 5263 1220608000 4521 18446744073709551615";
+        assert_eq!(parse_cpu_ticks(stat), Some(287));
+        assert_eq!(parse_cpu_ticks("garbage"), None);
+        let own = cpu_seconds(std::process::id(), 100.0);
+        assert!(own.is_some_and(|s| s >= 0.0));
+    }
+
+    #[test]
+    fn peers_reporting_reads_the_gauge_and_nothing_like_it() {
+        let page = "# HELP kinference_router_peers Other replicas\n# TYPE kinference_router_peers gauge\nkinference_router_peers 2\n# TYPE kinference_router_peers_reporting gauge\nkinference_router_peers_reporting 1\n";
+        assert_eq!(peers_reporting(page), Some(1.0));
+        assert_eq!(peers_reporting("kinference_router_peers 2\n"), None);
+    }
+}
