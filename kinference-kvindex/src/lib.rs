@@ -10,7 +10,6 @@
 //! | [`index`] | [`KvIndex`]: register workers, apply events, [`KvIndex::find_matches`], [`max_entries_for_budget`] |
 //! | [`snapshot`] | [`Snapshot`]: the index's contents for another process ([`KvIndex::export`], [`KvIndex::import`]) |
 //! | [`dump`] | events as JSON lines (`kvdump`, the router's `events` command) |
-//! | [`sources`] | vLLM's `/kv_event_sources` answer |
 //! | `sub` (feature `zmq`) | `Subscriber`: one SUB socket per publisher, replay, stream health |
 //!
 //! # Data model

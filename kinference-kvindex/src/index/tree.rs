@@ -1,7 +1,7 @@
 //! The block tree's pieces: nodes (runs of chained block keys) and the
 //! per-holder coverage of a node.
 //!
-//! A [`Node`] is a run of consecutive chain positions `start..start+len`:
+//! A node ([`NodeMut`] edits one) is a run of consecutive chain positions `start..start+len`:
 //! our block key and the engine's hash at each position. Another chain may
 //! leave a node at any offset `o`: it continues in a child node whose
 //! first position is `start + o` (its first key differs from `keys[o]`, or
