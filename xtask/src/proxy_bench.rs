@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
+use crate::bench::routing::{clock_ticks, cpu_seconds as routing_cpu_seconds};
 use crate::fleet::{self, Manifests, Sim};
 use crate::procs::{self, Proc};
 
@@ -129,19 +130,6 @@ fn manifests(dir: &Path) -> Result<()> {
     ));
     std::fs::write(dir.join("objects.yaml"), m.yaml())?;
     Ok(())
-}
-
-/// utime + stime of a process and its threads, in seconds.
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    // Fields after the command (which may hold spaces) start after ')'.
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    // utime is field 14, stime 15 (1-based); here index 11 and 12.
-    (ticks(11) + ticks(12)) / 100.0
 }
 
 /// nginx's master and workers.
@@ -298,6 +286,8 @@ async fn bench(opts: Options) -> Result<ExitCode> {
     wrk(&wrk_bin, &script, &via_nginx, 1, 2).await?;
     let router_pid = router.pid().context("router pid")?;
     let npids = nginx_pids(nginx.pid().context("nginx pid")?);
+    let ticks = clock_ticks();
+    let cpu_seconds = |pid: u32| routing_cpu_seconds(pid, ticks).unwrap_or(0.0);
     let mut rounds = Vec::new();
     for round in 1..=opts.rounds.max(1) {
         println!("round {round}: one connection, then 16, {secs} s each…");

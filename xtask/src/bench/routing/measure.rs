@@ -24,7 +24,7 @@ pub(crate) fn parse_cpu_ticks(stat: &str) -> Option<u64> {
     Some(utime + stime)
 }
 
-pub(super) fn clock_ticks() -> f64 {
+pub(crate) fn clock_ticks() -> f64 {
     std::process::Command::new("getconf")
         .arg("CLK_TCK")
         .output()

@@ -35,10 +35,8 @@ mod measure;
 
 pub(crate) use fleet::Fleet;
 use fleet::{add_latency_fields, admin_addr, http_port, kv_port, listen_addr};
-pub(crate) use measure::JOIN_WINDOW;
-use measure::{
-    clock_ticks, cpu_seconds, join_window, kill_and_watch, loadavg, peer_bytes, slow_share,
-};
+pub(crate) use measure::{JOIN_WINDOW, clock_ticks, cpu_seconds};
+use measure::{join_window, kill_and_watch, loadavg, peer_bytes, slow_share};
 
 /// The simulator's unscaled defaults (its README: fitted to vLLM on an L4),
 /// and llm-d's published per-pod KV capacity.
