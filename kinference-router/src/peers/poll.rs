@@ -1,0 +1,512 @@
+//! Finding the peers (the Service's EndpointSlices or a fixed list) and
+//! asking each for its load, as a long poll where it answers with versions;
+//! what the fresh reports add up to on each endpoint.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http_body_util::{BodyExt as _, Empty};
+use parking_lot::RwLock;
+use serde::Serialize;
+use tokio::time::Instant;
+
+use crate::state::Shared;
+
+use super::report::apply;
+use super::{
+    LOAD_PATH, MAX_REPORT_BYTES, MAX_WAIT, MIN_GAP, Report, SHARING, Traffic, VERSION_HEADER,
+    parse, request_bytes, response_bytes, sum,
+};
+
+/// Where the peers are.
+#[derive(Clone, Debug)]
+pub enum Source {
+    /// A fixed list of admin addresses.
+    Fixed(Vec<String>),
+    /// The ready addresses of a Service's EndpointSlices, at `admin_port`.
+    Service {
+        /// The router's namespace.
+        namespace: String,
+        /// The router's Service.
+        name: String,
+        /// The peers' admin port (this replica's own).
+        admin_port: u16,
+    },
+}
+
+/// Peer settings.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Who.
+    pub source: Source,
+    /// Between polls of a peer that does not long-poll, between retries,
+    /// and between checks of the peer list (also what an answer may take
+    /// beyond a long poll's wait).
+    pub interval: Duration,
+    /// Reports older than this count for nothing.
+    pub staleness: Duration,
+    /// `Authorization` to send and to require.
+    pub token: Option<HeaderValue>,
+    /// How long a starting replica waits for a peer's KV index
+    /// ([`crate::snapshot`]); zero: it does not ask.
+    pub bootstrap_timeout: Duration,
+    /// The largest KV index snapshot sent or accepted.
+    pub snapshot_max_bytes: usize,
+}
+
+/// The peers' admin addresses as last found.
+#[derive(Debug, Default)]
+pub struct PeerList {
+    addresses: RwLock<Vec<String>>,
+    listed: AtomicBool,
+}
+
+impl PeerList {
+    /// The addresses now.
+    pub fn get(&self) -> Vec<String> {
+        self.addresses.read().clone()
+    }
+
+    /// Whether the peers were listed at least once (a fixed list always
+    /// is; a Service's once its EndpointSlices answered).
+    pub fn listed(&self) -> bool {
+        self.listed.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, addresses: Vec<String>) {
+        *self.addresses.write() = addresses;
+        self.listed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A peer's prefilled counts as last reported, to turn its reports into
+/// increases: a peer that starts reporting, comes back after going stale,
+/// or is found later adds only what it prefills from then on, never its
+/// whole history.
+#[derive(Debug, Default)]
+pub struct PrefilledSeen {
+    /// The peer process the counts are from ([`Report::replica`]).
+    replica: String,
+    /// Per engine.
+    counts: HashMap<String, u64>,
+}
+
+impl PrefilledSeen {
+    /// Takes in `r`'s counts; the increases per engine since the last. The
+    /// first report of a replica (always complete: asked without a
+    /// version) sets where it starts; an engine new in a later report
+    /// starts from zero; a count that went down starts again there.
+    pub fn update<'a>(&mut self, r: &'a Report) -> Vec<(&'a str, u64)> {
+        let Some(now) = &r.prefilled else {
+            return Vec::new();
+        };
+        let first = self.replica != r.replica;
+        if first {
+            self.replica.clone_from(&r.replica);
+            self.counts.clear();
+        }
+        let mut out = Vec::new();
+        for (engine, &count) in now {
+            let last = self.counts.insert(engine.clone(), count);
+            let from = match last {
+                Some(l) if l <= count => l,
+                Some(_) => count,
+                None if first => count,
+                None => 0,
+            };
+            if count > from {
+                out.push((engine.as_str(), count - from));
+            }
+        }
+        out
+    }
+}
+
+/// What the poller knows, for `/debug/endpoints`.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeerState {
+    /// Per peer address: age of its last good report (ms), or the last
+    /// error.
+    pub peers: Vec<PeerStatus>,
+}
+
+/// One peer.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerStatus {
+    /// Its admin address.
+    pub address: String,
+    /// Milliseconds since its last good report.
+    pub report_age_ms: Option<u64>,
+    /// Why the last poll failed.
+    pub error: Option<String>,
+}
+
+struct Known {
+    report: Option<(Report, Instant)>,
+    error: Option<String>,
+    prefilled: PrefilledSeen,
+}
+
+/// Starts polling the peers, and (unless turned off) the bootstrap of the
+/// KV index from one of them ([`crate::snapshot::bootstrap`]).
+pub fn spawn(shared: Arc<Shared>, settings: Settings, kube: Option<kube::Client>) {
+    let addresses = Arc::new(PeerList::default());
+    if let Source::Fixed(v) = &settings.source {
+        addresses.set(v.clone());
+    }
+    let alone = matches!(&settings.source, Source::Fixed(v) if v.is_empty());
+    if !alone {
+        SHARING.store(true, Ordering::Relaxed);
+    }
+    if !settings.bootstrap_timeout.is_zero() && !alone {
+        // Before anything subscribes: every stream gets its part.
+        let until = Instant::now() + settings.bootstrap_timeout;
+        shared.kv.await_seed(until);
+        tokio::spawn(crate::snapshot::bootstrap(
+            shared.clone(),
+            settings.clone(),
+            addresses.clone(),
+            until,
+        ));
+    }
+    if let (
+        Source::Service {
+            namespace,
+            name,
+            admin_port,
+        },
+        Some(client),
+    ) = (&settings.source, kube)
+    {
+        tokio::spawn(discover(
+            client,
+            namespace.clone(),
+            name.clone(),
+            *admin_port,
+            addresses.clone(),
+            shared.runtime.stop.clone(),
+        ));
+    }
+    tokio::spawn(poll(shared, settings, addresses));
+}
+
+/// Keeps `into` at the ready addresses of the Service's slices.
+async fn discover(
+    client: kube::Client,
+    namespace: String,
+    service: String,
+    admin_port: u16,
+    into: Arc<PeerList>,
+    stop: tokio_util::sync::CancellationToken,
+) {
+    use k8s_openapi::api::discovery::v1::EndpointSlice;
+    let api: kube::Api<EndpointSlice> = kube::Api::namespaced(client, &namespace);
+    let lp =
+        kube::api::ListParams::default().labels(&format!("kubernetes.io/service-name={service}"));
+    let own_ip = std::env::var("POD_IP").ok();
+    loop {
+        match api.list(&lp).await {
+            Ok(list) => {
+                let mut found: Vec<String> = list
+                    .items
+                    .iter()
+                    .flat_map(|s| s.endpoints.iter())
+                    .filter(|e| e.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true))
+                    .flat_map(|e| e.addresses.iter())
+                    .filter(|a| own_ip.as_deref() != Some(a.as_str()))
+                    .map(|a| {
+                        if a.contains(':') {
+                            format!("[{a}]:{admin_port}")
+                        } else {
+                            format!("{a}:{admin_port}")
+                        }
+                    })
+                    .collect();
+                found.sort();
+                found.dedup();
+                into.set(found);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %service, "listing the router's own EndpointSlices for its peers");
+            }
+        }
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+        }
+    }
+}
+
+/// Why a poll got no report.
+struct PollError {
+    why: String,
+    /// No connection could be made (refused, unreachable): nothing serves
+    /// there, so nothing routed through it is in flight any more (the
+    /// engines cancel what a dead replica sent when its connections close).
+    gone: bool,
+}
+
+impl PollError {
+    fn other(why: impl Into<String>) -> Self {
+        Self {
+            why: why.into(),
+            gone: false,
+        }
+    }
+}
+
+/// One report and its load version (`None`: the peer does not long-poll).
+type Answer = (Report, Option<u64>);
+
+async fn fetch(
+    client: &crate::probe::ProbeClient,
+    address: &str,
+    token: Option<&HeaderValue>,
+    wait: Option<(u64, Duration)>,
+    timeout: Duration,
+    traffic: &Traffic,
+) -> Result<Answer, PollError> {
+    let pq = match wait {
+        Some((after, w)) => format!("{LOAD_PATH}?after={after}&wait_ms={}", w.as_millis()),
+        None => LOAD_PATH.to_owned(),
+    };
+    let mut req = http::Request::get(format!("http://{address}{pq}"));
+    if let Some(t) = token {
+        req = req.header(header::AUTHORIZATION, t.clone());
+    }
+    let req = req
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| PollError::other(e.to_string()))?;
+    let sent = request_bytes(&pq, address, req.headers());
+    let call = async {
+        let resp = client.request(req).await.map_err(|e| PollError {
+            gone: e.is_connect(),
+            why: crate::probe::error_chain(&e),
+        })?;
+        traffic.load_sent.fetch_add(sent, Ordering::Relaxed);
+        let (status, headers) = (resp.status(), resp.headers().clone());
+        let body = http_body_util::Limited::new(resp.into_body(), MAX_REPORT_BYTES)
+            .collect()
+            .await
+            .map_err(|e| PollError::other(e.to_string()))?
+            .to_bytes();
+        traffic.load_received.fetch_add(
+            response_bytes(status, &headers, body.len(), false),
+            Ordering::Relaxed,
+        );
+        if !status.is_success() {
+            return Err(PollError::other(format!("answered {status}")));
+        }
+        let version = headers
+            .get(VERSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse().ok());
+        let report = parse(&body).ok_or_else(|| PollError::other("not a load report"))?;
+        Ok((report, version))
+    };
+    tokio::time::timeout(timeout, call)
+        .await
+        .unwrap_or_else(|_| Err(PollError::other(format!("no answer within {timeout:?}"))))
+}
+
+type KnownMap = Arc<parking_lot::Mutex<HashMap<String, Known>>>;
+
+/// Keeps one asking task per listed peer and expires stale reports.
+async fn poll(shared: Arc<Shared>, settings: Settings, addresses: Arc<PeerList>) {
+    let known: KnownMap = Arc::default();
+    let mut tasks: HashMap<String, tokio::task::JoinHandle<()>> = HashMap::new();
+    let mut tick = tokio::time::interval(settings.interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = shared.runtime.stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        let list = addresses.get();
+        tasks.retain(|a, task| {
+            let keep = list.contains(a) && !task.is_finished();
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        known.lock().retain(|a, _| list.contains(a));
+        for a in list {
+            if let std::collections::hash_map::Entry::Vacant(slot) = tasks.entry(a) {
+                let task = tokio::spawn(ask(
+                    shared.clone(),
+                    settings.clone(),
+                    slot.key().clone(),
+                    known.clone(),
+                ));
+                slot.insert(task);
+            }
+        }
+        publish(&shared, &known.lock(), settings.staleness);
+    }
+    for task in tasks.values() {
+        task.abort();
+    }
+}
+
+/// Asks one peer for its load, again and again: a long poll while the peer
+/// answers with versions, else one poll per interval.
+async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: KnownMap) {
+    let client = shared.runtime.probes.clone();
+    let traffic = &shared.runtime.peer_traffic;
+    let wait = (settings.staleness / 2).min(MAX_WAIT);
+    // The first ask finds out whether the peer long-polls (version 0 is
+    // never current: it answers at once).
+    let mut after = Some(0);
+    loop {
+        let started = Instant::now();
+        let long = after.map(|v| (v, wait));
+        let timeout = long.map_or(Duration::ZERO, |(_, w)| w) + settings.interval;
+        let result = fetch(
+            &client,
+            &address,
+            settings.token.as_ref(),
+            long,
+            timeout,
+            traffic,
+        )
+        .await;
+        let ok = result.is_ok();
+        {
+            let mut map = known.lock();
+            let k = map.entry(address.clone()).or_insert(Known {
+                report: None,
+                error: None,
+                prefilled: PrefilledSeen::default(),
+            });
+            match result {
+                Ok((r, _)) if r.replica == shared.runtime.replica => {
+                    k.report = None;
+                    k.error = Some("this replica itself".into());
+                    after = None;
+                }
+                Ok((mut r, version)) => {
+                    apply(&shared, &std::mem::take(&mut r.records));
+                    add_prefilled(&shared, &k.prefilled.update(&r));
+                    k.report = Some((r, Instant::now()));
+                    k.error = None;
+                    after = version;
+                }
+                // A peer that cannot be reached at all holds nothing: its
+                // load leaves at once instead of after the staleness bound.
+                // A slow or garbled answer keeps the last report until it
+                // is stale (the peer may still be serving).
+                Err(e) => {
+                    if e.gone {
+                        k.report = None;
+                    }
+                    k.error = Some(e.why);
+                    after = Some(0);
+                }
+            }
+            publish(&shared, &map, settings.staleness);
+        }
+        let gap = if ok && after.is_some() {
+            MIN_GAP
+        } else {
+            settings.interval
+        };
+        let pause = gap.saturating_sub(started.elapsed());
+        tokio::select! {
+            () = shared.runtime.stop.cancelled() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
+    }
+}
+
+/// Counts a peer's prefill increases on the endpoints they name.
+fn add_prefilled(shared: &Shared, increases: &[(&str, u64)]) {
+    if increases.is_empty() {
+        return;
+    }
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        for e in &ws.endpoints {
+            if let Some((_, n)) = increases.iter().find(|(a, _)| *a == e.authority) {
+                e.load.peers.add_prefilled(*n);
+            }
+        }
+    }
+}
+
+/// Sets every endpoint's peer load to the sum of the fresh reports, and the
+/// peers' status for `/debug/endpoints`.
+fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration) {
+    let now = Instant::now();
+    let fresh: Vec<&Report> = known
+        .values()
+        .filter_map(|k| {
+            k.report
+                .as_ref()
+                .filter(|(_, at)| now.saturating_duration_since(*at) <= staleness)
+                .map(|(r, _)| r)
+        })
+        .collect();
+    let sums = sum(fresh.iter().copied());
+    let prefilled_known = fresh.iter().all(|r| r.prefilled.is_some());
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        for e in &ws.endpoints {
+            e.load.peers.set(sums.get(&e.authority).copied());
+            e.load.peers.prefilled_known(prefilled_known);
+        }
+    }
+    *shared.runtime.peer_state.write() = PeerState {
+        peers: known
+            .iter()
+            .map(|(a, k)| PeerStatus {
+                address: a.clone(),
+                report_age_ms: k.report.as_ref().map(|(_, at)| {
+                    u64::try_from(now.saturating_duration_since(*at).as_millis())
+                        .unwrap_or(u64::MAX)
+                }),
+                error: k.error.clone(),
+            })
+            .collect(),
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_peers_prefilled_counts_become_increases_from_its_first_report() {
+        let report = |replica: &str, body: &str| {
+            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
+        };
+        let mut seen = PrefilledSeen::default();
+        // Its first report: where it starts, whatever it did before.
+        let r = report("a", r#""prefilled":{"e:1":700,"f:1":5}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        // Only moved engines are sent: e grew, g is new (from zero).
+        let r = report("a", r#""prefilled":{"e:1":900,"g:1":40}"#);
+        let mut up = seen.update(&r);
+        up.sort_unstable();
+        assert_eq!(up, vec![("e:1", 200), ("g:1", 40)]);
+        // Sent twice (the version boundary): nothing more.
+        assert_eq!(seen.update(&r), vec![]);
+        // Restarted under the same address: a new replica starts again.
+        let r = report("b", r#""prefilled":{"e:1":50}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        let r = report("b", r#""prefilled":{"e:1":80}"#);
+        assert_eq!(seen.update(&r), vec![("e:1", 30)]);
+        // A count that went down starts again there.
+        let r = report("b", r#""prefilled":{"e:1":10}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        let r = report("b", r#""prefilled":{"e:1":15}"#);
+        assert_eq!(seen.update(&r), vec![("e:1", 5)]);
+        // An older replica says nothing.
+        let r = report("c", r#""records":[]"#);
+        assert_eq!(seen.update(&r), vec![]);
+    }
+}

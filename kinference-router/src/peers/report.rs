@@ -1,0 +1,336 @@
+//! What a replica tells its peers: its load report (per-engine counts,
+//! the prefilled tokens that moved, the prefixes it sent), bounded when
+//! read back, and summed over the fresh reports.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::endpoint::LoadSnapshot;
+use crate::state::Shared;
+
+use super::{
+    MAX_RECORD_KEYS, MAX_RECORDS, MAX_REQUESTS, MAX_TOKENS, RECORD_HORIZON, RECORD_STRIDE, SHARING,
+    bump_version,
+};
+
+/// The keys a record carries: every [`RECORD_STRIDE`]th of `keys` (the
+/// last key of each stride), at most [`MAX_RECORD_KEYS`].
+pub fn checkpoints(keys: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    keys.iter()
+        .skip(RECORD_STRIDE - 1)
+        .step_by(RECORD_STRIDE)
+        .take(MAX_RECORD_KEYS)
+        .copied()
+}
+
+/// One prefix this replica sent, kept for its peers.
+#[derive(Debug)]
+struct Sent {
+    version: u64,
+    at: Instant,
+    engine: String,
+    keys: Vec<u64>,
+}
+
+/// The prefixes this replica sent within [`RECORD_HORIZON`], for its
+/// peers' reports; at most [`MAX_RECORDS`]. Written only while the replica
+/// has peers.
+#[derive(Debug, Default)]
+pub struct SentRecords {
+    sent: parking_lot::Mutex<std::collections::VecDeque<Sent>>,
+}
+
+impl SentRecords {
+    /// Keeps `keys` (a prompt's block keys, sent to `engine`) for the
+    /// peers, and wakes their long polls.
+    pub fn push(&self, engine: &str, keys: &[u64]) {
+        if !SHARING.load(Ordering::Relaxed) || keys.len() < RECORD_STRIDE {
+            return;
+        }
+        let keys: Vec<u64> = checkpoints(keys).collect();
+        let now = Instant::now();
+        {
+            let mut sent = self.sent.lock();
+            while sent.len() >= MAX_RECORDS
+                || sent
+                    .front()
+                    .is_some_and(|s| now.saturating_duration_since(s.at) > RECORD_HORIZON)
+            {
+                sent.pop_front();
+            }
+            // Stamped inside the lock: a report reading the version and
+            // then the records sees every record up to that version.
+            sent.push_back(Sent {
+                version: bump_version(),
+                at: now,
+                engine: engine.to_owned(),
+                keys,
+            });
+        }
+    }
+
+    /// The records stamped after `after` (every one kept, with `None`),
+    /// younger than the horizon, appended to `out`.
+    fn since(&self, after: Option<u64>, out: &mut Vec<PeerRecord>) {
+        let now = Instant::now();
+        let sent = self.sent.lock();
+        for s in sent.iter() {
+            let age = now.saturating_duration_since(s.at);
+            if after.is_some_and(|a| s.version <= a) || age > RECORD_HORIZON {
+                continue;
+            }
+            if out.len() >= MAX_RECORDS {
+                break;
+            }
+            out.push(PeerRecord {
+                engine: s.engine.clone(),
+                age_ms: u64::try_from(age.as_millis()).unwrap_or(u64::MAX),
+                keys: s.keys.clone(),
+            });
+        }
+    }
+}
+
+/// One replica's load report.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// The replica (random per process): a replica that finds itself in
+    /// its peer list ignores its own report.
+    pub replica: String,
+    /// Per engine (`address:port`): requests, prefilling, prefill tokens,
+    /// decoding, context tokens.
+    pub engines: HashMap<String, [u64; 5]>,
+    /// Prefixes sent since the asker's version (absent from older
+    /// replicas' reports).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub records: Vec<PeerRecord>,
+    /// Per engine: the uncached prompt tokens of every request this
+    /// replica sent there that got its first token, cumulative; only the
+    /// engines whose count moved at or after the asker's version (all of
+    /// them without one). Absent from older replicas' reports. Lets each
+    /// replica count the others' prefill in the engine steps it measures
+    /// ([`crate::endpoint`], [`PrefilledSeen`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefilled: Option<HashMap<String, u64>>,
+}
+
+/// A prefix a replica sent an engine.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerRecord {
+    /// The engine (`address:port`).
+    pub engine: String,
+    /// How long ago, in milliseconds.
+    pub age_ms: u64,
+    /// Every [`RECORD_STRIDE`]th block key of the prompt
+    /// ([`checkpoints`]).
+    pub keys: Vec<u64>,
+}
+
+/// This replica's report; its records are those stamped after `after`
+/// (all it keeps, with `None`), its prefilled counts those marked at or
+/// after it. A count is marked with the version after the current one
+/// before that version is made ([`crate::endpoint::Load::prefilled_version`]),
+/// so the first answer whose version was read after the mark both sees
+/// the new count and sends it; the boundary may go twice, never not at
+/// all.
+pub fn report(shared: &Shared, after: Option<u64>) -> Report {
+    let view = shared.view();
+    let mut engines = HashMap::new();
+    let mut records = Vec::new();
+    let mut prefilled = HashMap::new();
+    for ws in &view.worker_sets {
+        ws.runtime.sent.since(after, &mut records);
+        for e in &ws.endpoints {
+            let moved = e.load.prefilled_version.load(Ordering::SeqCst);
+            let p = e.load.prefilled.load(Ordering::SeqCst);
+            if p > 0 && after.is_none_or(|a| moved >= a) {
+                prefilled.insert(e.authority.clone(), p);
+            }
+            let l = e.load.own();
+            if l.requests == 0 && l.prefilling == 0 {
+                continue;
+            }
+            engines.insert(
+                e.authority.clone(),
+                [
+                    u64::from(l.requests),
+                    u64::from(l.prefilling),
+                    l.prefill_tokens,
+                    u64::from(l.decoding),
+                    l.context_tokens,
+                ],
+            );
+        }
+    }
+    Report {
+        replica: shared.runtime.replica.clone(),
+        engines,
+        records,
+        prefilled: Some(prefilled),
+    }
+}
+
+/// Puts a peer's records in the prefix records of the worker sets whose
+/// endpoints they name, dated by their age.
+pub(super) fn apply(shared: &Shared, records: &[PeerRecord]) {
+    if records.is_empty() {
+        return;
+    }
+    let view = shared.view();
+    let now = shared.now();
+    for ws in &view.worker_sets {
+        let mut prefixes = ws.runtime.peer_prefixes.write();
+        for r in records {
+            let Some(e) = ws.endpoints.iter().find(|e| e.authority == r.engine) else {
+                continue;
+            };
+            let at = now.saturating_sub(Duration::from_millis(r.age_ms));
+            prefixes.record(kinference_scoring::EndpointId(e.id.0), &r.keys, at);
+        }
+    }
+}
+
+/// Parses and bounds a peer's report; `None` for anything malformed.
+pub fn parse(body: &[u8]) -> Option<Report> {
+    let mut r: Report = serde_json::from_slice(body).ok()?;
+    let horizon = u64::try_from(RECORD_HORIZON.as_millis()).unwrap_or(u64::MAX);
+    r.records.truncate(MAX_RECORDS);
+    r.records
+        .retain(|x| x.age_ms <= horizon && !x.keys.is_empty());
+    for x in &mut r.records {
+        x.keys.truncate(MAX_RECORD_KEYS);
+    }
+    for v in r.engines.values_mut() {
+        for (i, x) in v.iter_mut().enumerate() {
+            let cap = if matches!(i, 0 | 1 | 3) {
+                u64::from(MAX_REQUESTS)
+            } else {
+                MAX_TOKENS
+            };
+            *x = (*x).min(cap);
+        }
+    }
+    Some(r)
+}
+
+/// Sums the fresh reports per engine.
+pub fn sum<'a>(reports: impl IntoIterator<Item = &'a Report>) -> HashMap<String, LoadSnapshot> {
+    let mut out: HashMap<String, LoadSnapshot> = HashMap::new();
+    for r in reports {
+        for (engine, v) in &r.engines {
+            let n = |x: u64| u32::try_from(x).unwrap_or(u32::MAX);
+            let row = LoadSnapshot {
+                requests: n(v[0]),
+                prefilling: n(v[1]),
+                prefill_tokens: v[2],
+                decoding: n(v[3]),
+                context_tokens: v[4],
+            };
+            let s = out.entry(engine.clone()).or_default();
+            *s = s.plus(row);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::version;
+    use super::*;
+    use serde_json::Value;
+
+    #[test]
+    fn reports_are_bounded_and_garbage_is_nothing() {
+        assert_eq!(parse(b"not json"), None);
+        assert_eq!(parse(br#"{"replica": 3}"#), None);
+        let r = parse(br#"{"replica":"a","engines":{"10.0.0.1:8000":[1,1,500,0,900]}}"#).unwrap();
+        assert_eq!(r.engines["10.0.0.1:8000"], [1, 1, 500, 0, 900]);
+        let lying = parse(
+            br#"{"replica":"b","engines":{"e":[18446744073709551615,5,18446744073709551615,0,0]}}"#,
+        )
+        .unwrap();
+        assert_eq!(lying.engines["e"][0], u64::from(MAX_REQUESTS));
+        assert_eq!(lying.engines["e"][2], MAX_TOKENS);
+        let s = sum([&r, &lying, &r]);
+        assert_eq!(s["10.0.0.1:8000"].requests, 2);
+        assert_eq!(s["10.0.0.1:8000"].prefill_tokens, 1000);
+        assert_eq!(s["e"].requests, MAX_REQUESTS);
+    }
+
+    #[test]
+    fn records_carry_every_strides_last_key_and_are_bounded() {
+        let keys: Vec<u64> = (1..=20).collect();
+        assert_eq!(checkpoints(&keys).collect::<Vec<_>>(), vec![8, 16]);
+        assert_eq!(checkpoints(&keys[..7]).count(), 0);
+        let long: Vec<u64> = (0..(MAX_RECORD_KEYS * RECORD_STRIDE * 2) as u64).collect();
+        assert_eq!(checkpoints(&long).count(), MAX_RECORD_KEYS);
+
+        // A peer's records: too old, empty or too many are dropped, too
+        // long are cut; an older peer's report (no records) still parses.
+        let horizon = RECORD_HORIZON.as_millis();
+        let body = serde_json::json!({
+            "replica": "a",
+            "engines": {},
+            "records": [
+                {"engine": "e:1", "age_ms": 5, "keys": [1, 2]},
+                {"engine": "e:1", "age_ms": horizon + 1, "keys": [3]},
+                {"engine": "e:2", "age_ms": 0, "keys": []},
+                {"engine": "e:2", "age_ms": 0, "keys": vec![7u64; MAX_RECORD_KEYS + 5]},
+            ],
+        });
+        let r = parse(&serde_json::to_vec(&body).unwrap()).unwrap();
+        assert_eq!(r.records.len(), 2);
+        assert_eq!(r.records[0].keys, vec![1, 2]);
+        assert_eq!(r.records[1].keys.len(), MAX_RECORD_KEYS);
+        let many: Vec<Value> = (0..MAX_RECORDS + 10)
+            .map(|_| serde_json::json!({"engine": "e", "age_ms": 0, "keys": [1]}))
+            .collect();
+        let body = serde_json::json!({"replica": "a", "engines": {}, "records": many});
+        assert_eq!(
+            parse(&serde_json::to_vec(&body).unwrap())
+                .unwrap()
+                .records
+                .len(),
+            MAX_RECORDS
+        );
+        assert!(
+            parse(br#"{"replica":"a","engines":{}}"#)
+                .unwrap()
+                .records
+                .is_empty()
+        );
+        assert_eq!(
+            parse(br#"{"replica":"a","engines":{},"records":[{"engine":1}]}"#),
+            None
+        );
+    }
+
+    #[test]
+    fn sent_records_go_to_each_peer_once_by_version() {
+        SHARING.store(true, Ordering::Relaxed);
+        let sent = SentRecords::default();
+        let before = version();
+        let keys: Vec<u64> = (1..=16).collect();
+        sent.push("e:1", &keys);
+        sent.push("e:2", &keys[..4]); // shorter than a stride: nothing to send
+        let mid = version();
+        sent.push("e:3", &keys);
+        let mut out = Vec::new();
+        sent.since(Some(before), &mut out);
+        let engines: Vec<&str> = out.iter().map(|r| r.engine.as_str()).collect();
+        assert_eq!(engines, ["e:1", "e:3"]);
+        assert_eq!(out[0].keys, vec![8, 16]);
+        out.clear();
+        sent.since(Some(mid), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].engine, "e:3");
+        // A first ask (no version) gets everything kept.
+        out.clear();
+        sent.since(None, &mut out);
+        assert_eq!(out.len(), 2);
+    }
+}
