@@ -31,7 +31,7 @@ pub const ACCESS_LOG_TARGET: &str = "kinference::access";
 const MAX_ID_LEN: usize = 200;
 
 /// A request id: the client's when usable (visible ASCII, at most
-/// [`MAX_ID_LEN`] bytes), else 32 random hex digits.
+/// `MAX_ID_LEN` bytes), else 32 random hex digits.
 pub fn request_id(headers: &HeaderMap, n: u64) -> HeaderValue {
     use kinference_scoring::RandomSource as _;
     // A key drawn once per process keeps replicas (and restarts) from

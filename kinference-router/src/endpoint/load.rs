@@ -41,7 +41,7 @@ pub struct Load {
 }
 
 /// First tokens close enough in time to come from one engine step: the
-/// ones [`SAME_STEP`] or less apart. A request's steps start after its
+/// ones `SAME_STEP` (2 ms) or less apart. A request's steps start after its
 /// whole burst's prefill (the others' prompts were computed before its
 /// first token, whichever chunk the router happened to read first).
 #[derive(Debug, Default)]
@@ -440,7 +440,7 @@ impl InFlight {
     /// they reported them, its peers'), and the prompt tokens prefilled
     /// there meanwhile.
     /// The peers' prefill is what they report prefilled meanwhile, from
-    /// [`PEER_LAG`] after the first token (their reports come up to a poll
+    /// `PEER_LAG` (40 ms) after the first token (their reports come up to a poll
     /// late, at both ends alike); a shorter stream, or a peer too old to
     /// report it, leaves this router's count scaled by the routers'
     /// requests there over its own.

@@ -113,7 +113,7 @@ pub struct Report {
     /// engines whose count moved at or after the asker's version (all of
     /// them without one). Absent from older replicas' reports. Lets each
     /// replica count the others' prefill in the engine steps it measures
-    /// ([`crate::endpoint`], [`PrefilledSeen`]).
+    /// ([`crate::endpoint`], [`super::PrefilledSeen`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefilled: Option<HashMap<String, u64>>,
 }
