@@ -71,7 +71,8 @@ struct ModelShape {
 /// The fast route for one tokenizer, if its pipeline is one it knows.
 #[derive(Debug)]
 pub(crate) struct FastPath {
-    /// NFC normalizer: only text already in NFC is handled.
+    /// Whether the pipeline normalizes to NFC (text the quick check does
+    /// not pass is normalized before the split).
     nfc: bool,
     /// `P|\s+`, searched anchored where the last piece ended (every
     /// character starts a match of the patterns in use, so that is the
@@ -181,15 +182,20 @@ impl FastPath {
         out: &mut Vec<u32>,
     ) -> tokenizers::Result<()> {
         // The NFC normalizer runs on the whole plain text before the split,
-        // with the same crate `tokenizers` uses.
+        // with the same crate `tokenizers` uses. Where the quick check
+        // cannot tell, the text is normalized once (NFC text comes back
+        // unchanged), not checked by normalizing and then normalized again.
         let normalized: String;
-        let text =
-            if self.nfc && !text.is_ascii() && !unicode_normalization_alignments::is_nfc(text) {
-                normalized = text.nfc().map(|(c, _)| c).collect();
-                normalized.as_str()
-            } else {
-                text
-            };
+        let text = if self.nfc
+            && !text.is_ascii()
+            && unicode_normalization_alignments::is_nfc_quick(text.chars())
+                != unicode_normalization_alignments::IsNormalized::Yes
+        {
+            normalized = text.nfc().map(|(c, _)| c).collect();
+            normalized.as_str()
+        } else {
+            text
+        };
         let before = out.len();
         if let Some(bpe) = &self.bpe {
             let mut scratch = Scratch::default();
