@@ -112,6 +112,10 @@ pub(crate) struct Bpe {
     byte_ids: [u32; 256],
     /// `(left << 32) | right` → (rank, merged id).
     merges: HashMap<u64, (u32, u32)>,
+    /// The same for the pairs of two bytes' tokens, by `left byte << 8 |
+    /// right byte` (`(u32::MAX, NONE)`: no merge): a piece's first pass
+    /// looks up only these.
+    byte_pairs: Box<[(u32, u32)]>,
     /// The bytes of every token of two or more bytes → its id.
     spellings: HashMap<Box<[u8]>, u32>,
     /// By token id: whether a piece spelling that token is that one token
@@ -135,7 +139,13 @@ impl std::fmt::Debug for Bpe {
 pub(crate) struct Scratch {
     symbols: Vec<Symbol>,
     heap: BinaryHeap<Reverse<(u32, u32, u32)>>,
+    /// The scan's symbols: id, rank of the pair it starts (`u32::MAX`:
+    /// none), that pair's merged id.
+    parts: Vec<(u32, u32, u32)>,
 }
+
+/// Longest piece (bytes) merged by a scan rather than the heap.
+const SCAN_MAX: usize = 48;
 
 /// One symbol of the piece being merged; `len == 0` once absorbed by its
 /// left neighbour (as in `tokenizers`).
@@ -200,12 +210,20 @@ impl Bpe {
             );
             merges.insert(pair(left, right), (u32::try_from(rank).ok()?, new));
         }
+        let mut byte_pairs = vec![(u32::MAX, NONE); 1 << 16].into_boxed_slice();
+        for (i, slot) in byte_pairs.iter_mut().enumerate() {
+            let (l, r) = (byte_ids[i >> 8], byte_ids[i & 0xff]);
+            if let Some(&m) = merges.get(&pair(l, r)) {
+                *slot = m;
+            }
+        }
         let spellings = Self::spellings(&model.vocab, bytes_char);
         let verdict = if model.ignore_merges { WHOLE } else { UNKNOWN };
         let ids = model.vocab.values().max().map_or(0, |m| *m as usize + 1);
         Some(Bpe {
             byte_ids,
             merges,
+            byte_pairs,
             spellings,
             verdicts: (0..ids).map(|_| AtomicU8::new(verdict)).collect(),
         })
@@ -272,9 +290,73 @@ impl Bpe {
     }
 
     /// The merge loop (see the module docs), for a piece of two or more
-    /// bytes.
+    /// bytes: a scan for short pieces, the heap for long ones.
     fn merge(&self, piece: &[u8], scratch: &mut Scratch, out: &mut Vec<u32>) {
-        let Scratch { symbols, heap } = scratch;
+        if piece.len() <= SCAN_MAX {
+            self.merge_scan(piece, scratch, out);
+        } else {
+            self.merge_heap(piece, scratch, out);
+        }
+    }
+
+    /// The rank and merged id of the pair `left right`, if they merge.
+    fn ranked(&self, left: u32, right: u32) -> (u32, u32) {
+        self.merges
+            .get(&pair(left, right))
+            .copied()
+            .unwrap_or((u32::MAX, NONE))
+    }
+
+    /// The merge loop as a scan: each round merges the lowest-ranked pair,
+    /// the leftmost of equals, which is the candidate the heap would pop
+    /// (a stale heap entry can never pass for a live one: every merge
+    /// lengthens the pair's spelling, so its merged id changes). Each
+    /// symbol keeps the rank of the pair it starts; a merge looks up only
+    /// the two pairs it changes. Quadratic in the piece's length, but on
+    /// short pieces (most of them) cheaper than the heap's pushes, pops
+    /// and re-checks.
+    fn merge_scan(&self, piece: &[u8], scratch: &mut Scratch, out: &mut Vec<u32>) {
+        let parts = &mut scratch.parts;
+        parts.clear();
+        parts.extend(
+            piece
+                .iter()
+                .map(|b| (self.byte_ids[usize::from(*b)], u32::MAX, NONE)),
+        );
+        for (part, w) in parts.iter_mut().zip(piece.windows(2)) {
+            (part.1, part.2) = self.byte_pairs[usize::from(w[0]) << 8 | usize::from(w[1])];
+        }
+        loop {
+            let mut best = (u32::MAX, 0);
+            for (i, p) in parts.iter().enumerate() {
+                if p.1 < best.0 {
+                    best = (p.1, i);
+                }
+            }
+            let (rank, i) = best;
+            if rank == u32::MAX {
+                break;
+            }
+            parts[i].0 = parts[i].2;
+            parts.remove(i + 1);
+            let (rank, new) = match parts.get(i + 1) {
+                Some(next) => self.ranked(parts[i].0, next.0),
+                None => (u32::MAX, NONE),
+            };
+            parts[i].1 = rank;
+            parts[i].2 = new;
+            if i > 0 {
+                let (rank, new) = self.ranked(parts[i - 1].0, parts[i].0);
+                parts[i - 1].1 = rank;
+                parts[i - 1].2 = new;
+            }
+        }
+        out.extend(parts.iter().map(|p| p.0));
+    }
+
+    /// The merge loop with a heap of candidates, as `tokenizers` runs it.
+    fn merge_heap(&self, piece: &[u8], scratch: &mut Scratch, out: &mut Vec<u32>) {
+        let Scratch { symbols, heap, .. } = scratch;
         symbols.clear();
         heap.clear();
         let n = u32::try_from(piece.len()).unwrap_or(u32::MAX);
@@ -284,8 +366,9 @@ impl Bpe {
             next: if i + 1 == n { NONE } else { i + 1 },
             len: 1,
         }));
-        for (pos, w) in (0u32..).zip(symbols.windows(2)) {
-            if let Some(&(rank, new)) = self.merges.get(&pair(w[0].id, w[1].id)) {
+        for (pos, w) in (0u32..).zip(piece.windows(2)) {
+            let (rank, new) = self.byte_pairs[usize::from(w[0]) << 8 | usize::from(w[1])];
+            if rank != u32::MAX {
                 heap.push(Reverse((rank, pos, new)));
             }
         }
@@ -374,6 +457,29 @@ mod tests {
         let bpe = toy(&json!(["a a"]), false);
         assert_eq!(ids(&bpe, "aaa"), [259, u32::from(b'a')]);
         assert_eq!(ids(&bpe, "aaaa"), [259, 259]);
+    }
+
+    #[test]
+    fn the_scan_and_the_heap_merge_alike() {
+        // Overlapping merges of several ranks over a three-letter alphabet,
+        // pieces up to twice the scan's limit.
+        let bpe = toy(&json!(["a a", "b c", "a b", "aa a", "a bc", "ab c"]), false);
+        let mut seed = 7u64;
+        for len in 2..2 * SCAN_MAX {
+            for _ in 0..20 {
+                let piece: Vec<u8> = (0..len)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+                        b"abc"[((seed >> 33) % 3) as usize]
+                    })
+                    .collect();
+                let (mut scan, mut heap) = (Vec::new(), Vec::new());
+                let mut scratch = Scratch::default();
+                bpe.merge_scan(&piece, &mut scratch, &mut scan);
+                bpe.merge_heap(&piece, &mut scratch, &mut heap);
+                assert_eq!(scan, heap, "{}", String::from_utf8_lossy(&piece));
+            }
+        }
     }
 
     #[test]
