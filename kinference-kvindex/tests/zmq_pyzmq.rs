@@ -346,7 +346,12 @@ async fn a_late_joiner_back_fills_by_replay() {
 async fn a_publisher_that_binds_late_is_picked_up_by_the_retry_loop() {
     let dir = tmpdir("late");
     let (files, keys) = chained_payloads(&dir, EncodeForm::VllmMap);
-    let plan = json!({"delay_bind": 1.5, "steps": [
+    // The publisher binds 3 s after it announced its port. Each connect
+    // attempt gives up after 500 ms, so failures show long before the bind;
+    // waiting for them (rather than looking at a fixed instant) keeps a busy
+    // machine's scheduling out of the result. The counter resets on connect,
+    // so seeing it above zero means an attempt failed before any succeeded.
+    let plan = json!({"delay_bind": 3.0, "steps": [
         {"op": "wait_sub"},
         {"op": "send", "seq": 0, "file": files[0]},
         {"op": "wait_stdin"},
@@ -354,9 +359,8 @@ async fn a_publisher_that_binds_late_is_picked_up_by_the_retry_loop() {
     let mut publ = Publisher::start(&dir, &plan).await;
     let (ix, w) = setup();
     let h = sub::spawn(SubscriberConfig::new(publ.endpoint()), w, Arc::clone(&ix));
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    let early = h.health();
-    assert!(!early.connected && early.connect_failures > 0, "{early:?}");
+    let early = wait_for(&h, "a failed connect", |s| s.connect_failures > 0).await;
+    assert!(!early.connected, "{early:?}");
     let s = wait_for(&h, "the first batch", |s| s.batches == 1).await;
     assert!(s.connected);
     assert_eq!(depth(&ix, &keys, w), 3);
