@@ -32,6 +32,7 @@
 //! pipeline on random text.
 
 use regex::Regex;
+use regex_automata::util::pool::Pool;
 use regex_automata::{Anchored, Input, meta};
 use serde::Deserialize;
 use serde_json::Value as Json;
@@ -69,7 +70,6 @@ struct ModelShape {
 }
 
 /// The fast route for one tokenizer, if its pipeline is one it knows.
-#[derive(Debug)]
 pub(crate) struct FastPath {
     /// Whether the pipeline normalizes to NFC (text the quick check does
     /// not pass is normalized before the split).
@@ -78,6 +78,11 @@ pub(crate) struct FastPath {
     /// character starts a match of the patterns in use, so that is the
     /// usual case and needs no reverse scan), else unanchored.
     split: meta::Regex,
+    /// Search caches for `split`, one taken per text rather than per
+    /// piece: the regex's own pool is lock-free only for the thread that
+    /// first used it, and every other runtime worker took its mutex twice
+    /// per piece (thousands of times for a long prompt).
+    caches: Pool<meta::Cache, CacheFn>,
     /// `\A(?:P)`.
     prefix: Regex,
     /// GPT-2's byte → character table.
@@ -85,6 +90,19 @@ pub(crate) struct FastPath {
     /// The merges on raw bytes, when the model is one `Bpe` matches
     /// exactly; else each piece goes through the `tokenizers` model.
     bpe: Option<Bpe>,
+}
+
+/// Makes a search cache for [`FastPath::split`].
+type CacheFn = Box<dyn Fn() -> meta::Cache + Send + Sync>;
+
+impl std::fmt::Debug for FastPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastPath")
+            .field("nfc", &self.nfc)
+            .field("split", &self.split)
+            .field("bpe", &self.bpe.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 /// The model section again, this time with its vocabulary and merges.
@@ -164,9 +182,12 @@ impl FastPath {
         {
             return None;
         }
+        let split = meta::Regex::new(&format!(r"{prefix}|\s+")).ok()?;
+        let for_caches = split.clone();
         Some(FastPath {
             nfc,
-            split: meta::Regex::new(&format!(r"{prefix}|\s+")).ok()?,
+            split,
+            caches: Pool::new(Box::new(move || for_caches.create_cache())),
             prefix: Regex::new(&format!(r"\A(?:{prefix})")).ok()?,
             bytes_char: bytes_char(),
             bpe: None,
@@ -226,13 +247,14 @@ impl FastPath {
         text: &str,
         mut f: impl FnMut(&str) -> tokenizers::Result<()>,
     ) -> tokenizers::Result<()> {
+        let mut cache = self.caches.get();
         let mut pos = 0;
         while pos < text.len() {
             let at = Input::new(text).range(pos..);
             let found = self
                 .split
-                .find(at.clone().anchored(Anchored::Yes))
-                .or_else(|| self.split.find(at));
+                .search_with(&mut cache, &at.clone().anchored(Anchored::Yes))
+                .or_else(|| self.split.search_with(&mut cache, &at));
             let Some(m) = found else {
                 return f(&text[pos..]);
             };
