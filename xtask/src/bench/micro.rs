@@ -117,7 +117,11 @@ pub(crate) fn decision_goal(id: &str) -> (&'static str, f64) {
             20_000.0,
         ),
         "decision/chat_5k_cold/total" => (
-            "router: prepare + decide, cold 5K-token chat (issue 14)",
+            "router: prepare + decide, cold 5K-token chat of random vocabulary (issue 14)",
+            1_000_000.0,
+        ),
+        "decision/chat_5k_cold_prose/total" => (
+            "router: prepare + decide, cold 5K-token chat of prose (issue 14)",
             1_000_000.0,
         ),
         _ => (
@@ -460,9 +464,15 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         write_estimate(dir.path(), "decision", "chat_8k_warm/total", 30_000.0);
         write_estimate(dir.path(), "decision", "chat_5k_cold/total", 900_000.0);
+        write_estimate(
+            dir.path(),
+            "decision",
+            "chat_5k_cold_prose/total",
+            1_100_000.0,
+        );
         let e = read_estimates(dir.path(), None).expect("reads");
         let (table, missed) = summary(&e, true);
-        assert_eq!(missed, 1, "{table}");
+        assert_eq!(missed, 2, "{table}");
         let row = |id: &str| {
             table
                 .lines()
@@ -473,6 +483,8 @@ mod tests {
         assert!(row("decision/chat_8k_warm/total").contains("issue 14"));
         assert!(!row("decision/chat_8k_warm/total").contains(" met"));
         assert!(row("decision/chat_5k_cold/total").contains("met"));
+        assert!(row("decision/chat_5k_cold_prose/total").contains("prose"));
+        assert!(!row("decision/chat_5k_cold_prose/total").contains(" met"));
     }
 
     #[test]
