@@ -244,7 +244,9 @@ impl AdapterSlot {
 /// that answered 503 recently is at its admission limit. Both are read by the
 /// model ([`crate::latency`]) before any first token arrives, so an engine
 /// that slowed down stops getting new work within about a second of a burst
-/// rather than after its first (late) tokens.
+/// rather than after its first (late) tokens. The engine's KV events add
+/// how many steps it has completed meanwhile (`stored_steps`), which
+/// shows a slow engine earlier still: after a few of its predicted steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Evidence {
     /// Age of the oldest request this router sent there that has no first
@@ -258,4 +260,23 @@ pub struct Evidence {
     /// control), if it did within the scrape horizon.
     #[serde(default)]
     pub refused_age: Option<Duration>,
+    /// Engine steps that stored KV blocks there (batches of `BlockStored`
+    /// events from its streams) since the oldest waiting request was sent;
+    /// `None` where its events are not followed, or where its engines have
+    /// never stored a block (prefix caching off), so that silence means
+    /// nothing. An engine with prefill work stores blocks every step: a
+    /// long silence shows its steps slower than predicted before any first
+    /// token is late.
+    #[serde(default)]
+    pub stored_steps: Option<u32>,
+    /// The oldest waiting request's predicted engine step when it was sent:
+    /// its predicted prefill and step time ÷ its steps, calibrated (zero:
+    /// unknown, and `stored_steps` then counts for nothing).
+    #[serde(default)]
+    pub oldest_step: Duration,
+    /// Whether this router had nothing else in flight there when the oldest
+    /// request was sent: no step of its own was under way, so its first
+    /// step began at once.
+    #[serde(default)]
+    pub oldest_sent_idle: bool,
 }

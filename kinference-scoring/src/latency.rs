@@ -38,8 +38,15 @@
 //! older than its prediction by more than `overdue_slack_millis`, raises the
 //! scale to `(age − slack) ÷ predicted` (its TTFT is at least its age, a
 //! lower bound) and the prediction to at least that age (requests on time
-//! change nothing); a 503 from the
-//! engine within `metrics_max_age` adds `refusal_penalty_millis`, fading.
+//! change nothing). Before that, the engine's KV events show its steps:
+//! while prefill work waits there an engine on time stores blocks every
+//! step, so `n` storing steps in the oldest request's wait show steps at
+//! least `(age − grace) ÷ ((n + 1) × step)` times slower than predicted
+//! for that request, which scales the load part from `stall_min_scale` on,
+//! and with no storing step at all since it was sent to an idle engine
+//! the oldest request is overdue past `stall_grace_millis` rather than the
+//! slack; a 503 from the engine
+//! within `metrics_max_age` adds `refusal_penalty_millis`, fading.
 //! Calibration learns from `load_ms` and observed TTFT only, so evidence
 //! lasts exactly as long as the requests it comes from wait.
 //!
@@ -106,6 +113,19 @@ pub struct Prediction {
     /// wait of overdue requests and a recent 503's penalty, milliseconds.
     #[serde(default)]
     pub evidence_ms: f64,
+}
+
+impl Prediction {
+    /// The mean engine step this prediction assumes, calibrated,
+    /// milliseconds: `scale × (queue + prefill + step time) ÷ steps` (0
+    /// when it has no steps: another policy's choice). What
+    /// [`crate::Evidence::oldest_step`] records.
+    pub fn mean_step_ms(&self) -> f64 {
+        if self.steps == 0 {
+            return 0.0;
+        }
+        self.scale * (self.queue_ms + self.prefill_ms + self.step_ms) / f64::from(self.steps)
+    }
 }
 
 /// How the evidence of requests still waiting and of refusals changes one
@@ -213,6 +233,8 @@ pub(crate) struct Model {
     calibrate: bool,
     overdue_slack: f64,
     overdue_max_scale: f64,
+    stall_grace: f64,
+    stall_min_scale: f64,
     refusal_penalty: f64,
     adapter_load: f64,
     adapter_wait: f64,
@@ -280,6 +302,8 @@ impl Model {
             calibrate: params.calibrate,
             overdue_slack: params.overdue_slack_millis,
             overdue_max_scale: params.overdue_max_scale,
+            stall_grace: params.stall_grace_millis,
+            stall_min_scale: params.stall_min_scale,
             refusal_penalty: params.refusal_penalty_millis,
             adapter_load: params.adapter_load_millis,
             adapter_wait: params.adapter_slot_wait_millis,
@@ -293,7 +317,15 @@ impl Model {
     /// engine at least `(a − slack) ÷ p` times slower than predicted (its
     /// TTFT is at least `a`: a lower bound, which can only raise the
     /// scale); a new request there is then not expected before `a` either
-    /// (requests on time change nothing). A
+    /// (requests on time change nothing). Where the engine's KV events are
+    /// followed and the oldest request had a block or more to prefill, the
+    /// engine having stored blocks in only `n` steps since it was sent
+    /// shows its steps at least `(age − grace) ÷ ((n + 1) × step)` times
+    /// slower (the step: the mean one predicted for that request; counted
+    /// from `stall_min_scale`; no floor: the request need not be late yet);
+    /// with `n = 0` and the request sent to an endpoint where this router
+    /// had nothing else in flight, it is overdue past `stall_grace_millis`
+    /// instead of the slack. A
     /// 503 within `metrics_max_age` adds `refusal_penalty_millis`, fading
     /// linearly with its age.
     #[inline]
@@ -305,15 +337,41 @@ impl Model {
             floor: 0.0,
             extra: 0.0,
         };
+        // The engine's KV events count where they are followed and the
+        // oldest request had a block or more to prefill there (its step is
+        // known then): every step on time stores at least a block.
+        let stored = e
+            .stored_steps
+            .filter(|_| !e.oldest_step.is_zero() && !e.oldest_waiting.is_zero());
         if !e.oldest_waiting.is_zero() {
             let age = e.oldest_waiting.as_secs_f64() * 1e3;
             let predicted = e.oldest_predicted.as_secs_f64() * 1e3;
             if predicted > 0.0 {
-                let ratio = (age - self.overdue_slack) / predicted;
+                // Sent to an idle engine and not one step finished since: the
+                // engine is late on it past the grace alone, not past the
+                // slack that covers a step already under way (the model
+                // does not know how far along that is).
+                let slack = if stored == Some(0) && e.oldest_sent_idle {
+                    self.stall_grace
+                } else {
+                    self.overdue_slack
+                };
+                let ratio = (age - slack) / predicted;
                 if ratio > 1.0 {
                     out.scale = scale * min(ratio, self.overdue_max_scale);
                     out.floor = age;
                 }
+            }
+        }
+        if let Some(stored) = stored {
+            // Against the steps predicted for the oldest request when it was
+            // sent (later arrivals join later steps), a lower bound on how
+            // much slower its steps are than predicted.
+            let age = e.oldest_waiting.as_secs_f64() * 1e3;
+            let step = e.oldest_step.as_secs_f64() * 1e3;
+            let ratio = (age - self.stall_grace) / ((f64::from(stored) + 1.0) * step);
+            if ratio >= self.stall_min_scale {
+                out.scale = max(out.scale, scale * min(ratio, self.overdue_max_scale));
             }
         }
         if let Some(age) = e.refused_age {
@@ -830,6 +888,7 @@ mod tests {
             oldest_waiting: Duration::from_millis(150),
             oldest_predicted: Duration::from_millis(100),
             refused_age: None,
+            ..Evidence::default()
         };
         let on_time = predict(&p, &req(1000), &c, None, Duration::ZERO);
         assert!((on_time.ttft_ms - base.ttft_ms).abs() < 1e-9, "{on_time:?}");
@@ -848,6 +907,102 @@ mod tests {
         let stuck = predict(&p, &req(1000), &c, None, Duration::ZERO);
         assert!((stuck.scale - p.overdue_max_scale).abs() < 1e-9);
         assert!(stuck.ttft_ms >= 3_600_000.0);
+    }
+
+    #[test]
+    fn an_engine_silent_in_its_kv_events_looks_slow_before_any_request_is_late() {
+        use crate::input::Evidence;
+        let p = LatencyParams::default();
+        let mut c = idle();
+        c.in_flight.requests = 4;
+        c.in_flight.prefill_tokens = 4 * 2000;
+        let base = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        let ms = |m: f64| Duration::from_secs_f64(m / 1e3);
+        // The oldest request was predicted 20 steps of 50 ms: it waits well
+        // within its prediction throughout.
+        let step = 50.0;
+        let at = |c: &mut Candidate, age: f64, stored: Option<u32>| {
+            c.evidence = Evidence {
+                oldest_waiting: ms(age),
+                oldest_predicted: ms(20.0 * step),
+                stored_steps: stored,
+                oldest_step: ms(step),
+                ..Evidence::default()
+            };
+            predict(&p, &req(1000), c, None, Duration::ZERO)
+        };
+        // Events not followed: silence means nothing.
+        assert!((at(&mut c, 10.0 * step, None).scale - base.scale).abs() < 1e-12);
+        // Followed, and a storing step per predicted step: on time.
+        assert!((at(&mut c, 10.0 * step, Some(9)).scale - base.scale).abs() < 1e-12);
+        // Silent for under three steps past the grace: still nothing.
+        let short = p.stall_grace_millis + 2.5 * step;
+        assert!((at(&mut c, short, Some(0)).scale - base.scale).abs() < 1e-12);
+        // Silent for ten: at least ten times slower (no floor: the request
+        // is not late yet, so the prediction is the scaled load alone).
+        let long = p.stall_grace_millis + 10.0 * step;
+        let slow = at(&mut c, long, Some(0));
+        assert!((slow.scale - 10.0).abs() < 1e-9, "{slow:?}");
+        let want = base.offset_ms + 10.0 * base.load_ms;
+        assert!((slow.ttft_ms - want).abs() < 1e-6, "{slow:?}");
+        assert!((slow.load_ms - base.load_ms).abs() < 1e-12);
+        // One storing step in that time: half the bound.
+        assert!((at(&mut c, long, Some(1)).scale - 5.0).abs() < 1e-9);
+        // The step unknown (the oldest request had less than a block to
+        // prefill, or another policy sent it): nothing.
+        c.evidence.oldest_step = Duration::ZERO;
+        let unknown = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        assert!((unknown.scale - base.scale).abs() < 1e-12);
+    }
+
+    #[test]
+    fn with_no_step_stored_since_it_was_sent_to_an_idle_engine_a_request_is_late_past_the_grace() {
+        use crate::input::Evidence;
+        let p = LatencyParams::default();
+        assert!(p.stall_grace_millis < p.overdue_slack_millis);
+        let mut c = idle();
+        c.in_flight.prefill_tokens = 2000;
+        let base = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        // Predicted 200 ms in one step; 260 ms old.
+        let age = 200.0 + f64::midpoint(p.stall_grace_millis, p.overdue_slack_millis) + 10.0;
+        let with = |stored: Option<u32>, idle: bool| {
+            let mut c = c;
+            c.evidence = Evidence {
+                oldest_waiting: Duration::from_secs_f64(age / 1e3),
+                oldest_predicted: Duration::from_millis(200),
+                stored_steps: stored,
+                oldest_step: Duration::from_millis(200),
+                oldest_sent_idle: idle,
+                ..Evidence::default()
+            };
+            predict(&p, &req(1000), &c, None, Duration::ZERO)
+        };
+        // Within the slack: on time, unless the events show that not one
+        // step has ended since it was sent to an idle engine.
+        assert!((with(None, true).scale - base.scale).abs() < 1e-12);
+        assert!((with(Some(1), true).scale - base.scale).abs() < 1e-12);
+        // Sent behind a step already under way, whose end the model does not
+        // know: the slack still holds.
+        assert!((with(Some(0), false).scale - base.scale).abs() < 1e-12);
+        let late = with(Some(0), true);
+        let want = (age - p.stall_grace_millis) / 200.0;
+        assert!((late.scale - want).abs() < 1e-9, "{late:?}");
+        assert!(late.ttft_ms >= age);
+    }
+
+    #[test]
+    fn the_mean_step_of_a_prediction_is_its_calibrated_work_per_step() {
+        let p = LatencyParams::default();
+        let mut c = idle();
+        c.in_flight.prefill_tokens = 3 * u64::from(p.step_token_budget);
+        let pred = predict(&p, &req(1000), &c, None, Duration::ZERO);
+        assert!(pred.steps >= 4, "{pred:?}");
+        let want =
+            pred.scale * (pred.queue_ms + pred.prefill_ms + pred.step_ms) / f64::from(pred.steps);
+        assert!((pred.mean_step_ms() - want).abs() < 1e-9);
+        assert!(pred.mean_step_ms() < pred.ttft_ms);
+        let none = Prediction { steps: 0, ..pred };
+        assert!(none.mean_step_ms().abs() < 1e-12);
     }
 
     #[test]

@@ -131,6 +131,20 @@ pub struct LatencyParams {
     /// calibration's own bound, `scale_bounds`, is smaller: it is a fit,
     /// this is a lower bound that holds only while the request waits).
     pub overdue_max_scale: f64,
+    /// Evidence from the engine's KV events ([`crate::Evidence::
+    /// stored_steps`]): while a request with prefill work waits there, an
+    /// engine on time stores blocks every step. A silence of `n + 1` full
+    /// steps' predicted time beyond this grace (event delivery, scheduling)
+    /// with only `n` storing steps seen shows its steps at least
+    /// `(age − grace) ÷ ((n + 1) × step)` times slower than predicted (the
+    /// step: the prefill work waiting there, up to the step budget).
+    #[serde(default = "default_stall_grace_millis")]
+    pub stall_grace_millis: f64,
+    /// That ratio counts only from this factor on (below it, a healthy
+    /// engine's jitter and steps without a whole block could show); then
+    /// it scales the load part, up to `overdue_max_scale`.
+    #[serde(default = "default_stall_min_scale")]
+    pub stall_min_scale: f64,
     /// Added to the prediction of an endpoint that refused a request with
     /// 503 (admission control) just now, fading linearly to 0 over
     /// `metrics_max_age`.
@@ -242,6 +256,15 @@ const DEFAULT: LatencyParams = LatencyParams {
     // Ten times the calibration's bound: a stuck engine's lower bound keeps
     // growing until its first token, so the cap only bounds arithmetic.
     overdue_max_scale: 40.0,
+    // Event delivery (the engine's publisher thread, ZeroMQ, the router's
+    // subscription task) takes a few milliseconds; 20 covers a busy
+    // router's task switches too.
+    stall_grace_millis: 20.0,
+    // Heuristic: three steps without a stored block while prefill work
+    // waits; a healthy engine's step varies by tens of percent, and a step
+    // whose prefill chunk ends inside a block stores nothing for that
+    // request (but the next one does).
+    stall_min_scale: 3.0,
     // An engine at its admission limit refuses again until its queue
     // drains: about one long prefill, so that any engine with room wins.
     refusal_penalty_millis: 1_000.0,
@@ -280,6 +303,14 @@ fn default_adapter_load_millis() -> f64 {
 
 fn default_adapter_slot_wait_millis() -> f64 {
     DEFAULT.adapter_slot_wait_millis
+}
+
+fn default_stall_grace_millis() -> f64 {
+    DEFAULT.stall_grace_millis
+}
+
+fn default_stall_min_scale() -> f64 {
+    DEFAULT.stall_min_scale
 }
 
 fn default_eviction_weight() -> f64 {
@@ -443,6 +474,14 @@ impl LatencyParams {
                 field: "overdueMaxScale",
                 expected: "finite and at least 1",
                 value: self.overdue_max_scale,
+            });
+        }
+        non_negative("stallGraceMillis", self.stall_grace_millis)?;
+        if !(self.stall_min_scale.is_finite() && self.stall_min_scale >= 1.0) {
+            return Err(ParamsError {
+                field: "stallMinScale",
+                expected: "finite and at least 1",
+                value: self.stall_min_scale,
             });
         }
         non_negative("refusalPenaltyMillis", self.refusal_penalty_millis)?;

@@ -1398,6 +1398,7 @@ mod tests {
                 oldest_waiting: Duration::from_millis(if i == 0 { 1200 } else { 250 }),
                 oldest_predicted: Duration::from_millis(300),
                 refused_age: None,
+                ..Evidence::default()
             };
         }
         for t in 0..30 {
