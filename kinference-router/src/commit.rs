@@ -64,9 +64,17 @@ pub fn commit(view: &View, prepared: &Prepared, d: &Decision, now: Now) -> Commi
         inflight.for_adapter(a);
     }
     // Until its first token, its age is evidence about the engine.
-    inflight.waiting_since(
+    let ms = |v: f64| std::time::Duration::from_secs_f64((v / 1e3).clamp(0.0, 3600.0));
+    inflight.waiting_since_stepped(
         now.since_start,
-        std::time::Duration::from_secs_f64((d.choice.prediction.ttft_ms / 1e3).clamp(0.0, 3600.0)),
+        ms(d.choice.prediction.ttft_ms),
+        // Its step counts only if it stores a block of its own on the way.
+        if d.choice.uncached_tokens() >= route.request.block_tokens {
+            ms(d.choice.prediction.mean_step_ms())
+        } else {
+            std::time::Duration::ZERO
+        },
+        d.candidate.in_flight.requests == 0,
     );
     Commit {
         runtime,

@@ -323,13 +323,17 @@ fn decide_route(
     } = cached_blocks(ws, kv, route, endpoints, now, held, scratch);
     let session = session_blocks(route, endpoints, &cached, &mut best_rank, session);
     let block_tokens = u64::from(route.request.block_tokens.max(1));
+    // A worker set's engines share one configuration: once one of them has
+    // stored a block, the others' silence in their events means something
+    // (with prefix caching off none ever stores).
+    let storing = endpoints.iter().any(|e| e.kv_stored_steps() > 0);
     let candidates: Vec<Candidate> = endpoints
         .iter()
         .zip(&cached)
         .zip(&recent)
         .enumerate()
         .map(|(i, ((e, c), recent))| {
-            let mut cand = candidate(e, *c, now);
+            let mut cand = candidate(e, *c, now, storing);
             cand.session_blocks = session.get(i).copied().unwrap_or(0);
             if let (Some(tokens), Some(held)) = (e.kv_capacity_tokens(), e.kv_blocks_held()) {
                 // What the index shows it holding (prompts and outputs, in
@@ -388,10 +392,14 @@ fn decide_route(
     })
 }
 
-/// What the policy reads about one endpoint.
-fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now) -> Candidate {
+/// What the policy reads about one endpoint; `storing`: its worker set's
+/// engines are known to publish stored blocks.
+fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now, storing: bool) -> Candidate {
     let load = e.load.snapshot();
-    let (oldest_waiting, oldest_predicted) = e.waiting.oldest(now.since_start).unwrap_or_default();
+    let (oldest_waiting, oldest_predicted, mark) =
+        e.waiting.oldest_marked(now.since_start).unwrap_or_default();
+    let stored_steps = (storing && e.kv_followed() && !oldest_waiting.is_zero())
+        .then(|| u32::try_from(mark.steps_since(e.kv_stored_steps())).unwrap_or(u32::MAX));
     Candidate {
         endpoint: kinference_scoring::EndpointId(e.id.0),
         cached,
@@ -413,6 +421,9 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now) -> Candidate {
             oldest_waiting,
             oldest_predicted,
             refused_age: e.refused_age(now.since_start),
+            stored_steps,
+            oldest_step: mark.step,
+            oldest_sent_idle: mark.idle,
         },
         adapter: AdapterSlot::Unknown,
         room: KvRoom::default(),

@@ -14,8 +14,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use arc_swap::ArcSwap;
-use kinference_kvindex::sub::{self, Seed, StreamHealth, SubscriberConfig, SubscriberHandle};
-use kinference_kvindex::{BlockKey, IndexConfig, KvIndex, Matches, Snapshot, WorkerId, WorkerRef};
+use kinference_kvindex::sub::{
+    self, EventSink, Seed, StreamHealth, SubscriberConfig, SubscriberHandle,
+};
+use kinference_kvindex::{
+    BlockKey, EventBatch, IndexConfig, KvEvent, KvIndex, Matches, Position, Snapshot, WorkerId,
+    WorkerRef,
+};
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
 use tokio::sync::oneshot;
@@ -442,7 +447,11 @@ impl KvPlane {
                 }
                 _ => None,
             };
-            subs.push((id, sub::spawn_seeded(cfg, id, self.index.clone(), seed)));
+            let sink = Arc::new(Progress {
+                index: self.index.clone(),
+                endpoint: e.clone(),
+            });
+            subs.push((id, sub::spawn_seeded(cfg, id, sink, seed)));
         }
         let ranks = u32::try_from(subs.len()).unwrap_or(u32::MAX);
         let mut all = self.subscriptions.lock();
@@ -538,8 +547,10 @@ impl KvPlane {
     pub fn watch_resets(&self, now: Instant) {
         for s in self.subscriptions.lock().values_mut() {
             let (mut resets, mut held, mut hybrid) = (0, 0, false);
+            let mut disconnected = false;
             for (_, h) in &s.streams {
                 let health = h.health();
+                disconnected |= !health.connected;
                 resets += health.resets;
                 held += health.blocks_held;
                 hybrid |= health.observed_widths.iter().any(|(group, _)| *group > 0);
@@ -549,6 +560,7 @@ impl KvPlane {
             // model's groups hold blocks of different sizes from one pool:
             // their counts do not compare with its capacity.
             s.endpoint.set_kv_blocks_held((!hybrid).then_some(held));
+            s.endpoint.set_kv_disconnected(disconnected);
             if resets > s.resets {
                 s.resets = resets;
                 s.endpoint.kv_recovering_until(now + RECOVERY_WINDOW);
@@ -564,5 +576,45 @@ impl KvPlane {
                 .map(|(_, h)| KvReport::from_health(&h.health(), now))
                 .collect()
         })
+    }
+}
+
+/// The index as one stream's sink, counting on the way the batches that
+/// stored blocks: the engine's steps, as evidence of its speed
+/// ([`kinference_scoring::Evidence::stored_steps`]).
+struct Progress {
+    index: Arc<KvIndex>,
+    endpoint: Arc<Endpoint>,
+}
+
+impl Progress {
+    fn count(&self, batch: &EventBatch) {
+        if batch
+            .events
+            .iter()
+            .any(|e| matches!(e, KvEvent::BlockStored(_)))
+        {
+            self.endpoint.count_kv_stored_step();
+        }
+    }
+}
+
+impl EventSink for Progress {
+    fn apply(&self, worker: WorkerId, batch: &EventBatch) {
+        self.count(batch);
+        EventSink::apply(&*self.index, worker, batch);
+    }
+    fn apply_at(&self, worker: WorkerId, batch: &EventBatch, at: Position) {
+        self.count(batch);
+        EventSink::apply_at(&*self.index, worker, batch, at);
+    }
+    fn clear(&self, worker: WorkerId) {
+        EventSink::clear(&*self.index, worker);
+    }
+    fn view(&self, worker: WorkerId) -> (u64, Vec<(u32, u32)>) {
+        EventSink::view(&*self.index, worker)
+    }
+    fn import(&self, worker: WorkerId, seed: &Seed, at: Option<Position>) -> Result<u64, String> {
+        EventSink::import(&*self.index, worker, seed, at)
     }
 }

@@ -62,7 +62,14 @@ async fn a_burst_mostly_avoids_an_engine_ten_times_slower_before_its_first_token
         .iter()
         .filter(|(_, e)| *e == slow)
         .count();
-    let mut lines = Vec::new();
+    let slow_ks: Vec<usize> = order
+        .iter()
+        .filter(|(_, e)| *e == slow)
+        .map(|(k, _)| *k)
+        .collect();
+    let mut lines = vec![format!(
+        "slow engine's requests (sent every 10 ms): {slow_ks:?}"
+    )];
     for (ep, v) in &mut per {
         lines.push(format!(
             "{ep}{}: {} requests, TTFT p50 {:.0} ms",

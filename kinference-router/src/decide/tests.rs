@@ -633,3 +633,76 @@ fn a_session_names_the_dp_rank_that_stored_it() {
         "the engine's own balancer might pick rank 0"
     );
 }
+
+#[test]
+fn an_endpoint_silent_in_its_kv_events_is_avoided_before_its_request_is_late() {
+    let fix = fixture(&[(
+        "a",
+        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
+        PolicyName::Kinference,
+    )]);
+    let req = fix.prepared(&prompt(9, 8));
+    let at = |dec: Duration| Now {
+        instant: Instant::now(),
+        since_start: dec,
+    };
+    let endpoints: Vec<_> = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+        .iter()
+        .map(|a| fix.endpoint(a))
+        .collect();
+    for e in &endpoints {
+        e.set_kv_ranks(1);
+    }
+    // One request committed to each endpoint at T; none has a first token.
+    let mut sent = Vec::new();
+    let mut excluded = Vec::new();
+    for _ in 0..3 {
+        let dec = fix.decide(&req, &excluded, T).unwrap();
+        excluded.push(dec.endpoint.id);
+        sent.push(commit::commit(&fix.view, &req, &dec, at(T)));
+    }
+    let slow = endpoints[0].clone();
+    let silent_for = |dec: &Decision| {
+        let c = dec
+            .explanation
+            .as_ref()
+            .unwrap()
+            .candidates
+            .iter()
+            .find(|c| c.inputs.endpoint.0 == slow.id.0)
+            .unwrap();
+        (c.inputs.evidence, c.prediction)
+    };
+    // No engine of the worker set has stored a block yet: silence means
+    // nothing (prefix caching may be off).
+    let early = fix.decide(&req, &[], T + Duration::from_millis(5)).unwrap();
+    let (evidence, _) = silent_for(&early);
+    assert_eq!(evidence.stored_steps, None);
+    let step = evidence.oldest_step;
+    assert!(step > Duration::ZERO, "{evidence:?}");
+    // The two others store a block every step; the first stays silent for
+    // ten of its predicted steps, long before its request is overdue.
+    for e in &endpoints[1..] {
+        for _ in 0..10 {
+            e.count_kv_stored_step();
+        }
+    }
+    let later = T + Duration::from_millis(20) + step * 10;
+    let dec = fix.decide(&req, &[], later).unwrap();
+    assert_ne!(dec.endpoint.id, slow.id, "{}", dec.choice);
+    let (evidence, prediction) = silent_for(&dec);
+    assert_eq!(evidence.stored_steps, Some(0));
+    assert!(prediction.scale >= 3.0, "{prediction:?}");
+    // Once it stores as often as predicted, it is on time again.
+    for _ in 0..10 {
+        slow.count_kv_stored_step();
+    }
+    let (evidence, prediction) = silent_for(&fix.decide(&req, &[], later).unwrap());
+    assert_eq!(evidence.stored_steps, Some(10));
+    assert!(prediction.scale < 3.0, "{prediction:?}");
+    // A stream found disconnected: its silence means nothing either.
+    slow.set_kv_disconnected(true);
+    let (evidence, _) = silent_for(&fix.decide(&req, &[], later).unwrap());
+    assert_eq!(evidence.stored_steps, None);
+    drop(sent);
+}

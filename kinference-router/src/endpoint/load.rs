@@ -163,6 +163,32 @@ impl PeerLoad {
 pub const WAITING_SLOTS: usize = 32;
 
 const PREDICTED_BITS: u32 = 24;
+const MARK_BITS: u32 = 39;
+const MARK_MASK: u64 = (1 << MARK_BITS) - 1;
+const IDLE_BIT: u64 = 1 << MARK_BITS;
+const STEP_SHIFT: u32 = MARK_BITS + 1;
+const STEP_MASK: u64 = (1 << (64 - STEP_SHIFT)) - 1;
+
+/// What [`Waiting`] noted of a request when it was sent, beside its send
+/// time and prediction.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Mark {
+    /// The endpoint's [`Endpoint::kv_stored_steps`] then (the low 39 bits).
+    pub stored_steps: u64,
+    /// Its predicted mean engine step (zero: unknown).
+    pub step: Duration,
+    /// Whether this router had nothing else in flight there then (so no
+    /// step of its own was under way when the request came).
+    pub idle: bool,
+}
+
+impl Mark {
+    /// Storing steps since, given the endpoint's count now (the low 39
+    /// bits of both, so a count past 2^39 wraps without harm).
+    pub fn steps_since(&self, now: u64) -> u64 {
+        (now & MARK_MASK).wrapping_sub(self.stored_steps) & MARK_MASK
+    }
+}
 const PREDICTED_MASK: u64 = (1 << PREDICTED_BITS) - 1;
 const SENT_MAX: u64 = (1 << (64 - PREDICTED_BITS)) - 2;
 
@@ -178,10 +204,17 @@ const SENT_MAX: u64 = (1 << (64 - PREDICTED_BITS)) - 2;
 #[derive(Debug, Default)]
 pub struct Waiting {
     slots: [AtomicU64; WAITING_SLOTS],
+    /// Beside each slot, the endpoint's count of storing steps
+    /// ([`Endpoint::kv_stored_steps`]) when the request was sent (40 bits)
+    /// and its predicted mean step (tenths of a millisecond, 24 bits; 0:
+    /// unknown). Written after the slot is claimed: for that instant a
+    /// reader may see the previous occupant's, whose count is never larger
+    /// (it only grows), so the race can only make the engine look faster.
+    marks: [AtomicU64; WAITING_SLOTS],
 }
 
 impl Waiting {
-    fn claim(&self, sent: Duration, predicted: Duration) -> Option<usize> {
+    fn claim(&self, sent: Duration, predicted: Duration, mark: Mark) -> Option<usize> {
         // 40 bits of send time (34 years of uptime), 24 of prediction
         // (4.6 hours, clamped).
         let sent_ms = u64::try_from(sent.as_millis())
@@ -192,10 +225,21 @@ impl Waiting {
             .unwrap_or(u64::MAX)
             .min(PREDICTED_MASK);
         let word = (sent_ms << PREDICTED_BITS) | predicted_ms;
-        self.slots.iter().position(|s| {
+        let slot = self.slots.iter().position(|s| {
             s.compare_exchange(0, word, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
-        })
+        })?;
+        if let Some(m) = self.marks.get(slot) {
+            let step = u64::try_from(mark.step.as_micros() / 100)
+                .unwrap_or(u64::MAX)
+                .min(STEP_MASK);
+            let idle = if mark.idle { IDLE_BIT } else { 0 };
+            m.store(
+                (step << STEP_SHIFT) | idle | (mark.stored_steps & MARK_MASK),
+                Ordering::Relaxed,
+            );
+        }
+        Some(slot)
     }
 
     fn release(&self, slot: usize) {
@@ -207,15 +251,31 @@ impl Waiting {
     /// The oldest tracked request's `(age at now, predicted TTFT)`, `now`
     /// being the time since the router started.
     pub fn oldest(&self, now: Duration) -> Option<(Duration, Duration)> {
-        let word = self
+        self.oldest_marked(now)
+            .map(|(age, predicted, _)| (age, predicted))
+    }
+
+    /// [`Waiting::oldest`] with what was noted when that request was sent.
+    pub fn oldest_marked(&self, now: Duration) -> Option<(Duration, Duration, Mark)> {
+        let (slot, word) = self
             .slots
             .iter()
             .map(|s| s.load(Ordering::Relaxed))
-            .filter(|&w| w != 0)
-            .min()?;
+            .enumerate()
+            .filter(|&(_, w)| w != 0)
+            .min_by_key(|&(_, w)| w)?;
         let sent = Duration::from_millis((word >> PREDICTED_BITS) - 1);
         let predicted = Duration::from_millis(word & PREDICTED_MASK);
-        Some((now.saturating_sub(sent), predicted))
+        let mark = self
+            .marks
+            .get(slot)
+            .map_or(0, |m| m.load(Ordering::Relaxed));
+        let mark = Mark {
+            stored_steps: mark & MARK_MASK,
+            step: Duration::from_micros((mark >> STEP_SHIFT) * 100),
+            idle: mark & IDLE_BIT != 0,
+        };
+        Some((now.saturating_sub(sent), predicted, mark))
     }
 }
 
@@ -359,8 +419,27 @@ impl InFlight {
     /// Tracks the request as waiting for its first token since `sent` (time
     /// since the router started), predicted to take `predicted`.
     pub fn waiting_since(&mut self, sent: Duration, predicted: Duration) {
+        self.waiting_since_stepped(sent, predicted, Duration::ZERO, false);
+    }
+
+    /// [`InFlight::waiting_since`], with the engine step predicted for it
+    /// ([`kinference_scoring::Prediction::mean_step_ms`]) and whether the
+    /// router had nothing else in flight there (`idle`): the endpoint's KV
+    /// events then count as evidence while it waits.
+    pub fn waiting_since_stepped(
+        &mut self,
+        sent: Duration,
+        predicted: Duration,
+        step: Duration,
+        idle: bool,
+    ) {
         if self.phase == Phase::Prefilling && self.waiting_slot.is_none() {
-            self.waiting_slot = self.endpoint.waiting.claim(sent, predicted);
+            let mark = Mark {
+                stored_steps: self.endpoint.kv_stored_steps(),
+                step,
+                idle,
+            };
+            self.waiting_slot = self.endpoint.waiting.claim(sent, predicted, mark);
         }
     }
 

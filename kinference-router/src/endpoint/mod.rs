@@ -31,7 +31,7 @@ pub use health::{
     PROBE_TIMEOUTS_TO_EJECT,
 };
 pub use load::{
-    Bursts, InFlight, Load, LoadSnapshot, PeerLoad, WAITING_SLOTS, Waiting, clock_micros,
+    Bursts, InFlight, Load, LoadSnapshot, Mark, PeerLoad, WAITING_SLOTS, Waiting, clock_micros,
 };
 
 /// A compact endpoint id, stable while the endpoint exists.
@@ -130,6 +130,13 @@ pub struct Endpoint {
     /// Tokens its KV cache holds (`vllm:cache_config_info` when scraped,
     /// SGLang's `/server_info`); 0: unknown.
     kv_capacity: AtomicU64,
+    /// Engine steps that stored blocks: batches with a `BlockStored` event
+    /// from any of its streams, counted as they arrive
+    /// ([`kinference_scoring::Evidence::stored_steps`]).
+    kv_stored_steps: AtomicU64,
+    /// Whether one of its KV-event streams was found disconnected
+    /// (refreshed every second by the maintainer; false until then).
+    kv_disconnected: AtomicBool,
     /// Cancelled when the endpoint leaves: stops its tasks.
     pub stop: CancellationToken,
 }
@@ -157,6 +164,8 @@ impl Endpoint {
             kv_recovering_until: RwLock::default(),
             kv_blocks_held: AtomicU64::new(0),
             kv_capacity: AtomicU64::new(0),
+            kv_stored_steps: AtomicU64::new(0),
+            kv_disconnected: AtomicBool::new(false),
             stop,
         }
     }
@@ -220,6 +229,29 @@ impl Endpoint {
     pub fn set_kv_blocks_held(&self, blocks: Option<u64>) {
         let held = blocks.map_or(u64::MAX, |b| b.min(u64::MAX - 1));
         self.kv_blocks_held.store(held, Ordering::Relaxed);
+    }
+
+    /// Engine steps that stored blocks, as counted from its KV events so
+    /// far (0: none yet, or its events are not followed).
+    pub fn kv_stored_steps(&self) -> u64 {
+        self.kv_stored_steps.load(Ordering::Relaxed)
+    }
+
+    /// Counts one batch of its KV events that stored blocks.
+    pub fn count_kv_stored_step(&self) {
+        self.kv_stored_steps.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Whether its KV events are followed: subscribed, and no stream was
+    /// disconnected at the maintainer's last look (a stream just
+    /// subscribed counts as followed until then).
+    pub fn kv_followed(&self) -> bool {
+        self.kv_ranks() > 0 && !self.kv_disconnected.load(Ordering::Relaxed)
+    }
+
+    /// Records whether one of its KV-event streams is disconnected.
+    pub fn set_kv_disconnected(&self, disconnected: bool) {
+        self.kv_disconnected.store(disconnected, Ordering::Relaxed);
     }
 
     /// Tokens its KV cache holds, as the engine said (a configuration
