@@ -441,6 +441,17 @@ impl LatencyParams {
                 })
             }
         }
+        fn at_least_one(field: &'static str, value: f64) -> Result<(), ParamsError> {
+            if value.is_finite() && value >= 1.0 {
+                Ok(())
+            } else {
+                Err(ParamsError {
+                    field,
+                    expected: "finite and at least 1",
+                    value,
+                })
+            }
+        }
         fn unit(field: &'static str, value: f64) -> Result<(), ParamsError> {
             if (0.0..=1.0).contains(&value) {
                 Ok(())
@@ -469,21 +480,9 @@ impl LatencyParams {
         non_negative("tieFraction", self.tie_fraction)?;
         non_negative("externalityCap", self.externality_cap)?;
         non_negative("overdueSlackMillis", self.overdue_slack_millis)?;
-        if !(self.overdue_max_scale.is_finite() && self.overdue_max_scale >= 1.0) {
-            return Err(ParamsError {
-                field: "overdueMaxScale",
-                expected: "finite and at least 1",
-                value: self.overdue_max_scale,
-            });
-        }
+        at_least_one("overdueMaxScale", self.overdue_max_scale)?;
         non_negative("stallGraceMillis", self.stall_grace_millis)?;
-        if !(self.stall_min_scale.is_finite() && self.stall_min_scale >= 1.0) {
-            return Err(ParamsError {
-                field: "stallMinScale",
-                expected: "finite and at least 1",
-                value: self.stall_min_scale,
-            });
-        }
+        at_least_one("stallMinScale", self.stall_min_scale)?;
         non_negative("refusalPenaltyMillis", self.refusal_penalty_millis)?;
         non_negative("adapterLoadMillis", self.adapter_load_millis)?;
         non_negative("adapterSlotWaitMillis", self.adapter_slot_wait_millis)?;

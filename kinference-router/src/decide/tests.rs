@@ -361,29 +361,47 @@ fn ejected_endpoints_are_not_candidates() {
     );
 }
 
-#[test]
-fn a_request_overdue_at_an_endpoint_and_a_503_steer_decisions_away_with_no_clock_read() {
+/// Three endpoints of one worker set under the kinference policy, and an
+/// 8-block prompt prepared for them.
+fn three_endpoints() -> (Fixture, Prepared) {
     let fix = fixture(&[(
         "a",
         &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
         PolicyName::Kinference,
     )]);
     let req = fix.prepared(&prompt(9, 8));
-    let at = |dec: Duration| Now {
+    (fix, req)
+}
+
+/// Decides and commits `req` once for each of the three endpoints at `at`, each time
+/// excluding the endpoints already chosen: (endpoint, its commit).
+fn one_request_at_each(
+    fix: &Fixture,
+    req: &Prepared,
+    at: Duration,
+) -> Vec<(Arc<Endpoint>, commit::Commit)> {
+    let now = Now {
         instant: Instant::now(),
-        since_start: dec,
+        since_start: at,
     };
-    // One request committed to each endpoint at T (no first token yet).
     let mut sent = Vec::new();
     let mut excluded = Vec::new();
     for _ in 0..3 {
-        let dec = fix.decide(&req, &excluded, T).unwrap();
+        let dec = fix.decide(req, &excluded, at).unwrap();
         excluded.push(dec.endpoint.id);
         sent.push((
             dec.endpoint.clone(),
-            commit::commit(&fix.view, &req, &dec, at(T)),
+            commit::commit(&fix.view, req, &dec, now),
         ));
     }
+    sent
+}
+
+#[test]
+fn a_request_overdue_at_an_endpoint_and_a_503_steer_decisions_away_with_no_clock_read() {
+    let (fix, req) = three_endpoints();
+    // One request committed to each endpoint at T (no first token yet).
+    let mut sent = one_request_at_each(&fix, &req, T);
     let slow = sent[0].0.clone();
     // 2 s later the other two have their first tokens; the first one's
     // request still waits, far past its prediction.
@@ -636,16 +654,7 @@ fn a_session_names_the_dp_rank_that_stored_it() {
 
 #[test]
 fn an_endpoint_silent_in_its_kv_events_is_avoided_before_its_request_is_late() {
-    let fix = fixture(&[(
-        "a",
-        &["10.0.0.1", "10.0.0.2", "10.0.0.3"],
-        PolicyName::Kinference,
-    )]);
-    let req = fix.prepared(&prompt(9, 8));
-    let at = |dec: Duration| Now {
-        instant: Instant::now(),
-        since_start: dec,
-    };
+    let (fix, req) = three_endpoints();
     let endpoints: Vec<_> = ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
         .iter()
         .map(|a| fix.endpoint(a))
@@ -654,13 +663,7 @@ fn an_endpoint_silent_in_its_kv_events_is_avoided_before_its_request_is_late() {
         e.set_kv_ranks(1);
     }
     // One request committed to each endpoint at T; none has a first token.
-    let mut sent = Vec::new();
-    let mut excluded = Vec::new();
-    for _ in 0..3 {
-        let dec = fix.decide(&req, &excluded, T).unwrap();
-        excluded.push(dec.endpoint.id);
-        sent.push(commit::commit(&fix.view, &req, &dec, at(T)));
-    }
+    let sent = one_request_at_each(&fix, &req, T);
     let slow = endpoints[0].clone();
     let silent_for = |dec: &Decision| {
         let c = dec
