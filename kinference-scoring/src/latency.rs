@@ -45,7 +45,7 @@
 //! for that request, which scales the load part from `stall_min_scale` on,
 //! and with no storing step at all since it was sent to an idle engine
 //! the oldest request is overdue past `stall_grace_millis` rather than the
-//! slack; a 503 from the engine
+//! slack, its bound times `silent_overdue_factor`; a 503 from the engine
 //! within `metrics_max_age` adds `refusal_penalty_millis`, fading.
 //! Calibration learns from `load_ms` and observed TTFT only, so evidence
 //! lasts exactly as long as the requests it comes from wait.
@@ -235,6 +235,7 @@ pub(crate) struct Model {
     overdue_max_scale: f64,
     stall_grace: f64,
     stall_min_scale: f64,
+    silent_overdue_factor: f64,
     refusal_penalty: f64,
     adapter_load: f64,
     adapter_wait: f64,
@@ -304,6 +305,7 @@ impl Model {
             overdue_max_scale: params.overdue_max_scale,
             stall_grace: params.stall_grace_millis,
             stall_min_scale: params.stall_min_scale,
+            silent_overdue_factor: params.silent_overdue_factor,
             refusal_penalty: params.refusal_penalty_millis,
             adapter_load: params.adapter_load_millis,
             adapter_wait: params.adapter_slot_wait_millis,
@@ -325,7 +327,8 @@ impl Model {
     /// from `stall_min_scale`; no floor: the request need not be late yet);
     /// with `n = 0` and the request sent to an endpoint where this router
     /// had nothing else in flight, it is overdue past `stall_grace_millis`
-    /// instead of the slack. A
+    /// instead of the slack, and its bound is multiplied by
+    /// `silent_overdue_factor` (an estimate, no longer a bound). A
     /// 503 within `metrics_max_age` adds `refusal_penalty_millis`, fading
     /// linearly with its age.
     #[inline]
@@ -351,13 +354,21 @@ impl Model {
                 // engine is late on it past the grace alone, not past the
                 // slack that covers a step already under way (the model
                 // does not know how far along that is).
-                let slack = if stored == Some(0) && e.oldest_sent_idle {
+                let silent = stored == Some(0) && e.oldest_sent_idle;
+                let slack = if silent {
                     self.stall_grace
                 } else {
                     self.overdue_slack
                 };
                 let ratio = (age - slack) / predicted;
                 if ratio > 1.0 {
+                    // Silent, its first step outlived the whole prediction:
+                    // the bound times the factor, an estimate.
+                    let ratio = if silent {
+                        ratio * self.silent_overdue_factor
+                    } else {
+                        ratio
+                    };
                     out.scale = scale * min(ratio, self.overdue_max_scale);
                     out.floor = age;
                 }
@@ -984,10 +995,40 @@ mod tests {
         // Sent behind a step already under way, whose end the model does not
         // know: the slack still holds.
         assert!((with(Some(0), false).scale - base.scale).abs() < 1e-12);
+        // Not one step since: its first step outlived the whole prediction,
+        // and the bound is taken `silent_overdue_factor` times.
         let late = with(Some(0), true);
-        let want = (age - p.stall_grace_millis) / 200.0;
+        let bound = (age - p.stall_grace_millis) / 200.0;
+        let want = bound * p.silent_overdue_factor;
+        assert!(p.silent_overdue_factor > 1.0);
         assert!((late.scale - want).abs() < 1e-9, "{late:?}");
         assert!(late.ttft_ms >= age);
+        // With the factor 1, the bound alone.
+        let p1 = LatencyParams {
+            silent_overdue_factor: 1.0,
+            ..p
+        };
+        let mut c1 = c;
+        c1.evidence = Evidence {
+            oldest_waiting: Duration::from_secs_f64(age / 1e3),
+            oldest_predicted: Duration::from_millis(200),
+            stored_steps: Some(0),
+            oldest_step: Duration::from_millis(200),
+            oldest_sent_idle: true,
+            ..Evidence::default()
+        };
+        let bounded = predict(&p1, &req(1000), &c1, None, Duration::ZERO);
+        assert!((bounded.scale - bound).abs() < 1e-9, "{bounded:?}");
+        // Behind a step under way, late past the slack: the bound alone.
+        let behind = Evidence {
+            oldest_waiting: Duration::from_secs_f64((age + 100.0) / 1e3),
+            oldest_sent_idle: false,
+            ..c1.evidence
+        };
+        c1.evidence = behind;
+        let behind = predict(&p, &req(1000), &c1, None, Duration::ZERO);
+        let want = (age + 100.0 - p.overdue_slack_millis) / 200.0;
+        assert!((behind.scale - want).abs() < 1e-9, "{behind:?}");
     }
 
     #[test]

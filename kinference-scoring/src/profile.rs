@@ -145,6 +145,15 @@ pub struct LatencyParams {
     /// it scales the load part, up to `overdue_max_scale`.
     #[serde(default = "default_stall_min_scale")]
     pub stall_min_scale: f64,
+    /// With not one storing step since the oldest request was sent to an
+    /// endpoint where this router had nothing else in flight, its lower
+    /// bound `(age − grace) ÷ predicted`, once past 1, is multiplied by
+    /// this factor: the engine's first step has outlived the whole
+    /// prediction, and a duration that has outlived its expectation is
+    /// expected, on a heavy tail, to last about as long again (1: the
+    /// lower bound alone).
+    #[serde(default = "default_silent_overdue_factor")]
+    pub silent_overdue_factor: f64,
     /// Added to the prediction of an endpoint that refused a request with
     /// 503 (admission control) just now, fading linearly to 0 over
     /// `metrics_max_age`.
@@ -265,6 +274,11 @@ const DEFAULT: LatencyParams = LatencyParams {
     // whose prefill chunk ends inside a block stores nothing for that
     // request (but the next one does).
     stall_min_scale: 3.0,
+    // Twice the lower bound: the expected total of a duration that has
+    // outlived its expectation under a Pareto tail of index 2 (an engine
+    // late at all is more often much slower than a little). A false alarm
+    // lasts until the engine's next storing batch, a step.
+    silent_overdue_factor: 2.0,
     // An engine at its admission limit refuses again until its queue
     // drains: about one long prefill, so that any engine with room wins.
     refusal_penalty_millis: 1_000.0,
@@ -311,6 +325,10 @@ fn default_stall_grace_millis() -> f64 {
 
 fn default_stall_min_scale() -> f64 {
     DEFAULT.stall_min_scale
+}
+
+fn default_silent_overdue_factor() -> f64 {
+    DEFAULT.silent_overdue_factor
 }
 
 fn default_eviction_weight() -> f64 {
@@ -483,6 +501,7 @@ impl LatencyParams {
         at_least_one("overdueMaxScale", self.overdue_max_scale)?;
         non_negative("stallGraceMillis", self.stall_grace_millis)?;
         at_least_one("stallMinScale", self.stall_min_scale)?;
+        at_least_one("silentOverdueFactor", self.silent_overdue_factor)?;
         non_negative("refusalPenaltyMillis", self.refusal_penalty_millis)?;
         non_negative("adapterLoadMillis", self.adapter_load_millis)?;
         non_negative("adapterSlotWaitMillis", self.adapter_slot_wait_millis)?;
