@@ -125,12 +125,12 @@ async fn demo(opts: Options) -> Result<ExitCode> {
             "[{policy}] router: OpenAI API http://{LISTEN}/v1  metrics http://{ADMIN}/metrics  debug http://{ADMIN}/debug/endpoints, /debug/explain"
         );
 
-        let before = load::prefix_cache_counters(&engines).await;
+        let before = load::engine_counters(&engines).await;
         let samples = load::run(&format!("http://{LISTEN}"), "demo", &w, rate, per_policy).await;
-        let after = load::prefix_cache_counters(&engines).await;
-        let queries = after.1 - before.1;
+        let after = load::engine_counters(&engines).await;
+        let queries = after.queries - before.queries;
         let hit_rate = if queries > 0.0 {
-            (after.0 - before.0) / queries
+            (after.hits - before.hits) / queries
         } else {
             0.0
         };

@@ -298,27 +298,42 @@ pub(crate) async fn read_sse(mut body: hyper::body::Incoming, mut on: impl FnMut
     }
 }
 
-/// The sum of `vllm:prefix_cache_hits` and `queries` over engines' `/metrics`.
-pub(crate) async fn prefix_cache_counters(engines: &[String]) -> (f64, f64) {
-    let (mut hits, mut queries) = (0.0, 0.0);
+/// What the engines' `/metrics` say, summed or per engine.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct EngineCounters {
+    /// `vllm:prefix_cache_hits` over the engines.
+    pub hits: f64,
+    /// `vllm:prefix_cache_queries` over the engines.
+    pub queries: f64,
+    /// Per engine (in the order given; NaN where its page could not be
+    /// read), the requests it has received so far: finished (every
+    /// reason, aborts too), running and waiting. Whoever routed them.
+    pub received: Vec<f64>,
+}
+
+/// Reads every engine's `/metrics`.
+pub(crate) async fn engine_counters(engines: &[String]) -> EngineCounters {
+    let mut out = EngineCounters::default();
     for e in engines {
         let Ok((200, body)) = get(&format!("{e}/metrics")).await else {
+            out.received.push(f64::NAN);
             continue;
         };
-        for line in String::from_utf8_lossy(&body).lines() {
-            let value = |l: &str| {
-                l.rsplit_once(' ')
-                    .and_then(|(_, v)| v.parse::<f64>().ok())
-                    .unwrap_or(0.0)
-            };
-            if line.starts_with("vllm:prefix_cache_hits_total") {
-                hits += value(line);
-            } else if line.starts_with("vllm:prefix_cache_queries_total") {
-                queries += value(line);
+        let text = String::from_utf8_lossy(&body);
+        let mut received = 0.0;
+        for s in kinference_api::engine::prometheus::samples(&text) {
+            match s.name {
+                "vllm:prefix_cache_hits_total" => out.hits += s.value,
+                "vllm:prefix_cache_queries_total" => out.queries += s.value,
+                "vllm:request_success_total"
+                | "vllm:num_requests_running"
+                | "vllm:num_requests_waiting" => received += s.value,
+                _ => {}
             }
         }
+        out.received.push(received);
     }
-    (hits, queries)
+    out
 }
 
 /// Nearest-rank percentile of sorted values.

@@ -155,16 +155,9 @@ pub(super) fn peers_reporting(metrics: &str) -> Option<f64> {
 /// engine is slower than the others and the router names engines
 /// (`x-kinference-endpoint`); NaN otherwise.
 pub(super) fn slow_share(samples: &[drive::Sample], slowdowns: &[f64], port_base: u16) -> f64 {
-    let Some((i, s)) = slowdowns
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-    else {
+    let Some(i) = slowest(slowdowns) else {
         return f64::NAN;
     };
-    if *s <= 1.0 || slowdowns.iter().filter(|x| (*x - s).abs() < 1e-9).count() != 1 {
-        return f64::NAN;
-    }
     let slow = format!("127.0.0.1:{}", http_port(port_base, i));
     let named: Vec<&drive::Sample> = samples
         .iter()
@@ -180,9 +173,54 @@ pub(super) fn slow_share(samples: &[drive::Sample], slowdowns: &[f64], port_base
         / named.len() as f64
 }
 
+/// The one engine slower than all others, if there is one.
+fn slowest(slowdowns: &[f64]) -> Option<usize> {
+    let (i, s) = slowdowns
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))?;
+    (*s > 1.0 && slowdowns.iter().filter(|x| (*x - s).abs() < 1e-9).count() == 1).then_some(i)
+}
+
+/// The slowest engine's share of the requests the engines received between
+/// two readings of their counters ([`load::EngineCounters::received`], in
+/// the engines' order), when one engine is slower than the others; NaN
+/// otherwise or when a reading is missing.
+pub(super) fn received_share(before: &[f64], after: &[f64], slowdowns: &[f64]) -> f64 {
+    let Some(i) = slowest(slowdowns) else {
+        return f64::NAN;
+    };
+    if before.len() != slowdowns.len() || after.len() != slowdowns.len() {
+        return f64::NAN;
+    }
+    let got: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    let total: f64 = got.iter().sum();
+    if total.is_nan() || total <= 0.0 {
+        return f64::NAN;
+    }
+    got[i] / total
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_slow_engines_share_comes_from_what_each_engine_received() {
+        let slowdowns = [1.0, 1.0, 10.0, 1.0];
+        // Warm-up counts before the window; the window's 10, 10, 5, 15.
+        let before = [3.0, 4.0, 2.0, 1.0];
+        let after = [13.0, 14.0, 7.0, 16.0];
+        let share = received_share(&before, &after, &slowdowns);
+        assert!((share - 5.0 / 40.0).abs() < 1e-12, "{share}");
+        // No single slowest engine, an engine unread, nothing received.
+        assert!(received_share(&before, &after, &[1.0; 4]).is_nan());
+        assert!(received_share(&before, &after, &[1.0, 3.0, 3.0, 1.0]).is_nan());
+        let unread = [13.0, f64::NAN, 7.0, 16.0];
+        assert!(received_share(&before, &unread, &slowdowns).is_nan());
+        assert!(received_share(&before, &before, &slowdowns).is_nan());
+        assert!(received_share(&before[..3], &after, &slowdowns).is_nan());
+    }
 
     #[test]
     fn a_late_replica_is_compared_with_its_peers_over_the_same_window() {

@@ -36,7 +36,7 @@ mod measure;
 pub(crate) use fleet::Fleet;
 use fleet::{add_latency_fields, admin_addr, http_port, kv_port, listen_addr};
 pub(crate) use measure::{JOIN_WINDOW, clock_ticks, cpu_seconds};
-use measure::{join_window, kill_and_watch, loadavg, peer_bytes, slow_share};
+use measure::{join_window, kill_and_watch, loadavg, peer_bytes, received_share, slow_share};
 
 /// The simulator's unscaled defaults (its README: fitted to vLLM on an L4),
 /// and llm-d's published per-pod KV capacity.
@@ -541,13 +541,13 @@ async fn one_run(
     let (samples, (counters_before, cpu_before, peer_bytes_before)) =
         drive::drive(plan, &running.route, MODEL, opts.drain, || async {
             (
-                load::prefix_cache_counters(engines).await,
+                load::engine_counters(engines).await,
                 cpu(&pids),
                 peer_bytes(&admins).await,
             )
         })
         .await;
-    let counters_after = load::prefix_cache_counters(engines).await;
+    let counters_after = load::engine_counters(engines).await;
     let peer_bytes_after = peer_bytes(&admins).await;
     let joined = match joining {
         Some(t) => Some(t.await.context("the late replica's task")??),
@@ -613,10 +613,10 @@ async fn one_run(
     for s in sims {
         s.stop().await;
     }
-    let queries = counters_after.1 - counters_before.1;
+    let queries = counters_after.queries - counters_before.queries;
     let window = Window {
         hit_rate: if queries > 0.0 {
-            (counters_after.0 - counters_before.0) / queries
+            (counters_after.hits - counters_before.hits) / queries
         } else {
             0.0
         },
@@ -630,6 +630,15 @@ async fn one_run(
         (workload, rate, load, policy, repeat),
     );
     row.slow_share = slow_share(&samples, &fleet.slowdowns(kind), opts.port_base);
+    if row.slow_share.is_nan() {
+        // A router that does not name engines (the real peers): what the
+        // engines say they received in the measured window.
+        row.slow_share = received_share(
+            &counters_before.received,
+            &counters_after.received,
+            &fleet.slowdowns(kind),
+        );
+    }
     if kind == WorkloadKind::Lora {
         row.lora = Some(report::LoraFigures::of(&samples));
     }
