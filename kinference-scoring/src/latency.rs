@@ -976,7 +976,7 @@ mod tests {
         let base = predict(&p, &req(1000), &c, None, Duration::ZERO);
         // Predicted 200 ms in one step; 260 ms old.
         let age = 200.0 + f64::midpoint(p.stall_grace_millis, p.overdue_slack_millis) + 10.0;
-        let with = |stored: Option<u32>, idle: bool| {
+        let at = |p: &LatencyParams, age: f64, stored: Option<u32>, idle: bool| {
             let mut c = c;
             c.evidence = Evidence {
                 oldest_waiting: Duration::from_secs_f64(age / 1e3),
@@ -986,8 +986,9 @@ mod tests {
                 oldest_sent_idle: idle,
                 ..Evidence::default()
             };
-            predict(&p, &req(1000), &c, None, Duration::ZERO)
+            predict(p, &req(1000), &c, None, Duration::ZERO)
         };
+        let with = |stored: Option<u32>, idle: bool| at(&p, age, stored, idle);
         // Within the slack: on time, unless the events show that not one
         // step has ended since it was sent to an idle engine.
         assert!((with(None, true).scale - base.scale).abs() < 1e-12);
@@ -996,37 +997,20 @@ mod tests {
         // know: the slack still holds.
         assert!((with(Some(0), false).scale - base.scale).abs() < 1e-12);
         // Not one step since: its first step outlived the whole prediction,
-        // and the bound is taken `silent_overdue_factor` times.
+        // past the grace; by default the bound alone.
         let late = with(Some(0), true);
         let bound = (age - p.stall_grace_millis) / 200.0;
-        let want = bound * p.silent_overdue_factor;
-        assert!(p.silent_overdue_factor > 1.0);
-        assert!((late.scale - want).abs() < 1e-9, "{late:?}");
+        assert!((late.scale - bound).abs() < 1e-9, "{late:?}");
         assert!(late.ttft_ms >= age);
-        // With the factor 1, the bound alone.
-        let p1 = LatencyParams {
-            silent_overdue_factor: 1.0,
+        // With a factor, the bound taken that many times.
+        let p2 = LatencyParams {
+            silent_overdue_factor: 2.0,
             ..p
         };
-        let mut c1 = c;
-        c1.evidence = Evidence {
-            oldest_waiting: Duration::from_secs_f64(age / 1e3),
-            oldest_predicted: Duration::from_millis(200),
-            stored_steps: Some(0),
-            oldest_step: Duration::from_millis(200),
-            oldest_sent_idle: true,
-            ..Evidence::default()
-        };
-        let bounded = predict(&p1, &req(1000), &c1, None, Duration::ZERO);
-        assert!((bounded.scale - bound).abs() < 1e-9, "{bounded:?}");
+        let doubled = at(&p2, age, Some(0), true);
+        assert!((doubled.scale - 2.0 * bound).abs() < 1e-9, "{doubled:?}");
         // Behind a step under way, late past the slack: the bound alone.
-        let behind = Evidence {
-            oldest_waiting: Duration::from_secs_f64((age + 100.0) / 1e3),
-            oldest_sent_idle: false,
-            ..c1.evidence
-        };
-        c1.evidence = behind;
-        let behind = predict(&p, &req(1000), &c1, None, Duration::ZERO);
+        let behind = at(&p2, age + 100.0, Some(0), false);
         let want = (age + 100.0 - p.overdue_slack_millis) / 200.0;
         assert!((behind.scale - want).abs() < 1e-9, "{behind:?}");
     }

@@ -150,8 +150,8 @@ pub struct LatencyParams {
     /// bound `(age − grace) ÷ predicted`, once past 1, is multiplied by
     /// this factor: the engine's first step has outlived the whole
     /// prediction, and a duration that has outlived its expectation is
-    /// expected, on a heavy tail, to last about as long again (1: the
-    /// lower bound alone).
+    /// expected, on a heavy tail, to last about as long again (1, the
+    /// default: the lower bound alone).
     #[serde(default = "default_silent_overdue_factor")]
     pub silent_overdue_factor: f64,
     /// Added to the prediction of an endpoint that refused a request with
@@ -274,11 +274,14 @@ const DEFAULT: LatencyParams = LatencyParams {
     // whose prefill chunk ends inside a block stores nothing for that
     // request (but the next one does).
     stall_min_scale: 3.0,
-    // Twice the lower bound: the expected total of a duration that has
-    // outlived its expectation under a Pareto tail of index 2 (an engine
-    // late at all is more often much slower than a little). A false alarm
-    // lasts until the engine's next storing batch, a step.
-    silent_overdue_factor: 2.0,
+    // The bound alone. 2 (the expected total of a duration that has
+    // outlived its expectation under a Pareto tail of index 2) kept a 10x
+    // slower engine out of a burst sooner on a tuned profile, but with the
+    // built-in profile on engines it mispredicts, every idle engine looks
+    // late until calibration catches up, and doubling that moved requests
+    // off their cached engine: multi-turn's hit rate fell about 5 points
+    // (docs/benchmarks.md, 2026-12-05).
+    silent_overdue_factor: 1.0,
     // An engine at its admission limit refuses again until its queue
     // drains: about one long prefill, so that any engine with room wins.
     refusal_penalty_millis: 1_000.0,
