@@ -65,13 +65,33 @@ impl ApiError {
         }
     }
 
+    /// 400: the body names no model and the pool serves `models` (none or
+    /// several), so there is no default to give it.
+    pub fn model_required(models: &[&str]) -> Self {
+        let served = if models.is_empty() {
+            "none yet".to_owned()
+        } else {
+            models.join(", ")
+        };
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            kind: "invalid_request_error",
+            message: format!(
+                "`model` is required: this pool serves more than one model ({served}). GET /v1/models lists them and their aliases."
+            ),
+            param: Some("model"),
+            code: None,
+            retry_after: None,
+        }
+    }
+
     /// 404 for an unknown path.
     pub fn not_found(path: &str) -> Self {
         Self {
             status: StatusCode::NOT_FOUND,
             kind: "invalid_request_error",
             message: format!(
-                "Unknown path {path}. This router serves POST /v1/chat/completions, POST /v1/completions and GET /v1/models."
+                "Unknown path {path}. This router serves POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize and /detokenize, and GET /v1/models and /health."
             ),
             param: None,
             code: Some("not_found"),
@@ -272,8 +292,9 @@ impl Endpoint {
 /// is skipped unparsed: it is the engine's to validate.
 #[derive(Debug)]
 pub struct Fields<'a> {
-    /// `model`.
-    pub model: Cow<'a, str>,
+    /// `model`, when the body names one (vLLM and SGLang serve their one
+    /// base model to a request without it).
+    pub model: Option<Cow<'a, str>>,
     /// Byte range of `model`'s string token (quotes included) in the body,
     /// for rewriting an alias without re-encoding the body.
     pub model_span: Option<std::ops::Range<usize>>,
@@ -365,24 +386,40 @@ impl<'a> Fields<'a> {
 /// (`vllm_xargs.kv_cache_report_mode: "full"`); everything else byte for
 /// byte.
 pub fn with_full_report_mode(body: &[u8]) -> Bytes {
-    const FIELD: &[u8] = br#""vllm_xargs":{"kv_cache_report_mode":"full"},"#;
-    let Some(open) = body.iter().position(|b| *b == b'{') else {
+    with_field(body, r#""vllm_xargs":{"kv_cache_report_mode":"full"}"#)
+}
+
+/// `body` (a JSON object) with `field` (`"name":value`) added as its last
+/// member, everything else byte for byte. Last, so that it wins over a
+/// member of the same name the parsers saw as absent (`"model":null`):
+/// JSON parsers keep the last of duplicate names.
+fn with_field(body: &[u8], field: &str) -> Bytes {
+    let Some(close) = body.iter().rposition(|b| *b == b'}') else {
         return Bytes::copy_from_slice(body);
     };
-    let mut out = Vec::with_capacity(body.len() + FIELD.len());
-    out.extend_from_slice(&body[..=open]);
-    out.extend_from_slice(FIELD);
-    out.extend_from_slice(&body[open + 1..]);
+    let inner = &body[..close];
+    let empty = inner.iter().rev().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
+    let mut out = Vec::with_capacity(body.len() + field.len() + 1);
+    out.extend_from_slice(inner);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(field.as_bytes());
+    out.extend_from_slice(&body[close..]);
     Bytes::from(out)
 }
 
 /// `body` with the string token at `span` (the `model` value, quotes
-/// included) replaced by `model`, everything else byte for byte.
+/// included) replaced by `model`, everything else byte for byte; without a
+/// span (the body names no model), `model` added as its first field.
 pub fn rewrite_model(body: &[u8], span: Option<std::ops::Range<usize>>, model: &str) -> Bytes {
-    let Some(span) = span.filter(|s| s.end <= body.len()) else {
-        return Bytes::copy_from_slice(body);
-    };
     let quoted = serde_json::to_string(model).unwrap_or_default();
+    let Some(span) = span else {
+        return with_field(body, &format!("\"model\":{quoted}"));
+    };
+    if span.end > body.len() {
+        return Bytes::copy_from_slice(body);
+    }
     let mut out = Vec::with_capacity(body.len() + quoted.len());
     out.extend_from_slice(&body[..span.start]);
     out.extend_from_slice(quoted.as_bytes());
@@ -398,8 +435,8 @@ fn type_error(message: &'static str, param: &'static str) -> ApiError {
 /// request, checking them. Nothing else is parsed into memory.
 ///
 /// # Errors
-/// A 400 for malformed JSON, a non-object body, a missing or non-string
-/// `model`, a non-boolean `stream`, missing `messages` (chat) or `prompt`
+/// A 400 for malformed JSON, a non-object body, a non-string `model`, a
+/// non-boolean `stream`, missing `messages` (chat) or `prompt`
 /// (completions).
 pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
     let not_json = |e: &serde_json::Error| {
@@ -421,19 +458,20 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
             not_json(&e)
         }
     })?;
-    let model_raw = raw
-        .model
-        .filter(|m| m.get() != "null")
-        .ok_or_else(|| type_error("`model` is required.", "model"))?;
-    let model: Cow<'_, str> = serde_json::from_str(model_raw.get())
-        .map_err(|_| type_error("`model` must be a string.", "model"))?;
-    if model.is_empty() {
-        return Err(type_error("`model` is required.", "model"));
-    }
-    // The string token's place in the body: the raw value borrows from it.
-    let model_span = {
-        let start = model_raw.get().as_ptr() as usize - bytes.as_ptr() as usize;
-        Some(start..start + model_raw.get().len())
+    // Absent, null or empty: the engines' one base model (vLLM's
+    // `_is_model_supported` accepts such a request), resolved by the caller.
+    // (serde reads `null` as absent: no span then.)
+    let (model, model_span) = match raw.model {
+        None => (None, None),
+        Some(model_raw) => {
+            // The value's place in the body (the raw value borrows from it),
+            // where a rewrite puts the name routed to.
+            let start = model_raw.get().as_ptr() as usize - bytes.as_ptr() as usize;
+            let span = start..start + model_raw.get().len();
+            let model: Option<Cow<'_, str>> = serde_json::from_str(model_raw.get())
+                .map_err(|_| type_error("`model` must be a string.", "model"))?;
+            (model.filter(|m| !m.is_empty()), Some(span))
+        }
     };
     let stream = match raw.stream.map(RawValue::get) {
         None | Some("null" | "false") => false,
@@ -519,17 +557,12 @@ mod tests {
             br#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#,
         )
         .unwrap();
-        assert_eq!(p.model, "m");
+        assert_eq!(p.model.as_deref(), Some("m"));
         assert!(p.stream);
 
         let cases: &[(Endpoint, &[u8], &str)] = &[
             (Endpoint::Chat, b"{", "not valid JSON"),
             (Endpoint::Chat, b"[]", "must be a JSON object"),
-            (
-                Endpoint::Chat,
-                br#"{"messages":[{}]}"#,
-                "`model` is required",
-            ),
             (
                 Endpoint::Chat,
                 br#"{"model":3,"messages":[{}]}"#,
@@ -574,6 +607,26 @@ mod tests {
             let json: Value = serde_json::from_slice(&err.body()).unwrap();
             assert_eq!(json["error"]["type"], "invalid_request_error");
         }
+    }
+
+    #[test]
+    fn a_body_without_a_model_gets_the_one_it_is_routed_to() {
+        for body in [
+            &br#"{"messages":[{"role":"user","content":"hi"}]}"#[..],
+            br#"{"model":null,"messages":[{"role":"user","content":"hi"}]}"#,
+            br#"{"model":"","messages":[{"role":"user","content":"hi"}]}"#,
+        ] {
+            let f = parse(Endpoint::Chat, body).unwrap();
+            assert_eq!(f.model, None, "{}", String::from_utf8_lossy(body));
+            let out: Value = serde_json::from_slice(&f.with_model(body, "org/m")).unwrap();
+            assert_eq!(out["model"], "org/m");
+            assert_eq!(out["messages"][0]["content"], "hi");
+        }
+        assert_eq!(&with_field(b" { } ", r#""a":1"#)[..], br#" { "a":1} "#);
+        assert_eq!(
+            &with_field(b"{\"b\":2}\n", r#""a":1"#)[..],
+            b"{\"b\":2,\"a\":1}\n"
+        );
     }
 
     #[test]

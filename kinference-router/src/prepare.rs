@@ -86,7 +86,8 @@ pub struct Route {
 pub struct Prepared {
     /// Chat or completions.
     pub api: openai::Endpoint,
-    /// The model name the client sent.
+    /// The model name the client sent (the pool's only model when it sent
+    /// none).
     pub requested: String,
     /// Whether the response streams.
     pub stream: bool,
@@ -96,6 +97,9 @@ pub struct Prepared {
     pub body: Bytes,
     /// Where `model` sits in the body, for alias rewrites.
     model_span: Option<std::ops::Range<usize>>,
+    /// Whether the body names its model (without one, `requested` is the
+    /// pool's only model and the body sent names it).
+    model_named: bool,
     /// Whether the body sets `vllm_xargs` itself (then the router never
     /// adds its own).
     has_vllm_xargs: bool,
@@ -128,6 +132,7 @@ impl Prepared {
             debug: false,
             body: Bytes::new(),
             model_span: None,
+            model_named: true,
             has_vllm_xargs: false,
             path_and_query: api.path().to_owned(),
             headers: HeaderMap::new(),
@@ -141,7 +146,7 @@ impl Prepared {
     /// The body to send for `route`: as received, or with `model`
     /// rewritten when the client used an alias.
     pub fn body_for(&self, route: &Route) -> Bytes {
-        if route.target.model == self.requested {
+        if self.model_named && route.target.model == self.requested {
             return self.body.clone();
         }
         openai::rewrite_model(&self.body, self.model_span.clone(), &route.target.model)
@@ -204,13 +209,21 @@ pub async fn prepare(
     body: Bytes,
 ) -> Result<Prepared, ApiError> {
     let fields = openai::parse(api, &body)?;
-    let Some(targets) = view.resolve(&fields.model) else {
+    let starting =
+        || ApiError::unavailable("The router is starting and has not listed its pool yet.");
+    let model: &str = match &fields.model {
+        Some(m) => m,
+        None => match view.only_model() {
+            Ok(m) => m,
+            Err(_) if !shared.is_ready() => return Err(starting()),
+            Err(models) => return Err(ApiError::model_required(&models)),
+        },
+    };
+    let Some(targets) = view.resolve(model) else {
         if !shared.is_ready() {
-            return Err(ApiError::unavailable(
-                "The router is starting and has not listed its pool yet.",
-            ));
+            return Err(starting());
         }
-        return Err(ApiError::model_not_found(&fields.model));
+        return Err(ApiError::model_not_found(model));
     };
     let mut routes: Vec<Route> = Vec::with_capacity(targets.len());
     for t in targets {
@@ -229,7 +242,8 @@ pub async fn prepare(
     }
     Ok(Prepared {
         api,
-        requested: fields.model.clone().into_owned(),
+        requested: model.to_owned(),
+        model_named: fields.model.is_some(),
         stream: fields.stream,
         debug: head.debug,
         model_span: fields.model_span.clone(),
@@ -468,7 +482,7 @@ mod tests {
         let body =
             br#"{"z":1, "model" : "alias\u0041", "messages":[{"role":"user","content":"hi"}]}"#;
         let fields = openai::parse(openai::Endpoint::Chat, body).unwrap();
-        assert_eq!(fields.model, "aliasA");
+        assert_eq!(fields.model.as_deref(), Some("aliasA"));
         let out = fields.with_model(body, "org/real \"name\"");
         assert_eq!(
             std::str::from_utf8(&out).unwrap(),

@@ -209,6 +209,33 @@ impl View {
     pub fn resolve(&self, name: &str) -> Option<&[Target]> {
         self.names.get(name).map(Vec::as_slice)
     }
+
+    /// The model a request that names none is for: the pool's one base
+    /// model, as a vLLM or SGLang engine serves its own to such a request
+    /// (aliases of it do not count as more; adapters are not base models).
+    ///
+    /// # Errors
+    /// The names of the pool's base models when it serves none or several.
+    pub fn only_model(&self) -> Result<&str, Vec<&str>> {
+        let adapter = |m: &str| {
+            self.worker_sets
+                .iter()
+                .any(|ws| ws.adapters.contains_key(m))
+        };
+        let mut models: Vec<&str> = self
+            .names
+            .values()
+            .flatten()
+            .map(|t| t.model.as_str())
+            .filter(|m| !adapter(m))
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        match models[..] {
+            [one] => Ok(one),
+            _ => Err(models),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -325,5 +352,27 @@ mod tests {
         assert_eq!(ids, ["Qwen/Qwen3-8B", "google/gemma", "q", "qwen", "sql"]);
         assert_eq!(view.cards[1].max_model_len, Some(8192));
         assert_eq!(view.cards[3].root, "Qwen/Qwen3-8B");
+
+        // A request without a model: two base models (the adapter is not
+        // one), so none is the default; one worker set alone, its model
+        // (its aliases are not more models).
+        assert_eq!(
+            view.only_model(),
+            Err(vec!["Qwen/Qwen3-8B", "google/gemma"])
+        );
+        let one = Snapshot {
+            worker_sets: vec![snap.worker_sets[0].clone()],
+            ..snap
+        };
+        let view = View::build(&one, &reg, &|_| rt.clone());
+        assert_eq!(view.only_model(), Ok("Qwen/Qwen3-8B"));
+        let none = Snapshot {
+            worker_sets: vec![],
+            ..one
+        };
+        assert_eq!(
+            View::build(&none, &reg, &|_| rt.clone()).only_model(),
+            Err(vec![])
+        );
     }
 }

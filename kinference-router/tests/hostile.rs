@@ -155,12 +155,6 @@ fn cases() -> Vec<Case> {
             &json!({"model": MODEL, "prompt": {}}),
             &[400],
         ),
-        json_case(
-            "model missing",
-            CHAT,
-            &json!({"messages": [{"role": "user", "content": "hi"}]}),
-            &[400],
-        ),
         json_case("messages missing", CHAT, &json!({"model": MODEL}), &[400]),
         json_case(
             "messages empty",

@@ -92,6 +92,18 @@ async fn aliases_are_rewritten_and_unknown_models_are_404() {
     let decision = reply.headers["x-kinference-decision"].to_str().unwrap();
     assert!(decision.contains("tokens=engine"), "{decision}");
 
+    // No model (absent, null or empty), as vLLM accepts: the pool's one
+    // model, named in the body the engine gets.
+    for model in [None, Some(json!(null)), Some(json!(""))] {
+        let mut body = json!({"messages": [{"role": "user", "content": "w1 w2"}], "max_tokens": 2});
+        if let Some(m) = model.clone() {
+            body["model"] = m;
+        }
+        let reply = post(r.api(), "/v1/chat/completions", &body).await;
+        assert_eq!(reply.status, 200, "model {model:?}: {}", reply.text());
+        assert_eq!(reply.json()["model"], MODEL);
+    }
+
     let reply = post(
         r.api(),
         "/v1/chat/completions",

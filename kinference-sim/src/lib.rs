@@ -217,7 +217,12 @@ impl Shared {
     /// vLLM's 404 (`NotFoundError`, "The model `x` does not exist.").
     pub(crate) fn resolve_model(&self, model: Option<&Value>) -> Result<Target, ApiError> {
         match model {
+            // vLLM serves its base model to a request naming none.
             None | Some(Value::Null) => Ok(Target {
+                name: self.cfg.model.clone(),
+                lora: None,
+            }),
+            Some(Value::String(m)) if m.is_empty() => Ok(Target {
                 name: self.cfg.model.clone(),
                 lora: None,
             }),

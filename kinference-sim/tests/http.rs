@@ -63,6 +63,30 @@ async fn models_health_version_load() {
     e.shutdown().await;
 }
 
+/// vLLM's `_is_model_supported`: a request naming no model (absent, `null`
+/// or `""`) is served by the base model and echoes its name.
+#[tokio::test]
+async fn a_request_without_a_model_gets_the_served_one() {
+    let e = SimEngine::spawn(config()).await.expect("engine starts");
+    let c = client();
+    let url = format!("{}/v1/completions", e.base_url());
+    for body in [
+        json!({"prompt": "hello world", "max_tokens": 1}),
+        json!({"model": null, "prompt": "hello world", "max_tokens": 1}),
+        json!({"model": "", "prompt": "hello world", "max_tokens": 1}),
+    ] {
+        let (status, r) = post_json(&c, &url, &body).await;
+        assert_eq!(
+            (status, &r["model"]),
+            (200, &json!("Qwen/Qwen3-8B")),
+            "{body}: {r}"
+        );
+    }
+    let (status, r) = post_json(&c, &url, &json!({"model": "qwen4", "prompt": "x"})).await;
+    assert_eq!(status, 404, "an unknown name is still refused: {r}");
+    e.shutdown().await;
+}
+
 #[tokio::test]
 async fn completions_non_streaming() {
     let e = SimEngine::spawn(config()).await.expect("engine starts");
