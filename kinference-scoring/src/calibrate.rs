@@ -69,6 +69,12 @@ pub struct CalibrationView {
     /// policy without one).
     #[serde(default = "one")]
     pub fleet_scale: f64,
+    /// Whether the fleet's first tokens say the profile predicts its
+    /// engines' speed (within the fleet scale's dead zone), so that a
+    /// silent engine's bound is taken `silent_overdue_factor` times
+    /// ([`crate::latency`]); false for a policy without a fleet scale.
+    #[serde(default)]
+    pub profile_fits: bool,
     /// The step costs the policy predicts with, learnt from the fleet's
     /// streams ([`crate::steps`]); absent for a policy that does not learn
     /// them.
@@ -195,6 +201,7 @@ impl Calibration {
             clipped: self.clipped,
             spread: self.spread,
             fleet_scale: 1.0,
+            profile_fits: false,
             steps: None,
         }
     }

@@ -45,7 +45,8 @@
 //! for that request, which scales the load part from `stall_min_scale` on,
 //! and with no storing step at all since it was sent to an idle engine
 //! the oldest request is overdue past `stall_grace_millis` rather than the
-//! slack, its bound times `silent_overdue_factor`; a 503 from the engine
+//! slack, its bound times `silent_overdue_factor` (the kinference policy:
+//! while the profile fits the fleet's speed); a 503 from the engine
 //! within `metrics_max_age` adds `refusal_penalty_millis`, fading.
 //! Calibration learns from `load_ms` and observed TTFT only, so evidence
 //! lasts exactly as long as the requests it comes from wait.
@@ -500,6 +501,15 @@ impl Model {
 
     /// Whether calibration applies.
     #[inline]
+    /// The same model with `silent_overdue_factor` 1: the silent engine's
+    /// lower bound alone.
+    pub(crate) fn without_silent_factor(self) -> Self {
+        Self {
+            silent_overdue_factor: 1.0,
+            ..self
+        }
+    }
+
     pub(crate) fn calibrates(&self) -> bool {
         self.calibrate
     }
@@ -997,17 +1007,19 @@ mod tests {
         // know: the slack still holds.
         assert!((with(Some(0), false).scale - base.scale).abs() < 1e-12);
         // Not one step since: its first step outlived the whole prediction,
-        // past the grace; by default the bound alone.
-        let late = with(Some(0), true);
+        // past the grace; with factor 1 the bound alone.
+        let p1 = LatencyParams {
+            silent_overdue_factor: 1.0,
+            ..p
+        };
+        let late = at(&p1, age, Some(0), true);
         let bound = (age - p.stall_grace_millis) / 200.0;
         assert!((late.scale - bound).abs() < 1e-9, "{late:?}");
         assert!(late.ttft_ms >= age);
-        // With a factor, the bound taken that many times.
-        let p2 = LatencyParams {
-            silent_overdue_factor: 2.0,
-            ..p
-        };
-        let doubled = at(&p2, age, Some(0), true);
+        // With the default factor (2), the bound taken twice.
+        let p2 = p;
+        assert!((p2.silent_overdue_factor - 2.0).abs() < 1e-12);
+        let doubled = with(Some(0), true);
         assert!((doubled.scale - 2.0 * bound).abs() < 1e-9, "{doubled:?}");
         // Behind a step under way, late past the slack: the bound alone.
         let behind = at(&p2, age + 100.0, Some(0), false);

@@ -150,8 +150,11 @@ pub struct LatencyParams {
     /// bound `(age − grace) ÷ predicted`, once past 1, is multiplied by
     /// this factor: the engine's first step has outlived the whole
     /// prediction, and a duration that has outlived its expectation is
-    /// expected, on a heavy tail, to last about as long again (1, the
-    /// default: the lower bound alone).
+    /// expected, on a heavy tail, to last about as long again (the
+    /// default, 2: Pareto's with index 2; 1 is the lower bound alone). The
+    /// kinference policy applies it only while the fleet's first tokens
+    /// say the profile predicts its engines' speed (within 2×): on a
+    /// mispredicting profile every idle engine looks late at first.
     #[serde(default = "default_silent_overdue_factor")]
     pub silent_overdue_factor: f64,
     /// Added to the prediction of an endpoint that refused a request with
@@ -281,7 +284,7 @@ const DEFAULT: LatencyParams = LatencyParams {
     // late until calibration catches up, and doubling that moved requests
     // off their cached engine: multi-turn's hit rate fell about 5 points
     // (docs/benchmarks.md, 2026-12-05).
-    silent_overdue_factor: 1.0,
+    silent_overdue_factor: 2.0,
     // An engine at its admission limit refuses again until its queue
     // drains: about one long prefill, so that any engine with room wins.
     refusal_penalty_millis: 1_000.0,

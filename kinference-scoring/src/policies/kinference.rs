@@ -226,6 +226,11 @@ struct Steps {
 struct FleetScale {
     /// The median, 1 until an endpoint votes.
     scale: f64,
+    /// Whether some endpoint voted and the median is within
+    /// [`FLEET_DEAD_ZONE`]: the profile predicts these engines' speed as it
+    /// is, so a prediction outlived is evidence rather than the profile's
+    /// error. Only then does `silent_overdue_factor` apply.
+    fits: bool,
     /// Reusable buffer for the median (and for the endpoints' speeds in
     /// `Kinference::relative_speed`).
     votes: Vec<f64>,
@@ -245,6 +250,7 @@ impl FleetScale {
     fn new() -> Self {
         Self {
             scale: 1.0,
+            fits: false,
             votes: Vec::new(),
             pending: 0,
         }
@@ -272,6 +278,7 @@ impl FleetScale {
         let n = self.votes.len();
         if n == 0 {
             self.scale = 1.0;
+            self.fits = false;
             return;
         }
         let (_, &mut upper, _) = self.votes.select_nth_unstable_by(n / 2, f64::total_cmp);
@@ -284,6 +291,7 @@ impl FleetScale {
         } else {
             upper
         };
+        self.fits = median.abs() <= FLEET_DEAD_ZONE.ln();
         let excess = median.signum() * (median.abs() - FLEET_DEAD_ZONE.ln()).max(0.0);
         self.scale = excess
             .exp()
@@ -330,13 +338,34 @@ impl Kinference {
 
     /// Predict `candidate`'s TTFT with its calibration, without deciding.
     pub fn predict(&self, request: &Request, candidate: &Candidate, now: Duration) -> Prediction {
-        let model = Model::new(&self.params, request);
+        let model = self.model(request);
         let (offset, scale) = self.coefficients(&model, self.slot(candidate.endpoint), nanos(now));
         model.prediction(
             &model.terms(candidate),
             offset,
             &model.adjust(candidate, scale),
         )
+    }
+
+    /// The model for one decision: `silent_overdue_factor` only while the
+    /// fleet's first tokens say the profile fits its engines
+    /// ([`FleetScale::fits`]); with a profile that mispredicts them every
+    /// engine sent a request while idle looks late until calibration
+    /// catches up, and multiplying that moved requests off the engine
+    /// holding their conversation.
+    fn model(&self, request: &Request) -> Model {
+        let model = Model::new(&self.params, request);
+        if self.fleet.fits {
+            model
+        } else {
+            model.without_silent_factor()
+        }
+    }
+
+    /// Whether the fleet's first tokens say the profile predicts its
+    /// engines' speed within [`FLEET_DEAD_ZONE`] (false until one comes).
+    pub fn profile_fits(&self) -> bool {
+        self.fleet.fits
     }
 
     fn slot(&self, endpoint: EndpointId) -> &Slot {
@@ -436,7 +465,7 @@ impl Kinference {
         mut explain: Option<&mut Vec<CandidateExplanation>>,
     ) -> Result<Choice, ScoringError> {
         check(request, candidates)?;
-        let model = Model::new(&self.params, request);
+        let model = self.model(request);
         let now_nanos = nanos(now);
         let tolerance = self.params.tolerance_millis;
         let mut scores = std::mem::take(&mut self.scores);
@@ -735,6 +764,7 @@ impl Pick for Kinference {
     fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
         let mut view = self.slot(endpoint).calibration.view(&self.params, now);
         view.fleet_scale = self.fleet.scale;
+        view.profile_fits = self.fleet.fits;
         view.scale *= self.fleet.scale;
         view.steps = Some(self.step_costs());
         Some(view)
@@ -1422,6 +1452,59 @@ mod tests {
             })
             .collect();
         assert!(picked.contains(&EndpointId(0)), "{picked:?}");
+    }
+
+    #[test]
+    fn the_silent_factor_applies_only_once_the_profile_fits_the_fleet() {
+        use crate::input::Evidence;
+        // One engine silent since an idle send, 2.2 s against a 1 s
+        // prediction: the lower bound 2.2 − grace ≈ 2.18 ×.
+        let params = LatencyParams {
+            silent_overdue_factor: 2.0,
+            ..LatencyParams::default()
+        };
+        let mut silent = cand(0, 0, 8000);
+        silent.evidence = Evidence {
+            oldest_waiting: Duration::from_millis(2200),
+            oldest_predicted: Duration::from_secs(1),
+            stored_steps: Some(0),
+            // One step predicted: the too-few-steps rule (2.18 < 3) stays out.
+            oldest_step: Duration::from_secs(1),
+            oldest_sent_idle: true,
+            ..Evidence::default()
+        };
+        let bound = (2200.0 - params.stall_grace_millis) / 1000.0;
+        let scale = |p: &Kinference, now| {
+            p.predict(&request(), &silent, now).scale
+                / p.predict(&request(), &cand(0, 0, 8000), now).scale
+        };
+        let mut now = secs(1);
+        // No first token yet: the bound alone.
+        let p = Kinference::new(params);
+        assert!(!p.profile_fits());
+        assert!((scale(&p, now) - bound).abs() < 1e-9, "{}", scale(&p, now));
+        // Engines 8× slower than the profile: still the bound alone.
+        let mut off = Kinference::new(params);
+        feed_fleet(&mut off, &[8.0; 4], 10, &mut now);
+        assert!(!off.profile_fits());
+        assert!(
+            (scale(&off, now) - bound).abs() < 1e-9,
+            "{}",
+            scale(&off, now)
+        );
+        // Engines as the profile says: the bound twice.
+        let mut fits = Kinference::new(params);
+        feed_fleet(&mut fits, &[1.1, 0.9, 1.0, 1.2], 10, &mut now);
+        assert!(fits.profile_fits());
+        assert!(
+            (scale(&fits, now) - 2.0 * bound).abs() < 1e-9,
+            "{}",
+            scale(&fits, now)
+        );
+        // One slow engine among them does not move the median.
+        let mut one_slow = Kinference::new(params);
+        feed_fleet(&mut one_slow, &[1.0, 1.0, 1.0, 10.0], 10, &mut now);
+        assert!(one_slow.profile_fits());
     }
 
     #[test]
