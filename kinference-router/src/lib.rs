@@ -87,6 +87,7 @@ pub mod serve;
 pub mod snapshot;
 pub mod source;
 pub mod state;
+pub mod stored;
 pub mod telemetry;
 pub mod tokens;
 pub mod view;

@@ -65,6 +65,19 @@ impl ApiError {
         }
     }
 
+    /// vLLM's 404 for a stored response no engine keeps (its store is off,
+    /// or the id is unknown or gone with its engine).
+    pub fn response_not_found(id: &str) -> Self {
+        Self {
+            status: StatusCode::NOT_FOUND,
+            kind: "invalid_request_error",
+            message: format!("Response with id '{id}' not found."),
+            param: Some("response_id"),
+            code: None,
+            retry_after: None,
+        }
+    }
+
     /// 400: the body names no model and the pool serves `models` (none or
     /// several), so there is no default to give it.
     pub fn model_required(models: &[&str]) -> Self {
@@ -91,7 +104,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             kind: "invalid_request_error",
             message: format!(
-                "Unknown path {path}. This router serves POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize and /detokenize, and GET /v1/models and /health."
+                "Unknown path {path}. This router serves POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize and /detokenize, and GET /v1/models, /v1/responses/{{id}} and /health (POST /v1/responses/{{id}}/cancel)."
             ),
             param: None,
             code: Some("not_found"),
@@ -314,6 +327,9 @@ pub struct Fields<'a> {
     /// refuse): the session the engines attribute the request's KV-cache
     /// stores to ([`crate::prepare::session`]).
     pub session_id: Option<Cow<'a, str>>,
+    /// `previous_response_id` (Responses API), when a string: the response
+    /// whose conversation this one continues, kept by one engine only.
+    pub previous_response_id: Option<Cow<'a, str>>,
 }
 
 /// The body as serde reads it: every field routing may need, raw.
@@ -351,6 +367,8 @@ struct RawBody<'a> {
     vllm_xargs: Option<&'a RawValue>,
     #[serde(borrow)]
     session_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    previous_response_id: Option<&'a RawValue>,
 }
 
 impl<'a> Fields<'a> {
@@ -539,11 +557,15 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
         id_fields,
         cache_salt,
         has_vllm_xargs: raw.vllm_xargs.is_some(),
-        session_id: raw
-            .session_id
-            .and_then(|r| serde_json::from_str::<Cow<'_, str>>(r.get()).ok())
-            .filter(|s| !s.is_empty()),
+        session_id: non_empty_string(raw.session_id),
+        previous_response_id: non_empty_string(raw.previous_response_id),
     })
+}
+
+/// A raw value that is a non-empty string, unescaped.
+fn non_empty_string(raw: Option<&RawValue>) -> Option<Cow<'_, str>> {
+    raw.and_then(|r| serde_json::from_str::<Cow<'_, str>>(r.get()).ok())
+        .filter(|s| !s.is_empty())
 }
 
 #[cfg(test)]

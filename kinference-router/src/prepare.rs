@@ -118,6 +118,9 @@ pub struct Prepared {
     pub ttft_deadline: Option<Instant>,
     /// The session it belongs to ([`session`]).
     pub session: Option<Arc<str>>,
+    /// The Responses API's `previous_response_id`: only the engine that
+    /// kept that response can continue it ([`crate::stored`]).
+    pub previous_response: Option<Arc<str>>,
 }
 
 impl Prepared {
@@ -140,6 +143,7 @@ impl Prepared {
             key_class: None,
             ttft_deadline: None,
             session: None,
+            previous_response: None,
         }
     }
 
@@ -251,6 +255,11 @@ pub async fn prepare(
         path_and_query: head.path_and_query,
         ttft_deadline: crate::admit::target(&head.headers).map(|t| head.arrived + t),
         session: session(&head.headers, &fields),
+        previous_response: fields
+            .previous_response_id
+            .as_deref()
+            .filter(|_| api == openai::Endpoint::Responses)
+            .map(Arc::from),
         headers: head.headers,
         routes,
         body: body.clone(),

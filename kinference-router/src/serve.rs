@@ -198,6 +198,15 @@ pub async fn handle(shared: Arc<Shared>, mut req: Request<Incoming>) -> Response
                 r
             }
         },
+        // A stored response lives on the engine that made it (crate::stored).
+        (&Method::GET, p) if stored_id(p, "").is_some() => {
+            let id = stored_id(p, "").unwrap_or_default();
+            stored_response(shared, req, id).await
+        }
+        (&Method::POST, p) if stored_id(p, "/cancel").is_some() => {
+            let id = stored_id(p, "/cancel").unwrap_or_default();
+            stored_response(shared, req, id).await
+        }
         (&Method::GET, "/v1/models") => local(&shared, "models", &req, models(&shared)),
         (&Method::GET, p) if p.starts_with("/v1/models/") => {
             let id = percent_decode(&p["/v1/models/".len()..]);
@@ -224,6 +233,92 @@ fn plain(status: StatusCode, body: &'static str) -> Response<Body> {
         HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     r
+}
+
+/// The response id in `/v1/responses/{id}{suffix}`, decoded (one
+/// non-empty path segment).
+fn stored_id(path: &str, suffix: &str) -> Option<String> {
+    let id = path.strip_prefix("/v1/responses/")?.strip_suffix(suffix)?;
+    (!id.is_empty() && !id.contains('/')).then(|| percent_decode(id))
+}
+
+/// `GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel`: passed
+/// to the engine that keeps the response ([`crate::stored`]); when none
+/// does, vLLM's own 404.
+async fn stored_response(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    id: String,
+) -> Response<Body> {
+    let started = Instant::now();
+    let head = (req.method(), req.uri().path());
+    let mut x = Exchange::start(
+        &shared,
+        openai::Endpoint::Responses.label(),
+        head,
+        req.headers(),
+        started,
+    );
+    let request_id = x.id.clone();
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let bytes = read_body(
+            body,
+            shared.config.body_limit,
+            shared.config.body_read_timeout,
+        )
+        .await?;
+        let mut headers = parts.headers;
+        headers.remove(&DEBUG_HEADER);
+        headers.insert(REQUEST_ID_HEADER, request_id.clone());
+        let security = &shared.config.security;
+        crate::auth::for_engine(
+            &mut headers,
+            security.client_keys.is_some(),
+            security.engine_auth.as_ref(),
+        );
+        let view = shared.view();
+        let rt = &shared.runtime;
+        let Some(e) = crate::stored::holder(&rt.stored, &rt.upstream, &view, &id, &headers).await
+        else {
+            return Err(ApiError::response_not_found(&id));
+        };
+        let path_and_query = parts
+            .uri
+            .path_and_query()
+            .map_or(parts.uri.path(), |p| p.as_str());
+        let upstream =
+            crate::stored::request(parts.method, &e.authority, path_and_query, headers, bytes)
+                .map_err(|err| ApiError::invalid(format!("Bad request target: {err}."), None))?;
+        let resp = tokio::time::timeout(
+            shared.config.upstream_timeout,
+            rt.upstream.request(upstream),
+        )
+        .await
+        .map_err(|_| {
+            ApiError::gateway_timeout(format!("The engine {} did not answer.", e.authority))
+        })?
+        .map_err(|err| {
+            ApiError::bad_gateway(format!("The engine {} failed: {err}.", e.authority))
+        })?;
+        let (mut rparts, rbody) = resp.into_parts();
+        proxy::strip_hop_by_hop(&mut rparts.headers);
+        if let Some(v) = &e.authority_header {
+            rparts.headers.insert(ENDPOINT_HEADER, v.clone());
+        }
+        Ok(Response::from_parts(
+            rparts,
+            rbody.map_err(Into::into).boxed_unsync(),
+        ))
+    }
+    .await;
+    let mut resp = match result {
+        Ok(resp) => resp,
+        Err(e) => error(&e),
+    };
+    x.status(resp.status());
+    resp.headers_mut().insert(REQUEST_ID_HEADER, request_id);
+    resp
 }
 
 /// Records a request answered by the router itself.
@@ -425,6 +520,30 @@ async fn route(
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15),
     );
     let mut excluded: Vec<EndpointId> = Vec::new();
+    // A continued response goes to the engine that keeps the one it
+    // continues (crate::stored); found nowhere, it is routed as any other
+    // and the engine answers as it would alone.
+    if let Some(previous) = &prepared.previous_response {
+        let mut headers = prepared.headers.clone();
+        let security = &shared.config.security;
+        crate::auth::for_engine(
+            &mut headers,
+            security.client_keys.is_some(),
+            security.engine_auth.as_ref(),
+        );
+        let rt = &shared.runtime;
+        if let Some(holder) =
+            crate::stored::holder(&rt.stored, &rt.upstream, &view, previous, &headers).await
+        {
+            excluded.extend(
+                view.worker_sets
+                    .iter()
+                    .flat_map(|ws| ws.endpoints.iter())
+                    .map(|e| e.id)
+                    .filter(|id| *id != holder.id),
+            );
+        }
+    }
     let mut last_error = None;
     let max_attempts = shared.config.max_attempts.max(1);
     let mut retried_once = false;

@@ -56,6 +56,8 @@ pub struct Runtime {
     pub peer_state: parking_lot::RwLock<crate::peers::PeerState>,
     /// Bytes exchanged with peers ([`crate::peers::Traffic`]).
     pub peer_traffic: crate::peers::Traffic,
+    /// The engines that keep stored Responses ([`crate::stored`]).
+    pub stored: crate::stored::Holders,
 }
 
 impl Runtime {
@@ -157,6 +159,7 @@ impl Shared {
                 },
                 peer_state: parking_lot::RwLock::default(),
                 peer_traffic: crate::peers::Traffic::default(),
+                stored: crate::stored::Holders::default(),
             },
             kv: KvPlane::new(config.kv_max_entries),
             explanations: Explanations::new(config.explain_buffer, config.explain_every),

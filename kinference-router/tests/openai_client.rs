@@ -197,3 +197,103 @@ async fn embeddings_responses_messages_and_tokenize_pass_through() {
     }
     r.shutdown().await;
 }
+
+const STORED: &str = r#"
+import json, sys
+import openai
+
+base, model = sys.argv[1], sys.argv[2]
+c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+out = {"turns": [], "others": []}
+previous = None
+for turn in range(4):
+    raw = c.responses.with_raw_response.create(model=model, input="w%d" % (turn + 1),
+                                               max_output_tokens=2, previous_response_id=previous)
+    r = raw.parse()
+    out["turns"].append({"id": r.id, "previous": r.previous_response_id,
+                         "input_tokens": r.usage.input_tokens,
+                         "endpoint": raw.headers.get("x-kinference-endpoint")})
+    previous = r.id
+    # Other traffic between the turns: without affinity the next turn
+    # would go wherever the load sends it.
+    o = c.responses.with_raw_response.create(model=model, input="w9", max_output_tokens=1)
+    out["others"].append(o.headers.get("x-kinference-endpoint"))
+first = out["turns"][0]["id"]
+raw = c.responses.with_raw_response.retrieve(first)
+out["retrieved"] = {"id": raw.parse().id, "endpoint": raw.headers.get("x-kinference-endpoint")}
+try:
+    c.responses.cancel(first)
+    out["cancel"] = None
+except openai.BadRequestError as e:
+    out["cancel"] = {"status": e.status_code, "message": e.message}
+try:
+    c.responses.retrieve("resp_nobody_has_it")
+    out["unknown"] = None
+except openai.NotFoundError as e:
+    out["unknown"] = {"status": e.status_code, "message": e.message}
+print(json.dumps(out))
+"#;
+
+/// vLLM with `VLLM_ENABLE_RESPONSES_API_STORE=1` keeps each response on
+/// the engine that made it: retrieving, cancelling and continuing one
+/// (`previous_response_id`) must reach that engine, whatever the load
+/// says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stored_responses_are_reached_on_the_engine_that_keeps_them() {
+    let sims = engines(4, |c| c.responses_store = true).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 4, true).await;
+
+    let base = format!("http://{}", r.api());
+    let v = openai_python(STORED, &[&base, MODEL]).await;
+    eprintln!("{v:#}");
+    let turns = v["turns"].as_array().unwrap();
+    let home = turns[0]["endpoint"].as_str().unwrap();
+    for (i, t) in turns.iter().enumerate().skip(1) {
+        assert_eq!(t["previous"], turns[i - 1]["id"], "{v}");
+        assert_eq!(
+            t["endpoint"],
+            home,
+            "turn {i} went to the engine keeping turn {}: {v}",
+            i - 1
+        );
+        assert!(
+            t["input_tokens"].as_u64() > turns[i - 1]["input_tokens"].as_u64(),
+            "the engine continued the kept conversation: {v}"
+        );
+    }
+    // The other requests were spread as usual: affinity is per conversation.
+    let others: std::collections::HashSet<&str> = v["others"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(others.len() > 1, "{v}");
+    assert_eq!(v["retrieved"]["id"], turns[0]["id"]);
+    assert_eq!(v["retrieved"]["endpoint"], home);
+    assert_eq!(v["cancel"]["status"], 400, "the engine's own answer: {v}");
+    assert_eq!(v["unknown"]["status"], 404, "{v}");
+    r.shutdown().await;
+    // With the store off (vLLM's default), every engine answers 404 and so
+    // does the router.
+    let off = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = off.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 2, true).await;
+    let reply = get(r.api(), "/v1/responses/resp_0123").await;
+    assert_eq!(reply.status, 404, "{}", reply.text());
+    assert_eq!(
+        reply.json()["error"]["message"],
+        "Response with id 'resp_0123' not found."
+    );
+    let reply = post(
+        r.api(),
+        "/v1/responses",
+        &serde_json::json!({"model": MODEL, "input": "w1", "previous_response_id": "resp_0123"}),
+    )
+    .await;
+    assert_eq!(reply.status, 404, "the engine's answer: {}", reply.text());
+    r.shutdown().await;
+}

@@ -483,6 +483,11 @@ pub struct SimConfig {
     /// Report `usage.prompt_tokens_details.cached_tokens`
     /// (`--enable-prompt-tokens-details`); off by default, as in vLLM.
     pub enable_prompt_tokens_details: bool,
+    /// Keep Responses API answers for `GET /v1/responses/{id}`, `/cancel`
+    /// and `previous_response_id`, as vLLM does with
+    /// `VLLM_ENABLE_RESPONSES_API_STORE=1` (off by default, as in vLLM:
+    /// `store` is then ignored and nothing is kept).
+    pub responses_store: bool,
     /// Faults from the start.
     pub faults: FaultConfig,
     /// `--api-key`: requests to guarded paths need
@@ -513,6 +518,7 @@ impl Default for SimConfig {
             kv_events: Some(KvEventsConfig::default()),
             tokenizer: None,
             enable_prompt_tokens_details: false,
+            responses_store: false,
             faults: FaultConfig::default(),
             api_key: None,
             api_key_scope: ApiKeyScope::EngineDefault,

@@ -30,6 +30,8 @@ mod apis;
 mod messages;
 mod responses;
 
+pub(crate) use responses::ResponseStore;
+
 /// Bodies up to 64 MiB (long prompts as text).
 const BODY_LIMIT: usize = 64 << 20;
 
@@ -41,6 +43,8 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/embeddings", post(apis::embeddings))
         .route("/v1/responses", post(responses::responses))
+        .route("/v1/responses/{id}", get(responses::retrieve))
+        .route("/v1/responses/{id}/cancel", post(responses::cancel))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(crate::surface::health))

@@ -183,6 +183,8 @@ pub(crate) struct Shared {
     /// The W3C `traceparent` of recent generation requests (vLLM started
     /// with `--otlp-traces-endpoint` makes its request span their child).
     pub(crate) trace_parents: std::sync::Mutex<std::collections::VecDeque<String>>,
+    /// Responses API answers kept for retrieval (`SimConfig::responses_store`).
+    pub(crate) responses: std::sync::Mutex<http::ResponseStore>,
     id_salt: u64,
     id_seq: AtomicU64,
 }
@@ -490,6 +492,7 @@ impl SimEngine {
             admission_rejections: metrics::Rejections::default(),
             lora_series: metrics::LoraSeries::default(),
             trace_parents: std::sync::Mutex::default(),
+            responses: std::sync::Mutex::default(),
             cfg,
             tok,
             ranks,

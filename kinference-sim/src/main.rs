@@ -143,6 +143,11 @@ struct Args {
     /// Report usage.prompt_tokens_details.cached_tokens.
     #[arg(long)]
     enable_prompt_tokens_details: bool,
+    /// Keep Responses API answers for retrieval, cancel and
+    /// `previous_response_id` (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE=1`,
+    /// which sets it too).
+    #[arg(long, env = "VLLM_ENABLE_RESPONSES_API_STORE", value_parser = clap::builder::FalseyValueParser::new())]
+    enable_responses_store: bool,
     /// Fault: multiply step times.
     #[arg(long, default_value_t = 1.0)]
     slowdown: f64,
@@ -231,6 +236,7 @@ fn config(args: &Args) -> anyhow::Result<SimConfig> {
         kv_events,
         tokenizer: Some(tokenizer),
         enable_prompt_tokens_details: args.enable_prompt_tokens_details,
+        responses_store: args.enable_responses_store,
         faults: FaultConfig {
             slowdown: args.slowdown,
             drop_every: args.drop_every,

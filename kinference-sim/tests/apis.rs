@@ -308,6 +308,107 @@ async fn responses_stream_the_openai_event_sequence() {
     e.shutdown().await;
 }
 
+/// vLLM's response store: off by default (nothing kept, `store` ignored,
+/// background refused); with `VLLM_ENABLE_RESPONSES_API_STORE=1` answers
+/// are kept for `GET /v1/responses/{id}`, `/cancel` and
+/// `previous_response_id`, which continues the kept conversation.
+#[tokio::test]
+async fn the_response_store_keeps_answers_only_when_enabled() {
+    let c = client();
+    let off = engine(|_| {}).await;
+    let base = off.base_url();
+    let (status, r) = post_json(
+        &c,
+        &format!("{base}/v1/responses"),
+        &json!({"input": "w1 w2", "max_output_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200, "{r}");
+    let id = r["id"].as_str().expect("id");
+    let (status, body) = call(&c, "GET", &format!("{base}/v1/responses/{id}"), None).await;
+    assert_eq!(status, 404, "nothing kept with the store off: {body:?}");
+    let (status, e) = post_json(
+        &c,
+        &format!("{base}/v1/responses"),
+        &json!({"input": "w3", "previous_response_id": id}),
+    )
+    .await;
+    assert_eq!(
+        (status, &e["error"]["message"]),
+        (404, &json!(format!("Response with id '{id}' not found.")))
+    );
+    let (status, e) = post_json(
+        &c,
+        &format!("{base}/v1/responses"),
+        &json!({"input": "w3", "background": true}),
+    )
+    .await;
+    assert_eq!(
+        (status, &e["error"]["param"]),
+        (400, &json!("background")),
+        "{e}"
+    );
+    off.shutdown().await;
+
+    let on = engine(|c| c.responses_store = true).await;
+    let base = on.base_url();
+    let first = json!({"input": words(40), "instructions": "be brief", "max_output_tokens": 5});
+    let (status, r) = post_json(&c, &format!("{base}/v1/responses"), &first).await;
+    assert_eq!(status, 200, "{r}");
+    let id = r["id"].as_str().expect("id").to_owned();
+    let (status, kept) = call(&c, "GET", &format!("{base}/v1/responses/{id}"), None).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_slice::<Value>(&kept).expect("json"),
+        r,
+        "the same object"
+    );
+    let (status, e) = post_json(&c, &format!("{base}/v1/responses/{id}/cancel"), &json!({})).await;
+    assert_eq!(
+        (status, &e["error"]["message"]),
+        (400, &json!("Cannot cancel a synchronous response."))
+    );
+    let (status, _) = call(&c, "GET", &format!("{base}/v1/responses/chatcmpl-1"), None).await;
+    assert_eq!(status, 400, "an id that does not begin with resp");
+    let (status, _) = post_json(
+        &c,
+        &format!("{base}/v1/responses"),
+        &json!({"input": "w1", "store": false, "max_output_tokens": 1}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // The next turn continues the kept conversation: its prompt holds the
+    // first one's input and answer (not its instructions).
+    let next = json!({"input": "w7 w8", "previous_response_id": id, "max_output_tokens": 2});
+    let (status, n) = post_json(&c, &format!("{base}/v1/responses"), &next).await;
+    assert_eq!(status, 200, "{n}");
+    assert_eq!(n["previous_response_id"], id.as_str());
+    let before = r["usage"]["input_tokens"].as_u64().expect("tokens") + 5;
+    assert!(
+        n["usage"]["input_tokens"].as_u64() > Some(before - 10),
+        "{n}"
+    );
+    // Streamed answers are kept too.
+    let (status, events) = sse(
+        &c,
+        &format!("{base}/v1/responses"),
+        &json!({"input": "w9", "stream": true, "max_output_tokens": 2}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let done = &events.last().expect("events").1["response"];
+    let (status, kept) = call(
+        &c,
+        "GET",
+        &format!("{base}/v1/responses/{}", done["id"].as_str().expect("id")),
+        None,
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(&serde_json::from_slice::<Value>(&kept).expect("json"), done);
+    on.shutdown().await;
+}
+
 #[tokio::test]
 async fn messages_answer_in_anthropics_shape() {
     let e = engine(|_| {}).await;

@@ -5,12 +5,12 @@
 //! ([`response_item`]), the response object ([`ResponseInfo`]) and its
 //! event stream ([`ResponseEvents`]).
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
@@ -20,12 +20,110 @@ use super::apis::{
 };
 use super::{killed, parse_json, unix_now};
 use crate::Shared;
-use crate::api::{ApiError, Params, opt_uint};
+use crate::api::{ApiError, Params, opt_bool, opt_uint};
 use crate::engine::{FinishReason, Finished};
+
+/// Responses kept for `GET /v1/responses/{id}`, `/cancel` and
+/// `previous_response_id` (`SimConfig::responses_store`, vLLM's
+/// `VLLM_ENABLE_RESPONSES_API_STORE=1`). vLLM keeps them in memory without
+/// a bound; the simulator keeps the newest [`ResponseStore::CAPACITY`].
+#[derive(Default, Debug)]
+pub(crate) struct ResponseStore {
+    kept: HashMap<String, Kept>,
+    order: VecDeque<String>,
+}
+
+/// One kept response: its object and the conversation it ended (input
+/// messages without the instructions, then the answer), which a request
+/// naming it as `previous_response_id` continues.
+#[derive(Debug)]
+struct Kept {
+    body: Value,
+    conversation: Vec<Value>,
+}
+
+impl ResponseStore {
+    const CAPACITY: usize = 10_000;
+
+    fn keep(&mut self, id: String, kept: Kept) {
+        if self.kept.insert(id.clone(), kept).is_none() {
+            self.order.push_back(id);
+        }
+        while self.order.len() > Self::CAPACITY {
+            if let Some(old) = self.order.pop_front() {
+                self.kept.remove(&old);
+            }
+        }
+    }
+}
+
+/// What keeps a finished response: the engine and the conversation so far.
+struct Keep {
+    shared: Arc<Shared>,
+    conversation: Vec<Value>,
+}
+
+/// vLLM's checks of a response id: 400 unless it begins with `resp`.
+fn check_id(id: &str) -> Result<(), ApiError> {
+    if id.starts_with("resp") {
+        Ok(())
+    } else {
+        Err(ApiError::bad_param(
+            "response_id",
+            format!("Invalid 'response_id': '{id}'. Expected an ID that begins with 'resp'."),
+        ))
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError {
+        param: Some("response_id"),
+        ..ApiError::not_found(format!("Response with id '{id}' not found."))
+    }
+}
+
+/// `GET /v1/responses/{id}`: a kept response, vLLM's 404 otherwise (and
+/// always with the store off, which keeps nothing).
+pub(super) async fn retrieve(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let store = s
+        .responses
+        .lock()
+        .map_err(|_| ApiError::internal("store"))?;
+    let kept = store.kept.get(&id).ok_or_else(|| not_found(&id))?;
+    Ok(axum::Json(kept.body.clone()).into_response())
+}
+
+/// `POST /v1/responses/{id}/cancel`: only background responses can be
+/// cancelled, and the simulator runs none, so a kept response is vLLM's
+/// "Cannot cancel a synchronous response." (400).
+pub(super) async fn cancel(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    let store = s
+        .responses
+        .lock()
+        .map_err(|_| ApiError::internal("store"))?;
+    if store.kept.contains_key(&id) {
+        return Err(ApiError::bad_param(
+            "response_id",
+            "Cannot cancel a synchronous response.",
+        ));
+    }
+    Err(not_found(&id))
+}
 
 /// The request fields a Responses answer repeats.
 struct ResponseInfo {
     id: String,
+    previous_response_id: Value,
+    /// Set when the answer is to be kept.
+    keep: Option<Keep>,
     msg_id: String,
     created_at: u64,
     model: String,
@@ -60,7 +158,7 @@ impl ResponseInfo {
             "background": false,
             "max_output_tokens": self.requested_max.unwrap_or(room),
             "max_tool_calls": null,
-            "previous_response_id": null,
+            "previous_response_id": self.previous_response_id,
             "prompt": null,
             "reasoning": null,
             "service_tier": "auto",
@@ -122,7 +220,21 @@ impl ResponseInfo {
             },
             "total_tokens": f.prompt_tokens + f.completion_tokens,
         });
-        self.body(status, &output, f.prompt_tokens, &usage)
+        let body = self.body(status, &output, f.prompt_tokens, &usage);
+        if let Some(keep) = &self.keep
+            && let Ok(mut store) = keep.shared.responses.lock()
+        {
+            let mut conversation = keep.conversation.clone();
+            conversation.push(json!({"role": "assistant", "content": text}));
+            store.keep(
+                self.id.clone(),
+                Kept {
+                    body: body.clone(),
+                    conversation,
+                },
+            );
+        }
+        body
     }
 }
 
@@ -186,15 +298,45 @@ pub(super) async fn responses(
             ));
         }
     };
-    let mut messages = Vec::new();
-    if let Value::String(i) = &instructions {
-        messages.push(json!({"role": "system", "content": i}));
+    let store = opt_bool(&json, "store")?.unwrap_or(true);
+    if opt_bool(&json, "background")?.unwrap_or(false) {
+        return Err(if store && !s.cfg.responses_store {
+            ApiError::bad_param(
+                "background",
+                "This vLLM engine does not support `store=True` and therefore does not support the background mode. To enable these features, set the environment variable `VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
+            )
+        } else {
+            ApiError::bad_param(
+                "background",
+                "kinference-sim does not run background responses.",
+            )
+        });
     }
+    // The conversation a previous response ended, which this one continues
+    // (its instructions are not carried over, as in vLLM).
+    let (previous_response_id, mut conversation) = match json.get("previous_response_id") {
+        None | Some(Value::Null) => (Value::Null, Vec::new()),
+        Some(Value::String(id)) => {
+            check_id(id)?;
+            let store = s
+                .responses
+                .lock()
+                .map_err(|_| ApiError::internal("store"))?;
+            let kept = store.kept.get(id).ok_or_else(|| not_found(id))?;
+            (json!(id), kept.conversation.clone())
+        }
+        Some(v) => {
+            return Err(ApiError::bad_param(
+                "previous_response_id",
+                format!("`previous_response_id` must be a string, got {v}"),
+            ));
+        }
+    };
     match json.get("input") {
-        Some(Value::String(t)) => messages.push(json!({"role": "user", "content": t})),
+        Some(Value::String(t)) => conversation.push(json!({"role": "user", "content": t})),
         Some(Value::Array(items)) => {
             for item in items {
-                messages.extend(response_item(item)?);
+                conversation.extend(response_item(item)?);
             }
         }
         _ => {
@@ -204,6 +346,11 @@ pub(super) async fn responses(
             ));
         }
     }
+    let mut messages = Vec::with_capacity(conversation.len() + 1);
+    if let Value::String(i) = &instructions {
+        messages.push(json!({"role": "system", "content": i}));
+    }
+    messages.extend(conversation.iter().cloned());
     let job = ChatJob {
         messages,
         max_tokens: max_output.map(|m| m as usize),
@@ -217,6 +364,11 @@ pub(super) async fn responses(
     };
     let info = ResponseInfo {
         id: format!("resp_{}", s.next_id_hex()),
+        previous_response_id,
+        keep: (store && s.cfg.responses_store).then(|| Keep {
+            shared: Arc::clone(&s),
+            conversation,
+        }),
         msg_id: format!("msg_{}", s.next_id_hex()),
         created_at: unix_now(),
         model: target.name,
