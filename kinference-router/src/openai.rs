@@ -104,7 +104,7 @@ impl ApiError {
             status: StatusCode::NOT_FOUND,
             kind: "invalid_request_error",
             message: format!(
-                "Unknown path {path}. This router serves POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize and /detokenize, and GET /v1/models, /v1/responses/{{id}} and /health (POST /v1/responses/{{id}}/cancel)."
+                "Unknown path {path}. This router serves POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/embeddings, /tokenize, /detokenize and /generate (SGLang's), and GET /v1/models, /v1/responses/{{id}} and /health (POST /v1/responses/{{id}}/cancel)."
             ),
             param: None,
             code: Some("not_found"),
@@ -251,6 +251,9 @@ pub enum Endpoint {
     Tokenize,
     /// `POST /detokenize` (vLLM's).
     Detokenize,
+    /// `POST /generate`: SGLang's native API (`text` or `input_ids`, no
+    /// model, no chat template), routed like a completion.
+    Generate,
 }
 
 impl Endpoint {
@@ -264,6 +267,7 @@ impl Endpoint {
             Endpoint::Messages => "/v1/messages",
             Endpoint::Tokenize => "/tokenize",
             Endpoint::Detokenize => "/detokenize",
+            Endpoint::Generate => "/generate",
         }
     }
 
@@ -277,11 +281,12 @@ impl Endpoint {
             Endpoint::Messages => "messages",
             Endpoint::Tokenize => "tokenize",
             Endpoint::Detokenize => "detokenize",
+            Endpoint::Generate => "generate",
         }
     }
 
     /// Every endpoint.
-    pub const ALL: [Endpoint; 7] = [
+    pub const ALL: [Endpoint; 8] = [
         Endpoint::Chat,
         Endpoint::Completions,
         Endpoint::Embeddings,
@@ -289,6 +294,7 @@ impl Endpoint {
         Endpoint::Messages,
         Endpoint::Tokenize,
         Endpoint::Detokenize,
+        Endpoint::Generate,
     ];
 
     /// Whether requests are routed on their prompt's cached prefix (chat and
@@ -296,7 +302,21 @@ impl Endpoint {
     /// does); the others are routed on load alone, their bodies passed
     /// through for the engine to validate.
     pub fn cache_aware(self) -> bool {
-        matches!(self, Endpoint::Chat | Endpoint::Completions)
+        matches!(
+            self,
+            Endpoint::Chat | Endpoint::Completions | Endpoint::Generate
+        )
+    }
+
+    /// The API whose prompt rules tokenize this one's: SGLang's `/generate`
+    /// tokenizes its `text` as a completion prompt (the tokenizer's special
+    /// tokens added, no chat template), and its `input_ids` are ids.
+    #[must_use]
+    pub fn tokenized_as(self) -> Endpoint {
+        match self {
+            Endpoint::Generate => Endpoint::Completions,
+            other => other,
+        }
     }
 }
 
@@ -369,6 +389,10 @@ struct RawBody<'a> {
     session_id: Option<&'a RawValue>,
     #[serde(borrow)]
     previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input_ids: Option<&'a RawValue>,
 }
 
 impl<'a> Fields<'a> {
@@ -468,7 +492,7 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
             },
         );
     }
-    let raw: RawBody<'_> = serde_json::from_slice(bytes).map_err(|e| {
+    let mut raw: RawBody<'_> = serde_json::from_slice(bytes).map_err(|e| {
         if e.classify() == serde_json::error::Category::Data {
             // The only data error an object can cause here.
             ApiError::invalid(format!("The request body has a {e}."), None)
@@ -520,6 +544,33 @@ pub fn parse(endpoint: Endpoint, bytes: &[u8]) -> Result<Fields<'_>, ApiError> {
             }
             None => return Err(type_error("`prompt` is required.", "prompt")),
         },
+        // SGLang's prompt: `text` or `input_ids`, which the routing reads
+        // as a completion's `prompt`.
+        Endpoint::Generate => {
+            let given = |v: Option<&RawValue>| v.is_some_and(|r| r.get() != "null");
+            raw.prompt = match (given(raw.text), given(raw.input_ids)) {
+                (true, false) => raw.text,
+                (false, true) => raw.input_ids,
+                (false, false) => {
+                    return Err(type_error(
+                        "Either text or input_ids should be provided.",
+                        "text",
+                    ));
+                }
+                (true, true) => {
+                    return Err(type_error(
+                        "Either text or input_ids should be provided, not both.",
+                        "text",
+                    ));
+                }
+            };
+            if !matches!(first(raw.prompt), Some(Some(b'"' | b'['))) {
+                return Err(type_error(
+                    "`text` must be a string or a list of strings; `input_ids` a list of token ids.",
+                    "text",
+                ));
+            }
+        }
         // The engine validates the rest of these bodies.
         Endpoint::Embeddings
         | Endpoint::Responses
@@ -629,6 +680,28 @@ mod tests {
             let json: Value = serde_json::from_slice(&err.body()).unwrap();
             assert_eq!(json["error"]["type"], "invalid_request_error");
         }
+    }
+
+    #[test]
+    fn sglang_generate_reads_text_or_input_ids_as_the_prompt() {
+        let f = parse(Endpoint::Generate, br#"{"text":"hi there","stream":true}"#).unwrap();
+        assert_eq!(
+            f.id_field("prompt").map(RawValue::get),
+            Some(r#""hi there""#)
+        );
+        assert!(f.stream && f.model.is_none());
+        let f = parse(Endpoint::Generate, br#"{"input_ids":[1,2,3],"text":null}"#).unwrap();
+        assert_eq!(f.id_field("prompt").map(RawValue::get), Some("[1,2,3]"));
+        for bad in [
+            &br#"{"sampling_params":{}}"#[..],
+            br#"{"text":"a","input_ids":[1]}"#,
+            br#"{"text":5}"#,
+        ] {
+            let e = parse(Endpoint::Generate, bad).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST, "{e:?}");
+        }
+        assert_eq!(Endpoint::Generate.tokenized_as(), Endpoint::Completions);
+        assert_eq!(Endpoint::Chat.tokenized_as(), Endpoint::Chat);
     }
 
     #[test]

@@ -150,7 +150,10 @@ impl Prepared {
     /// The body to send for `route`: as received, or with `model`
     /// rewritten when the client used an alias.
     pub fn body_for(&self, route: &Route) -> Bytes {
-        if self.model_named && route.target.model == self.requested {
+        // SGLang's `/generate` names no model: its one engine model serves it.
+        if self.api == openai::Endpoint::Generate
+            || (self.model_named && route.target.model == self.requested)
+        {
             return self.body.clone();
         }
         openai::rewrite_model(&self.body, self.model_span.clone(), &route.target.model)
@@ -242,7 +245,7 @@ pub async fn prepare(
             routes.push(r);
             continue;
         }
-        routes.push(route(shared, view, t, api, &fields, body.len()).await);
+        routes.push(route(shared, view, t, api.tokenized_as(), &fields, body.len()).await);
     }
     Ok(Prepared {
         api,

@@ -186,6 +186,10 @@ pub async fn handle(shared: Arc<Shared>, mut req: Request<Incoming>) -> Response
         (&Method::POST, "/detokenize") => {
             inference(shared, openai::Endpoint::Detokenize, req).await
         }
+        // SGLang's native API (its HTTP server takes PUT as well).
+        (&Method::POST | &Method::PUT, "/generate") => {
+            inference(shared, openai::Endpoint::Generate, req).await
+        }
         // Load balancers' and gateways' health checks: the process serves
         // (`/health`, as vLLM's), and its view of the pool is loaded
         // (`/ready`, as the admin port's `/readyz`).

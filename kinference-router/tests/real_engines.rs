@@ -562,3 +562,108 @@ async fn post_direct(sim: &kinference_sim::SimHandle, ids: &[u32]) -> u16 {
     .await
     .status
 }
+
+/// SGLang's native `/generate` (`text` or `input_ids`, no model), which
+/// RL frameworks and SGLang's own clients use: routed on its cached prefix
+/// like a completion, the body passed through untouched, streams included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_generate_is_routed_on_its_cached_prefix() {
+    let sims = engines(3, |c| {
+        c.engine_mode = EngineMode::sglang(Version::new(0, 5, 23));
+    })
+    .await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 3, true).await;
+    let generate = |body: serde_json::Value| {
+        let api = r.api();
+        async move { post(api, "/generate", &body).await }
+    };
+    // A long shared prefix, then different endings: every request goes
+    // where the prefix is cached, whichever way the prompt comes.
+    let prefix = words(0, 200);
+    let first = generate(serde_json::json!({
+        "text": format!("{prefix} w9001"),
+        "sampling_params": {"max_new_tokens": 2, "ignore_eos": true},
+    }))
+    .await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let home = first.endpoint();
+    assert_eq!(
+        first.json()["meta_info"]["completion_tokens"],
+        2,
+        "SGLang's shape"
+    );
+    let tokenized = post(
+        r.api(),
+        "/tokenize",
+        &serde_json::json!({"model": MODEL, "prompt": format!("{prefix} w9002")}),
+    )
+    .await;
+    let ids = tokenized.json()["tokens"].clone();
+    eventually(Duration::from_secs(10), "the prefix indexed", || async {
+        let e = endpoints(&r).await;
+        let held: u64 = e["endpoints"]
+            .as_array()?
+            .iter()
+            .filter_map(|ep| ep["kv"][0]["blocks_held"].as_u64())
+            .sum();
+        (held >= 12).then_some(())
+    })
+    .await;
+    for (i, body) in [
+        serde_json::json!({"text": format!("{prefix} w9003"), "sampling_params": {"max_new_tokens": 1}}),
+        serde_json::json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}),
+        serde_json::json!({"text": format!("{prefix} w9004"), "sampling_params": {"max_new_tokens": 1}, "rid": "r-1"}),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let reply = send(
+            r.api(),
+            "POST",
+            "/generate",
+            &[("x-kinference-debug", "1")],
+            bytes::Bytes::from(serde_json::to_vec(&body).unwrap()),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{i}: {}", reply.text());
+        assert_eq!(reply.endpoint(), home, "{i}: routed to its cached prefix");
+        // The router saw the prefix: its ids, and most of them cached there.
+        let decision = reply.headers["x-kinference-decision"].to_str().unwrap();
+        let warm: f64 = decision
+            .split("; ")
+            .find_map(|kv| kv.strip_prefix("cached="))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0);
+        assert!(warm > 0.9 && !decision.contains("tokens=none"), "{i}: {decision}");
+        assert!(
+            reply.json()["meta_info"]["cached_tokens"].as_u64() >= Some(190),
+            "{i}: {}",
+            reply.text()
+        );
+    }
+    // Streamed: SGLang's events through to [DONE].
+    let streamed = post_streaming(
+        r.api(),
+        "/generate",
+        &serde_json::json!({"text": format!("{prefix} w9005"), "sampling_params": {"max_new_tokens": 3, "ignore_eos": true}, "stream": true}),
+    )
+    .await;
+    assert_eq!(streamed.status(), 200);
+    let (_, text) = read_stream(streamed.into_body(), Duration::from_secs(10)).await;
+    assert!(
+        text.contains("\"output_ids\"") && text.trim_end().ends_with("data: [DONE]"),
+        "{text}"
+    );
+    // Neither `text` nor `input_ids`: the router's 400, no engine asked.
+    let bad = generate(serde_json::json!({"sampling_params": {}})).await;
+    assert_eq!(bad.status, 400, "{}", bad.text());
+    assert!(
+        bad.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("text or input_ids")
+    );
+    r.shutdown().await;
+}

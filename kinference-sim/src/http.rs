@@ -27,6 +27,7 @@ use crate::engine::{Finished, NewRequest, ReqId};
 use crate::{FaultRequest, Shared};
 
 mod apis;
+mod generate;
 mod messages;
 mod responses;
 
@@ -72,7 +73,11 @@ pub(crate) fn router(shared: Arc<Shared>) -> Router {
             .route("/get_server_info", get(server_info))
             .route("/v1/tokenize", post(tokenize))
             .route("/v1/detokenize", post(detokenize))
-            .route("/flush_cache", get(flush_cache).post(flush_cache));
+            .route("/flush_cache", get(flush_cache).post(flush_cache))
+            .route(
+                "/generate",
+                post(generate::generate).put(generate::generate),
+            );
     }
     let mut app = app
         .fallback(|| async {

@@ -409,6 +409,92 @@ async fn the_response_store_keeps_answers_only_when_enabled() {
     on.shutdown().await;
 }
 
+/// SGLang's native `/generate` (SGLang mode only): `text` or `input_ids`,
+/// `sampling_params.max_new_tokens`, the answer's `text`, `output_ids` and
+/// `meta_info`; streamed, the output so far per token, the finish reason on
+/// the last event, then `[DONE]`.
+#[tokio::test]
+async fn sglang_generate_answers_in_sglangs_shape() {
+    let c = client();
+    let e = engine(|cfg| cfg.engine_mode = "sglang".parse().expect("mode")).await;
+    let url = format!("{}/generate", e.base_url());
+    let (status, r) = post_json(
+        &c,
+        &url,
+        &json!({"text": words(20), "sampling_params": {"max_new_tokens": 4, "ignore_eos": true}}),
+    )
+    .await;
+    assert_eq!(status, 200, "{r}");
+    assert_eq!(r["output_ids"].as_array().map(Vec::len), Some(4), "{r}");
+    assert!(!r["text"].as_str().expect("text").is_empty());
+    let meta = &r["meta_info"];
+    assert_eq!(
+        meta["finish_reason"],
+        json!({"type": "length", "length": 4})
+    );
+    assert_eq!(meta["completion_tokens"], 4);
+    let prompt_tokens = meta["prompt_tokens"].as_u64().expect("prompt tokens");
+    assert!(prompt_tokens >= 20, "{r}");
+    // The same prompt as ids: the same count, and now cached.
+    let (_, t) = post_json(
+        &c,
+        &format!("{}/tokenize", e.base_url()),
+        &json!({"prompt": words(20)}),
+    )
+    .await;
+    let ids = t["tokens"].clone();
+    let (status, again) = post_json(
+        &c,
+        &url,
+        &json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "ignore_eos": true}, "rid": "mine"}),
+    )
+    .await;
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["meta_info"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(again["meta_info"]["id"], "mine");
+    assert!(
+        again["meta_info"]["cached_tokens"].as_u64() > Some(0),
+        "{again}"
+    );
+    // Streamed.
+    let (status, events) = sse(
+        &c,
+        &url,
+        &json!({"text": "w1 w2 w3", "sampling_params": {"max_new_tokens": 3, "ignore_eos": true}, "stream": true}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let data: Vec<&Value> = events.iter().map(|(_, d)| d).collect();
+    assert_eq!(data.len(), 4, "three tokens and [DONE]: {data:?}");
+    assert_eq!(data[3], &json!("[DONE]"));
+    for (i, d) in data[..3].iter().enumerate() {
+        assert_eq!(d["output_ids"].as_array().map(Vec::len), Some(i + 1), "{d}");
+    }
+    assert_eq!(data[1]["meta_info"]["finish_reason"], Value::Null);
+    assert_eq!(data[2]["meta_info"]["finish_reason"]["type"], "length");
+    // Bad input: SGLang's {"error": {"message"}} 400.
+    for bad in [
+        json!({"sampling_params": {}}),
+        json!({"text": ["a", "b"]}),
+        json!({"text": "a", "input_ids": [1]}),
+    ] {
+        let (status, err) = post_json(&c, &url, &bad).await;
+        assert_eq!(status, 400, "{bad}: {err}");
+        assert!(err["error"]["message"].is_string(), "{err}");
+    }
+    e.shutdown().await;
+    // vLLM serves no /generate.
+    let v = engine(|_| {}).await;
+    let (status, _) = post_json(
+        &c,
+        &format!("{}/generate", v.base_url()),
+        &json!({"text": "w1"}),
+    )
+    .await;
+    assert_eq!(status, 404);
+    v.shutdown().await;
+}
+
 #[tokio::test]
 async fn messages_answer_in_anthropics_shape() {
     let e = engine(|_| {}).await;

@@ -249,6 +249,16 @@ pub(super) async fn admit(
         .into_iter()
         .next()
         .ok_or_else(|| ApiError::internal("the chat template rendered no prompt"))?;
+    admit_prompt(s, headers, job, prompt)
+}
+
+/// [`admit`] for a prompt already in token ids (`job.messages` unused).
+pub(super) fn admit_prompt(
+    s: &Arc<Shared>,
+    headers: &HeaderMap,
+    job: &ChatJob,
+    prompt: Vec<u32>,
+) -> Result<Admitted, ApiError> {
     if let Some(failed) = crate::surface::failure(s, false, prompt.len()) {
         if job.stream && failed.status() == StatusCode::INTERNAL_SERVER_ERROR {
             let message = failed.extensions().get::<ErrorMark>().map_or_else(
@@ -376,6 +386,9 @@ pub(super) fn sse_response(body: Body) -> Response {
 pub(super) trait Events: Send + Unpin + 'static {
     /// One sampled token; `text` is its detokenized text (may be empty).
     fn token(&mut self, text: &str, first: bool, out: &mut VecDeque<Bytes>);
+    /// The sampled token's id, before [`Events::token`] (for APIs that
+    /// return ids).
+    fn token_id(&mut self, _id: u32) {}
     /// The request finished.
     fn finish(&mut self, f: Finished, out: &mut VecDeque<Bytes>);
 }
@@ -429,6 +442,7 @@ impl<E: Events> futures::Stream for EventStream<E> {
                     let first = c.generated == 1;
                     this.text.clear();
                     this.shared.tok.push_text(o.token, first, &mut this.text);
+                    this.events.token_id(o.token);
                     this.events.token(&this.text, first, &mut this.pending);
                     if let Some(f) = o.finished {
                         this.events.finish(f, &mut this.pending);
