@@ -82,14 +82,31 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 pub fn upstream_request(
     authority: &str,
     path_and_query: &str,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Request<Full<Bytes>>, http::Error> {
+    upstream(http::Method::POST, authority, path_and_query, headers, body)
+}
+
+/// A `method` request to `authority` with the client's `headers` (hop-by-hop
+/// ones dropped, `Host` and `Content-Length` its own).
+///
+/// # Errors
+/// When the path does not make a valid URI with the authority.
+pub fn upstream(
+    method: http::Method,
+    authority: &str,
+    path_and_query: &str,
     mut headers: HeaderMap,
     body: Bytes,
 ) -> Result<Request<Full<Bytes>>, http::Error> {
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-    let mut req =
-        Request::post(format!("http://{authority}{path_and_query}")).body(Full::new(body))?;
+    let mut req = Request::builder()
+        .method(method)
+        .uri(format!("http://{authority}{path_and_query}"))
+        .body(Full::new(body))?;
     *req.headers_mut() = headers;
     if let Ok(v) = HeaderValue::from_str(authority) {
         req.headers_mut().insert(header::HOST, v);

@@ -291,9 +291,8 @@ async fn stored_response(
             .uri
             .path_and_query()
             .map_or(parts.uri.path(), |p| p.as_str());
-        let upstream =
-            crate::stored::request(parts.method, &e.authority, path_and_query, headers, bytes)
-                .map_err(|err| ApiError::invalid(format!("Bad request target: {err}."), None))?;
+        let upstream = proxy::upstream(parts.method, &e.authority, path_and_query, headers, bytes)
+            .map_err(|err| ApiError::invalid(format!("Bad request target: {err}."), None))?;
         let resp = tokio::time::timeout(
             shared.config.upstream_timeout,
             rt.upstream.request(upstream),

@@ -23,11 +23,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
-use http::{HeaderMap, Method, Request, StatusCode, header};
-use http_body_util::Full;
+use http::{HeaderMap, Method, StatusCode};
 
 use crate::endpoint::Endpoint;
-use crate::proxy::{UpstreamClient, strip_hop_by_hop};
+use crate::proxy::UpstreamClient;
 use crate::view::View;
 
 /// How many response ids the router remembers the engine of.
@@ -100,32 +99,6 @@ fn endpoints(view: &View) -> Vec<Arc<Endpoint>> {
     out
 }
 
-/// A bodiless request for `path` at `authority` with `headers` (the
-/// client's, with the engine's key in place of the client's).
-pub fn request(
-    method: Method,
-    authority: &str,
-    path_and_query: &str,
-    mut headers: HeaderMap,
-    body: Bytes,
-) -> Result<Request<Full<Bytes>>, http::Error> {
-    strip_hop_by_hop(&mut headers);
-    headers.remove(header::HOST);
-    headers.insert(
-        header::CONTENT_LENGTH,
-        header::HeaderValue::from(body.len()),
-    );
-    let mut req = Request::builder()
-        .method(method)
-        .uri(format!("http://{authority}{path_and_query}"))
-        .body(Full::new(body))?;
-    *req.headers_mut() = headers;
-    if let Ok(v) = header::HeaderValue::from_str(authority) {
-        req.headers_mut().insert(header::HOST, v);
-    }
-    Ok(req)
-}
-
 /// The engine that keeps response `id`: the one remembered if it is still
 /// in the pool, else the first to answer `GET /v1/responses/{id}` with
 /// `200` (`None` when none does: the store is off, the id is unknown, or
@@ -148,7 +121,7 @@ pub async fn holder(
     let mut asks: FuturesUnordered<_> = live
         .into_iter()
         .filter_map(|e| {
-            let req = request(
+            let req = crate::proxy::upstream(
                 Method::GET,
                 &e.authority,
                 &path,

@@ -82,19 +82,24 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-/// `GET /v1/responses/{id}`: a kept response, vLLM's 404 otherwise (and
-/// always with the store off, which keeps nothing).
-pub(super) async fn retrieve(
-    State(s): State<Arc<Shared>>,
-    Path(id): Path<String>,
-) -> Result<Response, ApiError> {
-    check_id(&id)?;
+/// The kept response `id`'s object: vLLM's 400 for an id not beginning
+/// with `resp`, its 404 for one not kept (always, with the store off).
+fn kept_body(s: &Shared, id: &str) -> Result<Value, ApiError> {
+    check_id(id)?;
     let store = s
         .responses
         .lock()
         .map_err(|_| ApiError::internal("store"))?;
-    let kept = store.kept.get(&id).ok_or_else(|| not_found(&id))?;
-    Ok(axum::Json(kept.body.clone()).into_response())
+    let kept = store.kept.get(id).ok_or_else(|| not_found(id))?;
+    Ok(kept.body.clone())
+}
+
+/// `GET /v1/responses/{id}`: a kept response.
+pub(super) async fn retrieve(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    Ok(axum::Json(kept_body(&s, &id)?).into_response())
 }
 
 /// `POST /v1/responses/{id}/cancel`: only background responses can be
@@ -104,18 +109,11 @@ pub(super) async fn cancel(
     State(s): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
-    let store = s
-        .responses
-        .lock()
-        .map_err(|_| ApiError::internal("store"))?;
-    if store.kept.contains_key(&id) {
-        return Err(ApiError::bad_param(
-            "response_id",
-            "Cannot cancel a synchronous response.",
-        ));
-    }
-    Err(not_found(&id))
+    kept_body(&s, &id)?;
+    Err(ApiError::bad_param(
+        "response_id",
+        "Cannot cancel a synchronous response.",
+    ))
 }
 
 /// The request fields a Responses answer repeats.
