@@ -82,16 +82,20 @@ fn not_found(id: &str) -> ApiError {
     }
 }
 
-/// The kept response `id`'s object: vLLM's 400 for an id not beginning
-/// with `resp`, its 404 for one not kept (always, with the store off).
-fn kept_body(s: &Shared, id: &str) -> Result<Value, ApiError> {
+/// What `read` takes from the kept response `id`: vLLM's 400 for an id
+/// not beginning with `resp`, its 404 for one not kept (always, with the
+/// store off).
+fn with_kept<T>(s: &Shared, id: &str, read: impl FnOnce(&Kept) -> T) -> Result<T, ApiError> {
     check_id(id)?;
     let store = s
         .responses
         .lock()
         .map_err(|_| ApiError::internal("store"))?;
-    let kept = store.kept.get(id).ok_or_else(|| not_found(id))?;
-    Ok(kept.body.clone())
+    store.kept.get(id).map(read).ok_or_else(|| not_found(id))
+}
+
+fn kept_body(s: &Shared, id: &str) -> Result<Value, ApiError> {
+    with_kept(s, id, |k| k.body.clone())
 }
 
 /// `GET /v1/responses/{id}`: a kept response.
@@ -314,15 +318,7 @@ pub(super) async fn responses(
     // (its instructions are not carried over, as in vLLM).
     let (previous_response_id, mut conversation) = match json.get("previous_response_id") {
         None | Some(Value::Null) => (Value::Null, Vec::new()),
-        Some(Value::String(id)) => {
-            check_id(id)?;
-            let store = s
-                .responses
-                .lock()
-                .map_err(|_| ApiError::internal("store"))?;
-            let kept = store.kept.get(id).ok_or_else(|| not_found(id))?;
-            (json!(id), kept.conversation.clone())
-        }
+        Some(Value::String(id)) => (json!(id), with_kept(&s, id, |k| k.conversation.clone())?),
         Some(v) => {
             return Err(ApiError::bad_param(
                 "previous_response_id",
