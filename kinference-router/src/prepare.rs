@@ -364,7 +364,7 @@ async fn route(
     }
     let text = prompt_text(api, fields);
     let estimate = u32::try_from(text.len() / APPROX_BYTES_PER_TOKEN).unwrap_or(u32::MAX);
-    if mode == TokenizationMode::Approximate {
+    if source == Source::Approximate {
         let seed = xxhash_seed(&target.model, lora.as_deref());
         let mut keys = Vec::new();
         kinference_scoring::approx::text_block_keys(

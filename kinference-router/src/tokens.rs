@@ -40,7 +40,11 @@ pub enum Source {
     Local,
     /// The engine's `/tokenize`.
     Engine,
-    /// Not available: route on load (or approximate keys).
+    /// No ids, by design: the prompt's text keys against the router's
+    /// record of the prompts it sent (`approximate` mode, or an engine that
+    /// cannot tokenize this API: SGLang's chat).
+    Approximate,
+    /// Not available: route on load.
     None,
 }
 
@@ -50,6 +54,7 @@ impl Source {
         match self {
             Source::Local => "local",
             Source::Engine => "engine",
+            Source::Approximate => "approximate",
             Source::None => "none",
         }
     }
@@ -116,11 +121,13 @@ pub async fn ids(
                 observe(shared, "engine", "unavailable", started);
                 return (None, Source::None);
             };
-            // SGLang tokenizes prompts at /v1/tokenize and has no chat form.
+            // SGLang tokenizes prompts at /v1/tokenize and has no chat form:
+            // its chat is routed on the prompt's text, as SGLang's own router
+            // does.
             let sglang = e.family() == kinference_api::engine::EngineFamily::Sglang;
             if sglang && api == openai::Endpoint::Chat {
                 observe(shared, "engine", "unsupported", started);
-                return (None, Source::None);
+                return (None, Source::Approximate);
             }
             let Some(req) = tokenize_body(api, fields, model) else {
                 observe(shared, "engine", "error", started);
@@ -149,7 +156,7 @@ pub async fn ids(
             };
             ("engine", r.map(|ids| (ids, Source::Engine)))
         }
-        TokenizationMode::Approximate => return (None, Source::None),
+        TokenizationMode::Approximate => return (None, Source::Approximate),
     };
     match result {
         Ok((ids, source)) => {

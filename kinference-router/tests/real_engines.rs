@@ -667,3 +667,55 @@ async fn sglang_generate_is_routed_on_its_cached_prefix() {
     );
     r.shutdown().await;
 }
+
+/// SGLang cannot tokenize a chat request (`/v1/tokenize` takes a prompt),
+/// so with the default `engine` tokenization the router cannot key chat on
+/// the engines' KV events. It keys it on the prompt's text against its
+/// record of what it sent, as SGLang's own router does, rather than on
+/// load alone: a conversation's turns go where its history is cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_chat_in_engine_mode_keeps_to_its_text_prefix() {
+    let sims = engines(3, |c| {
+        c.engine_mode = EngineMode::sglang(Version::new(0, 5, 23));
+    })
+    .await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 3, true).await;
+    let system = words(0, 300);
+    let mut homes = std::collections::HashSet::new();
+    for turn in 0..4 {
+        let body = serde_json::json!({
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("w{}", 9000 + turn)},
+            ],
+            "max_tokens": 1,
+        });
+        let reply = send(
+            r.api(),
+            "POST",
+            "/v1/chat/completions",
+            &[("x-kinference-debug", "1")],
+            bytes::Bytes::from(serde_json::to_vec(&body).unwrap()),
+        )
+        .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        let decision = reply.headers["x-kinference-decision"].to_str().unwrap();
+        assert!(decision.contains("tokens=approximate"), "{decision}");
+        homes.insert(reply.endpoint());
+        if turn > 0 {
+            assert!(
+                !decision.contains("cached=0.00"),
+                "turn {turn} found its prefix: {decision}"
+            );
+        }
+    }
+    assert_eq!(
+        homes.len(),
+        1,
+        "every turn went where the system prompt is: {homes:?}"
+    );
+    r.shutdown().await;
+}
