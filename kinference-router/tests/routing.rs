@@ -603,3 +603,46 @@ async fn the_fleets_step_costs_are_learnt_from_its_streams() {
     assert_learnt_step_truth("the router", &steps);
     r.shutdown().await;
 }
+
+/// A client that leaves (a user pressing stop, a timeout in the SDK) must
+/// free the engine: vLLM aborts a request when its connection closes, so
+/// the router must close its own. Streamed after the first token, and
+/// plain while the engine is still generating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_frees_the_engine() {
+    let sims = engines(1, |c| c.faults.slowdown = 5.0).await;
+    let r = router(&[EngineAddr::of(&sims[0])], &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 1, true).await;
+    let aborted = || sims[0].cache_truth(false).engines[0].counters.aborted;
+    let running = || sims[0].cache_truth(false).engines[0].running.len();
+    let body = |stream: bool| json!({"model": MODEL, "prompt": "w1 w2 w3", "max_tokens": 5000, "ignore_eos": true, "stream": stream});
+    // Streamed: leave after the first chunk.
+    let resp = post_streaming(r.api(), "/v1/completions", &body(true)).await;
+    assert_eq!(resp.status(), 200);
+    let mut stream = resp.into_body();
+    stream.frame().await.expect("a first chunk").expect("ok");
+    drop(stream);
+    eventually(
+        Duration::from_secs(5),
+        "the stream's request aborted",
+        || async { (aborted() == 1 && running() == 0).then_some(()) },
+    )
+    .await;
+    // Plain: leave while the engine generates (no byte has come back).
+    let addr = r.api();
+    let plain = tokio::spawn(async move { post(addr, "/v1/completions", &body(false)).await });
+    eventually(
+        Duration::from_secs(5),
+        "the plain request running",
+        || async { (running() == 1).then_some(()) },
+    )
+    .await;
+    plain.abort();
+    eventually(
+        Duration::from_secs(5),
+        "the plain request aborted",
+        || async { (aborted() == 2 && running() == 0).then_some(()) },
+    )
+    .await;
+    r.shutdown().await;
+}
