@@ -158,7 +158,11 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: Some("no_healthy_endpoint"),
-            retry_after: None,
+            // Engines refusing (their admission control, draining) or gone
+            // come back within probes' and scrapes' second: clients' SDKs
+            // (OpenAI's honours it) wait that long instead of their own
+            // backoff.
+            retry_after: Some(1),
         }
     }
 

@@ -605,6 +605,31 @@ async fn an_engine_that_answers_503() {
     r.shutdown().await;
 }
 
+/// When every engine refuses (vLLM's admission control answers 503), the
+/// router's own 503 tells the client when to come back, as SGLang's router
+/// does: `Retry-After`, which OpenAI's SDK honours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_every_engine_refuses_the_client_is_told_when_to_retry() {
+    let (bad, bad_task) = always_503().await;
+    let r = router(&[fake(bad)], &WorkerSetOpts::default(), &[]).await;
+    eventually(Duration::from_secs(20), "the endpoint known", || async {
+        let e = endpoints(&r).await;
+        (e["endpoints"].as_array()?.len() == 1 && e["ready"] == true).then_some(())
+    })
+    .await;
+    let reply = post(
+        r.api(),
+        "/v1/chat/completions",
+        &chat(MODEL, "w1 w2", false, 2),
+    )
+    .await;
+    assert_eq!(reply.status, 503, "{}", reply.text());
+    assert_eq!(reply.headers["retry-after"], "1");
+    assert_eq!(reply.json()["error"]["type"], "service_unavailable");
+    bad_task.abort();
+    r.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_engine_ten_times_slower() {
     let sims = engines(3, |_| {}).await;
