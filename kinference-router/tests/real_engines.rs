@@ -563,18 +563,25 @@ async fn post_direct(sim: &kinference_sim::SimHandle, ids: &[u32]) -> u16 {
     .status
 }
 
-/// SGLang's native `/generate` (`text` or `input_ids`, no model), which
-/// RL frameworks and SGLang's own clients use: routed on its cached prefix
-/// like a completion, the body passed through untouched, streams included.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sglang_generate_is_routed_on_its_cached_prefix() {
-    let sims = engines(3, |c| {
+/// `n` SGLang engines (the latest release modelled) behind a router with
+/// the default profile (`engine` tokenization), routable.
+async fn sglang_fleet(n: usize) -> (Vec<kinference_sim::SimHandle>, Router) {
+    let sims = engines(n, |c| {
         c.engine_mode = EngineMode::sglang(Version::new(0, 5, 23));
     })
     .await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
-    wait_routable(&r, 3, true).await;
+    wait_routable(&r, n, true).await;
+    (sims, r)
+}
+
+/// SGLang's native `/generate` (`text` or `input_ids`, no model), which
+/// RL frameworks and SGLang's own clients use: routed on its cached prefix
+/// like a completion, the body passed through untouched, streams included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_generate_is_routed_on_its_cached_prefix() {
+    let (_sims, r) = sglang_fleet(3).await;
     let generate = |body: serde_json::Value| {
         let api = r.api();
         async move { post(api, "/generate", &body).await }
@@ -675,13 +682,7 @@ async fn sglang_generate_is_routed_on_its_cached_prefix() {
 /// load alone: a conversation's turns go where its history is cached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_chat_in_engine_mode_keeps_to_its_text_prefix() {
-    let sims = engines(3, |c| {
-        c.engine_mode = EngineMode::sglang(Version::new(0, 5, 23));
-    })
-    .await;
-    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
-    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
-    wait_routable(&r, 3, true).await;
+    let (_sims, r) = sglang_fleet(3).await;
     let system = words(0, 300);
     let mut homes = std::collections::HashSet::new();
     for turn in 0..4 {
