@@ -232,6 +232,44 @@ fn cases() -> Vec<Case> {
             body: Vec::new(),
             want: &[405],
         },
+        // SGLang's native API: neither, or both, of its prompt fields, or
+        // one of the wrong type (vLLM engines behind: the router's 400).
+        json_case(
+            "generate without a prompt",
+            "/generate",
+            &json!({"sampling_params": {}}),
+            &[400],
+        ),
+        json_case(
+            "generate with text and input_ids",
+            "/generate",
+            &json!({"text": "w1", "input_ids": [1, 2]}),
+            &[400],
+        ),
+        json_case(
+            "generate with a numeric text",
+            "/generate",
+            &json!({"text": 5}),
+            &[400],
+        ),
+        // A stored response nobody keeps, named with escapes that would
+        // leave the path if decoded into it.
+        Case {
+            name: "stored response with an escaped path",
+            method: "GET",
+            path: "/v1/responses/resp_%2F..%2F..%2Fmetrics",
+            content_type: "application/json",
+            body: Vec::new(),
+            want: &[404],
+        },
+        Case {
+            name: "cancel of a stored response nobody keeps",
+            method: "POST",
+            path: "/v1/responses/resp_nobody/cancel",
+            content_type: "application/json",
+            body: b"{}".to_vec(),
+            want: &[404],
+        },
         Case {
             name: "unknown path",
             method: "POST",
