@@ -147,7 +147,10 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
         .map(|w| w.name.clone())
         .collect();
     shared.runtime.runtimes.retain(&live);
-    let view = View::build(snapshot, &m.registry, &|route| {
+    // Read before the endpoints' models are: a change during the build
+    // leaves the view behind, and another rebuild is on its way.
+    let models_version = shared.runtime.models_version();
+    let mut view = View::build(snapshot, &m.registry, &|route| {
         let s = shared.clone();
         shared.runtime.runtimes.runtime_for(
             route,
@@ -156,6 +159,7 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
             move || s.runtime.notify_models_changed(),
         )
     });
+    view.models_version = models_version;
     shared.runtime.set_view(view);
     shared.runtime.set_ready(snapshot.synced);
     for p in shared.runtime.set_problems(&snapshot.problems) {

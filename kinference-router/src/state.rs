@@ -47,6 +47,9 @@ pub struct Runtime {
     listed_at: std::sync::OnceLock<Instant>,
     problems: ArcSwap<Vec<String>>,
     models_changed: Notify,
+    /// Counts asked rebuilds: a view built before the last one may miss
+    /// models (LoRA adapters) an engine has just listed.
+    models_version: AtomicU64,
     requests: AtomicU64,
     /// Cancelled at shutdown.
     pub stop: CancellationToken,
@@ -107,7 +110,14 @@ impl Runtime {
 
     /// Asks the maintainer to rebuild the view (models or tokenizers changed).
     pub fn notify_models_changed(&self) {
+        self.models_version.fetch_add(1, Ordering::AcqRel);
         self.models_changed.notify_one();
+    }
+
+    /// How many rebuilds have been asked for: read before building a view,
+    /// it tells whether the view has seen every change since.
+    pub fn models_version(&self) -> u64 {
+        self.models_version.load(Ordering::Acquire)
     }
 
     /// Resolves when a rebuild was asked for.
@@ -150,6 +160,7 @@ impl Shared {
                 listed_at: std::sync::OnceLock::new(),
                 problems: ArcSwap::from_pointee(Vec::new()),
                 models_changed: Notify::new(),
+                models_version: AtomicU64::new(0),
                 requests: AtomicU64::new(0),
                 stop,
                 replica: {
@@ -196,6 +207,11 @@ impl Shared {
         if !self.is_ready() {
             return Err("the pool's objects have not all been listed yet".into());
         }
+        // Models an engine has just listed (adapters) are not routable
+        // until the maintainer's next view, moments away.
+        if self.view().models_version < self.runtime.models_version() {
+            return Err("the view is being rebuilt with newly discovered models".into());
+        }
         if let Some(why) = self.kv.seeding_wait(Instant::now()) {
             return Err(why);
         }
@@ -233,3 +249,36 @@ impl Shared {
 /// How long a listed router waits for its engines' first answers before it
 /// reports ready anyway.
 pub const READY_GRACE: Duration = Duration::from_secs(10);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn not_ready_while_the_view_misses_models_just_discovered() {
+        let shared = Shared::new(Config::default(), CancellationToken::new());
+        shared.runtime.set_view(View::default());
+        shared.runtime.set_ready(true);
+        // An empty pool: nothing to wait for.
+        assert_eq!(shared.readiness(), Ok(()));
+        // An engine lists a new adapter: not ready until a view built after
+        // that is in place.
+        let version = shared.runtime.models_version();
+        shared.runtime.notify_models_changed();
+        let why = shared.readiness().unwrap_err();
+        assert!(why.contains("newly discovered models"), "{why}");
+        // A view built from before the change does not count...
+        let view_at = |v: u64| {
+            let mut view = View::default();
+            view.models_version = v;
+            view
+        };
+        shared.runtime.set_view(view_at(version));
+        assert!(shared.readiness().is_err());
+        // ...one built after it does.
+        shared
+            .runtime
+            .set_view(view_at(shared.runtime.models_version()));
+        assert_eq!(shared.readiness(), Ok(()));
+    }
+}

@@ -103,6 +103,9 @@ pub struct View {
     names: HashMap<String, Vec<Target>>,
     /// Cards for `/v1/models`, sorted by id.
     pub cards: Vec<Card>,
+    /// The discovered-models version it was built from
+    /// ([`crate::state::Runtime::models_version`]).
+    pub models_version: u64,
 }
 
 impl View {
@@ -202,6 +205,7 @@ impl View {
             worker_sets,
             names,
             cards,
+            models_version: 0,
         }
     }
 

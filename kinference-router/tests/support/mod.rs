@@ -367,7 +367,12 @@ pub async fn wait_routable(r: &Router, n: usize, kv: bool) {
                             !k.is_empty() && k.iter().all(|s| s["connected"] == true)
                         }))
             });
-        (ok && e["ready"] == true).then_some(())
+        // Not while the view is being rebuilt with models just discovered
+        // (a LoRA adapter would not resolve yet).
+        let rebuilding = e["not_ready_because"]
+            .as_str()
+            .is_some_and(|w| w.contains("newly discovered models"));
+        (ok && e["ready"] == true && !rebuilding).then_some(())
     })
     .await;
 }
