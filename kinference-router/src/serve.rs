@@ -275,12 +275,7 @@ async fn stored_response(
         let mut headers = parts.headers;
         headers.remove(&DEBUG_HEADER);
         headers.insert(REQUEST_ID_HEADER, request_id.clone());
-        let security = &shared.config.security;
-        crate::auth::for_engine(
-            &mut headers,
-            security.client_keys.is_some(),
-            security.engine_auth.as_ref(),
-        );
+        for_engine(&shared, &mut headers);
         let view = shared.view();
         let rt = &shared.runtime;
         let Some(e) = crate::stored::holder(&rt.stored, &rt.upstream, &view, &id, &headers).await
@@ -322,6 +317,17 @@ async fn stored_response(
     x.status(resp.status());
     resp.headers_mut().insert(REQUEST_ID_HEADER, request_id);
     resp
+}
+
+/// The client's headers as an engine gets them: the client's key out when
+/// the router checked it, the engines' key in.
+fn for_engine(shared: &Shared, headers: &mut http::HeaderMap) {
+    let security = &shared.config.security;
+    crate::auth::for_engine(
+        headers,
+        security.client_keys.is_some(),
+        security.engine_auth.as_ref(),
+    );
 }
 
 /// Records a request answered by the router itself.
@@ -528,12 +534,7 @@ async fn route(
     // and the engine answers as it would alone.
     if let Some(previous) = &prepared.previous_response {
         let mut headers = prepared.headers.clone();
-        let security = &shared.config.security;
-        crate::auth::for_engine(
-            &mut headers,
-            security.client_keys.is_some(),
-            security.engine_auth.as_ref(),
-        );
+        for_engine(shared, &mut headers);
         let rt = &shared.runtime;
         if let Some(holder) =
             crate::stored::holder(&rt.stored, &rt.upstream, &view, previous, &headers).await
@@ -623,12 +624,7 @@ async fn route(
         let ws = &view.worker_sets[route.target.worker_set];
         let mut headers = prepared.headers.clone();
         headers.insert(REQUEST_ID_HEADER, x.id.clone());
-        let security = &shared.config.security;
-        crate::auth::for_engine(
-            &mut headers,
-            security.client_keys.is_some(),
-            security.engine_auth.as_ref(),
-        );
+        for_engine(shared, &mut headers);
         if let Some(rank) = d.dp_rank {
             headers.insert(DP_RANK_HEADER, HeaderValue::from(rank));
         }

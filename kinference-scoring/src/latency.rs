@@ -499,8 +499,6 @@ impl Model {
         scale * room.evicted(uncached / self.block) * self.block * self.ms_per_token
     }
 
-    /// Whether calibration applies.
-    #[inline]
     /// The same model with `silent_overdue_factor` 1: the silent engine's
     /// lower bound alone.
     pub(crate) fn without_silent_factor(self) -> Self {
@@ -510,6 +508,8 @@ impl Model {
         }
     }
 
+    /// Whether calibration applies.
+    #[inline]
     pub(crate) fn calibrates(&self) -> bool {
         self.calibrate
     }

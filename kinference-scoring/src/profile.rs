@@ -277,13 +277,14 @@ const DEFAULT: LatencyParams = LatencyParams {
     // whose prefill chunk ends inside a block stores nothing for that
     // request (but the next one does).
     stall_min_scale: 3.0,
-    // The bound alone. 2 (the expected total of a duration that has
-    // outlived its expectation under a Pareto tail of index 2) kept a 10x
-    // slower engine out of a burst sooner on a tuned profile, but with the
-    // built-in profile on engines it mispredicts, every idle engine looks
-    // late until calibration catches up, and doubling that moved requests
-    // off their cached engine: multi-turn's hit rate fell about 5 points
-    // (docs/benchmarks.md, 2026-12-05).
+    // The expected total of a duration that has outlived its expectation
+    // under a Pareto tail of index 2: it kept a 10x slower engine out of a
+    // burst sooner on a tuned profile. The kinference policy applies it
+    // only while the profile fits the fleet: with the built-in profile on
+    // engines it mispredicts, every idle engine looks late until
+    // calibration catches up, and doubling that moved requests off their
+    // cached engine (multi-turn's hit rate fell about 5 points;
+    // docs/benchmarks.md, 2026-12-05 and 2026-12-06).
     silent_overdue_factor: 2.0,
     // An engine at its admission limit refuses again until its queue
     // drains: about one long prefill, so that any engine with room wins.
