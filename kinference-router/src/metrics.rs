@@ -91,6 +91,13 @@ pub struct RetryLabels {
     pub reason: &'static str,
 }
 
+/// Labels of a search for the engine that keeps a stored response.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SearchLabels {
+    /// `found` or `not_found`.
+    pub outcome: &'static str,
+}
+
 /// Labels of a request the admission queue answered 429.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RejectionLabels {
@@ -185,6 +192,9 @@ pub struct Metrics {
     pub queue_wait: Family<WorkerSetLabels, Histogram>,
     /// Requests answered 429 by admission, by reason.
     pub rejections: Family<RejectionLabels, Counter>,
+    /// Searches of the pool's engines for a stored response's holder
+    /// ([`crate::stored`]), by outcome.
+    pub stored_response_searches: Family<SearchLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -196,6 +206,10 @@ impl Default for Metrics {
             drop(retries.get_or_create(&RetryLabels {
                 reason: reason.label(),
             }));
+        }
+        let stored_response_searches: Family<SearchLabels, Counter> = Family::default();
+        for outcome in ["found", "not_found"] {
+            drop(stored_response_searches.get_or_create(&SearchLabels { outcome }));
         }
         let rejections: Family<RejectionLabels, Counter> = Family::default();
         for reason in REJECTION_REASONS {
@@ -227,6 +241,7 @@ impl Default for Metrics {
             queue_depth: Family::default(),
             queue_wait: Family::new_with_constructor(|| Histogram::new(token_buckets())),
             rejections,
+            stored_response_searches,
         }
     }
 }
@@ -341,6 +356,11 @@ impl Metrics {
             "kv_recovery_requests",
             "Requests that asked vLLM to re-report the cached blocks they reuse, while the index recovered that engine's blocks",
             self.kv_recovery_requests.clone(),
+        );
+        registry.register(
+            "stored_response_searches",
+            "Searches of the pool's engines for the one that keeps a stored Responses answer (retrieve, cancel, previous_response_id) it had not seen pass, by outcome",
+            self.stored_response_searches.clone(),
         );
         registry.register(
             "retries",
@@ -464,6 +484,10 @@ pub const LABELS: &[(&str, &str)] = &[
     ),
     ("kv_recovery_requests", ""),
     ("retries", "`reason`"),
+    (
+        "stored_response_searches",
+        "`outcome` (`found`, `not_found`)",
+    ),
     ("queue_depth", "`worker_set`"),
     ("queue_wait_seconds", "`worker_set`"),
     ("rejections", "`reason`"),

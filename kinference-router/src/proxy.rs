@@ -280,6 +280,9 @@ fn is_error_event(data: &[u8]) -> bool {
 /// Called once, with the time from sending to the first body bytes.
 pub type OnFirstByte = Box<dyn FnOnce(Duration) + Send + Sync>;
 
+/// Called once with the first data of a response.
+pub type OnFirstData = Box<dyn FnOnce(&Bytes) + Send + Sync>;
+
 /// Called once at the end of a streamed response, with the engine's steps
 /// since its first token.
 pub type OnStreamEnd = Box<dyn FnOnce(kinference_scoring::StepSample) + Send + Sync>;
@@ -297,6 +300,7 @@ pub struct TrackedBody {
     inflight: Option<InFlight>,
     sent_at: Instant,
     on_first_byte: Option<OnFirstByte>,
+    on_first_data: Option<OnFirstData>,
     on_end: Option<OnStreamEnd>,
     idle: Duration,
     idle_timer: Pin<Box<tokio::time::Sleep>>,
@@ -341,6 +345,7 @@ impl TrackedBody {
             inflight: Some(inflight),
             sent_at,
             on_first_byte,
+            on_first_data: None,
             on_end: None,
             idle,
             idle_timer: Box::pin(tokio::time::sleep(idle)),
@@ -360,6 +365,13 @@ impl TrackedBody {
     #[must_use]
     pub fn with_on_end(mut self, hook: OnStreamEnd) -> Self {
         self.on_end = Some(hook);
+        self
+    }
+
+    /// The same, showing the first data to `hook` as it passes.
+    #[must_use]
+    pub fn with_on_first_data(mut self, hook: OnFirstData) -> Self {
+        self.on_first_data = Some(hook);
         self
     }
 
@@ -389,6 +401,9 @@ impl Body for TrackedBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         if let Some(first) = this.first.take() {
+            if let Some(f) = this.on_first_data.take() {
+                f(&first);
+            }
             if let Some(x) = &mut this.exchange {
                 let at = this.first_at.unwrap_or_else(Instant::now);
                 x.first_token(at.saturating_duration_since(this.sent_at));
@@ -419,6 +434,9 @@ impl Body for TrackedBody {
         match &polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(d) = frame.data_ref().filter(|d| !d.is_empty()) {
+                    if let Some(f) = this.on_first_data.take() {
+                        f(d);
+                    }
                     let now = Instant::now();
                     if this.on_first_byte.is_some() || this.exchange.is_some() {
                         let ttft = now.saturating_duration_since(this.sent_at);

@@ -277,28 +277,41 @@ async fn stored_response(
         headers.insert(REQUEST_ID_HEADER, request_id.clone());
         for_engine(&shared, &mut headers);
         let view = shared.view();
-        let rt = &shared.runtime;
-        let Some(e) = crate::stored::holder(&rt.stored, &rt.upstream, &view, &id, &headers).await
-        else {
-            return Err(ApiError::response_not_found(&id));
-        };
         let path_and_query = parts
             .uri
             .path_and_query()
             .map_or(parts.uri.path(), |p| p.as_str());
-        let upstream = proxy::upstream(parts.method, &e.authority, path_and_query, headers, bytes)
-            .map_err(|err| ApiError::invalid(format!("Bad request target: {err}."), None))?;
-        let resp = tokio::time::timeout(
-            shared.config.upstream_timeout,
-            rt.upstream.request(upstream),
-        )
-        .await
-        .map_err(|_| {
-            ApiError::gateway_timeout(format!("The engine {} did not answer.", e.authority))
-        })?
-        .map_err(|err| {
-            ApiError::bad_gateway(format!("The engine {} failed: {err}.", e.authority))
-        })?;
+        // A retrieval is a GET like the search's: the holder's answer to it
+        // is the client's. A cancel is sent once the holder is known.
+        let ask = if parts.method == Method::GET {
+            path_and_query.to_owned()
+        } else {
+            crate::stored::path(&id)
+        };
+        let Some(found) = crate::stored::holder(&shared, &view, &id, &ask, &headers).await else {
+            return Err(ApiError::response_not_found(&id));
+        };
+        let e = found.endpoint;
+        let resp = if let Some(answer) = found.answer {
+            answer
+        } else {
+            let upstream =
+                proxy::upstream(parts.method, &e.authority, path_and_query, headers, bytes)
+                    .map_err(|err| {
+                        ApiError::invalid(format!("Bad request target: {err}."), None)
+                    })?;
+            tokio::time::timeout(
+                shared.config.upstream_timeout,
+                shared.runtime.upstream.request(upstream),
+            )
+            .await
+            .map_err(|_| {
+                ApiError::gateway_timeout(format!("The engine {} did not answer.", e.authority))
+            })?
+            .map_err(|err| {
+                ApiError::bad_gateway(format!("The engine {} failed: {err}.", e.authority))
+            })?
+        };
         let (mut rparts, rbody) = resp.into_parts();
         proxy::strip_hop_by_hop(&mut rparts.headers);
         if let Some(v) = &e.authority_header {
@@ -535,16 +548,14 @@ async fn route(
     if let Some(previous) = &prepared.previous_response {
         let mut headers = prepared.headers.clone();
         for_engine(shared, &mut headers);
-        let rt = &shared.runtime;
-        if let Some(holder) =
-            crate::stored::holder(&rt.stored, &rt.upstream, &view, previous, &headers).await
-        {
+        let ask = crate::stored::path(previous);
+        if let Some(found) = crate::stored::holder(shared, &view, previous, &ask, &headers).await {
             excluded.extend(
                 view.worker_sets
                     .iter()
                     .flat_map(|ws| ws.endpoints.iter())
                     .map(|e| e.id)
-                    .filter(|id| *id != holder.id),
+                    .filter(|id| *id != found.endpoint.id),
             );
         }
     }
@@ -848,6 +859,17 @@ async fn route(
         );
         if let Some(hook) = on_end {
             body = body.with_on_end(hook);
+        }
+        // A Responses answer's engine keeps it (when its store is on): the
+        // id in its first bytes is remembered for the conversation's next
+        // turn, its retrieval and its cancel (crate::stored).
+        if prepared.api == openai::Endpoint::Responses && rparts.status.is_success() {
+            let (s, authority) = (Arc::clone(shared), d.endpoint.authority.clone());
+            body = body.with_on_first_data(Box::new(move |b| {
+                if let Some(id) = crate::stored::response_id(b) {
+                    s.runtime.stored.remember(id, &authority);
+                }
+            }));
         }
         if let Some((b, at)) = first {
             body = body.with_first(b, at);

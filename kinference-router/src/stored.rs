@@ -7,13 +7,15 @@
 //! `POST /v1/responses/{id}/cancel`, and a new response naming it as
 //! `previous_response_id` (the engine continues the kept conversation).
 //!
-//! The router finds the engine by asking the pool's engines for the
-//! response (`GET`, all at once; the first `200` wins) and remembers the
-//! answer in a bounded map, so that a conversation's later turns skip the
-//! search. Nothing is learnt from answers passing through and nothing is
-//! shared: a router replica, or a router restarted, that never saw the
-//! response finds it the same way. Only these requests pay for it (one
-//! round of `GET`s, once per response id).
+//! The router remembers, in a bounded map, which engine made each
+//! Responses answer that passes through it (the id is in the answer's
+//! first bytes), so a conversation's next turn goes straight there. A
+//! response it has not seen pass (another replica's, or from before a
+//! restart) it finds by asking the pool's engines (`GET`, all at once; the
+//! first `200` wins), and remembers that too. Nothing is shared between
+//! replicas: each finds what it did not see the same way. Only these
+//! requests pay for a search (one round of `GET`s, once per response id;
+//! `kinference_router_stored_response_searches_total` counts them).
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt::Write as _;
@@ -23,10 +25,12 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use futures::StreamExt as _;
 use futures::stream::FuturesUnordered;
-use http::{HeaderMap, Method, StatusCode};
+use http::{HeaderMap, Method, Response, StatusCode};
+use hyper::body::Incoming;
 
 use crate::endpoint::Endpoint;
-use crate::proxy::UpstreamClient;
+use crate::metrics::SearchLabels;
+use crate::state::Shared;
 use crate::view::View;
 
 /// How many response ids the router remembers the engine of.
@@ -52,7 +56,8 @@ impl Holders {
         self.inner.lock().ok()?.by_id.get(id).cloned()
     }
 
-    fn remember(&self, id: &str, authority: &str) {
+    /// Notes that the engine at `authority` keeps response `id`.
+    pub fn remember(&self, id: &str, authority: &str) {
         let Ok(mut r) = self.inner.lock() else {
             return;
         };
@@ -99,53 +104,97 @@ fn endpoints(view: &View) -> Vec<Arc<Endpoint>> {
     out
 }
 
-/// The engine that keeps response `id`: the one remembered if it is still
-/// in the pool, else the first to answer `GET /v1/responses/{id}` with
-/// `200` (`None` when none does: the store is off, the id is unknown, or
-/// its engine is gone). `headers` carry the engine's key.
+/// The engine that keeps a response, and its answer to the request the
+/// search asked (`None` when the engine was remembered, not searched for).
+#[derive(Debug)]
+pub struct Found {
+    /// The engine.
+    pub endpoint: Arc<Endpoint>,
+    /// Its `200` answer to the search's `GET`.
+    pub answer: Option<Response<Incoming>>,
+}
+
+/// The engine that keeps response `id`: the one remembered (from an answer
+/// that passed through the router, or an earlier search) if it is still
+/// in the pool, else the first to answer `GET ask` with `200` (`ask`: the
+/// response's path, or a retrieval's own path and query, whose answer is
+/// then the client's). `None` when none does: the store is off, the id is
+/// unknown, or its engine is gone. `headers` carry the engine's key.
 pub async fn holder(
-    holders: &Holders,
-    client: &UpstreamClient,
+    shared: &Shared,
     view: &View,
     id: &str,
+    ask: &str,
     headers: &HeaderMap,
-) -> Option<Arc<Endpoint>> {
+) -> Option<Found> {
+    let holders = &shared.runtime.stored;
     let live = endpoints(view);
     if let Some(authority) = holders.get(id)
         && let Some(e) = live.iter().find(|e| e.authority == authority)
     {
-        return Some(Arc::clone(e));
+        return Some(Found {
+            endpoint: Arc::clone(e),
+            answer: None,
+        });
     }
-    let path = path(id);
     let deadline = Instant::now() + SEARCH_TIMEOUT;
+    let client = &shared.runtime.upstream;
     let mut asks: FuturesUnordered<_> = live
         .into_iter()
         .filter_map(|e| {
             let req = crate::proxy::upstream(
                 Method::GET,
                 &e.authority,
-                &path,
+                ask,
                 headers.clone(),
                 Bytes::new(),
             )
             .ok()?;
             let call = client.request(req);
             Some(async move {
-                let found = matches!(
-                    tokio::time::timeout_at(deadline.into(), call).await,
-                    Ok(Ok(resp)) if resp.status() == StatusCode::OK
-                );
-                (e, found)
+                match tokio::time::timeout_at(deadline.into(), call).await {
+                    Ok(Ok(resp)) if resp.status() == StatusCode::OK => Some(Found {
+                        endpoint: e,
+                        answer: Some(resp),
+                    }),
+                    _ => None,
+                }
             })
         })
         .collect();
-    while let Some((e, found)) = asks.next().await {
-        if found {
-            holders.remember(id, &e.authority);
-            return Some(e);
+    let searches = &shared.metrics.stored_response_searches;
+    while let Some(found) = asks.next().await {
+        if let Some(found) = found {
+            holders.remember(id, &found.endpoint.authority);
+            searches
+                .get_or_create(&SearchLabels { outcome: "found" })
+                .inc();
+            return Some(found);
         }
     }
+    searches
+        .get_or_create(&SearchLabels {
+            outcome: "not_found",
+        })
+        .inc();
     None
+}
+
+/// The id of the Responses answer whose first bytes are `data`: the first
+/// `"id"` member, when its value begins with `resp` (vLLM writes the
+/// response's `id` first, and a stream's first event, `response.created`,
+/// carries the response with it). `None` when the bytes do not show it.
+pub fn response_id(data: &[u8]) -> Option<&str> {
+    let key = memchr_find(data, br#""id""#)?;
+    let rest = data[key + 4..].trim_ascii_start().strip_prefix(b":")?;
+    let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
+    let end = rest.iter().position(|b| *b == b'"')?;
+    let id = std::str::from_utf8(&rest[..end]).ok()?;
+    id.starts_with("resp").then_some(id)
+}
+
+fn memchr_find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 #[cfg(test)]
@@ -156,6 +205,25 @@ mod tests {
     fn ids_are_escaped_into_one_path_segment() {
         assert_eq!(path("resp_ab12-x"), "/v1/responses/resp_ab12-x");
         assert_eq!(path("resp/../x y"), "/v1/responses/resp%2F..%2Fx%20y");
+    }
+
+    #[test]
+    fn an_answers_id_is_read_from_its_first_bytes() {
+        // vLLM's JSON answer (the id first), and a stream's first event.
+        assert_eq!(
+            response_id(br#"{"id":"resp_9f2","created_at":1,"output":[]}"#),
+            Some("resp_9f2")
+        );
+        assert_eq!(
+            response_id(
+                b"event: response.created\ndata: {\"response\": {\"id\" : \"resp_a1\", \"object\":\"response\"}}\n\n"
+            ),
+            Some("resp_a1")
+        );
+        // Not a response id, or cut before it ends: nothing learnt.
+        assert_eq!(response_id(br#"{"id":"chatcmpl-1"}"#), None);
+        assert_eq!(response_id(br#"{"id":"resp_trunc"#), None);
+        assert_eq!(response_id(br#"{"error":{"message":"x"}}"#), None);
     }
 
     #[test]

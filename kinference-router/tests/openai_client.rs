@@ -275,6 +275,15 @@ async fn stored_responses_are_reached_on_the_engine_that_keeps_them() {
     assert_eq!(v["retrieved"]["endpoint"], home);
     assert_eq!(v["cancel"]["status"], 400, "the engine's own answer: {v}");
     assert_eq!(v["unknown"]["status"], 404, "{v}");
+    // Every turn, the retrieval and the cancel went to an engine learnt from
+    // the answers passing through: the only search was the unknown id's.
+    let metrics = get(r.admin(), "/metrics").await.text();
+    for (outcome, n) in [("found", 0), ("not_found", 1)] {
+        let line = format!(
+            "kinference_router_stored_response_searches_total{{outcome=\"{outcome}\"}} {n}"
+        );
+        assert!(metrics.contains(&line), "{line} in {metrics}");
+    }
     r.shutdown().await;
     // With the store off (vLLM's default), every engine answers 404 and so
     // does the router.
