@@ -462,12 +462,22 @@ impl Body for TrackedBody {
                 // The end: report the steps, release the load now rather
                 // than when hyper drops the body, and write the request's
                 // record.
+                // With peers, once their reports of first tokens up to
+                // now have had time to come.
                 if let (Some(hook), Some(g), Some(x)) =
                     (this.on_end.take(), &this.inflight, &this.exchange)
                     && let Some(tokens) = x.streamed_tokens()
-                    && let Some(sample) = g.step_sample(tokens.saturating_sub(1))
+                    && let Some(w) = g.step_window(tokens.saturating_sub(1))
                 {
-                    hook(sample);
+                    match w.settle() {
+                        None => hook(w.sample()),
+                        Some(wait) => {
+                            tokio::spawn(async move {
+                                tokio::time::sleep(wait).await;
+                                hook(w.sample());
+                            });
+                        }
+                    }
                 }
                 this.inflight = None;
                 if let Some(mut x) = this.exchange.take() {

@@ -22,19 +22,6 @@ fn total(e: &Value, kind: &str, engine: Option<&str>) -> u64 {
         .sum()
 }
 
-/// A router on `addrs` with its admin port at `admin`, asking `peers`
-/// (comma-separated) for their load, with `extra` flags.
-async fn peered(
-    addrs: &[EngineAddr],
-    opts: &WorkerSetOpts,
-    admin: &str,
-    peers: &str,
-    extra: &[&str],
-) -> Router {
-    let flags = [&["--admin-addr", admin, "--peers", peers][..], extra].concat();
-    router(addrs, opts, &flags).await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_share_their_load_and_degrade_to_alone() {
     // Six streams of 120 tokens at ~10 ms per stream per step: ~7 s.
@@ -909,55 +896,6 @@ async fn a_peers_new_prefix_is_found_before_the_engines_events() {
     assert!(gpu >= 16, "B saw {gpu} blocks of A's prefix: {cand:#}");
     assert_eq!(r.endpoint(), engine, "{x:#}");
     assert_eq!(first.await.unwrap(), 200);
-    a.shutdown().await;
-    b.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replicas_learn_the_step_costs_from_each_others_prefill() {
-    // The engine of `the_fleets_step_costs_are_learnt_from_its_streams`
-    // (routing.rs), far from the built-in profile, behind two replicas
-    // that share the streams: a stream's steps hold the prefill of
-    // prompts the other replica sent, which it learns from its peer's
-    // reports.
-    let sims = step_truth_engine().await;
-    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
-    let (a_admin, b_admin) = (free_addr(), free_addr());
-    let opts = WorkerSetOpts::default();
-    let common = ["--peer-interval", "100ms"];
-    let a = peered(&addrs, &opts, &a_admin, &b_admin, &common).await;
-    let b = peered(&addrs, &opts, &b_admin, &a_admin, &common).await;
-    wait_routable(&a, 1, true).await;
-    wait_routable(&b, 1, true).await;
-
-    // Waves of 2 to 7 concurrent streams, each with a new prompt: the
-    // first through A and the rest through B when the wave is even, the
-    // other way round when odd. The first is prefilled alone and decodes
-    // beside the others' prefill: every prompt prefilled in a replica's
-    // streams came through the other.
-    let mut n = 0;
-    for wave in 0..16usize {
-        let width = 2 + wave % 6;
-        let sends = (0..width).map(|i| {
-            n += 1;
-            let body = serde_json::json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
-                "max_tokens": 24, "stream": true});
-            let via = if (i == 0) == (wave % 2 == 0) { &a } else { &b };
-            let api = via.api();
-            async move { stream_timed(api, "/v1/completions", &body, &[]).await }
-        });
-        for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
-            assert_eq!(reply.status, 200);
-        }
-    }
-    for (name, r) in [("A", &a), ("B", &b)] {
-        let steps = eventually(Duration::from_secs(5), "step costs learnt", || async {
-            let s = endpoints(r).await["endpoints"][0]["calibration"]["steps"].clone();
-            (s["samples"].as_u64() >= Some(30)).then_some(s)
-        })
-        .await;
-        assert_learnt_step_truth(&format!("replica {name}"), &steps);
-    }
     a.shutdown().await;
     b.shutdown().await;
 }

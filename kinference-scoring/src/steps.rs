@@ -45,9 +45,9 @@
 //! when the client asked for it, else by its chunks, and then looks slower
 //! per step (the profile's `learnStepCosts: false` turns the fit off).
 //! With router replicas, each counts the sequences its peers report
-//! decoding and the prompt tokens they report prefilled; their reports
-//! come up to a poll late, so a peer's prompt whose first token came in a
-//! stream's first 40 ms is not counted in it, and a replica sees only its
+//! decoding and the prompt tokens they report prefilled, dated by the
+//! first tokens' ages in their reports (the router's
+//! `endpoint::StepWindow`); a replica sees only its
 //! own streams: half as many samples with two (on the benchmark's agent
 //! rows, 58 per replica, the decode cost is not pinned down: 0.02 and
 //! 1.35 ms against the engines' 0.65, 2026-12-04 at `de4b793`).

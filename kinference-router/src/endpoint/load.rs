@@ -38,6 +38,9 @@ pub struct Load {
     /// announced; a peer's report sends the counts marked at or after the
     /// version its asker has ([`crate::peers::report`]).
     pub prefilled_version: AtomicU64,
+    /// The recent first tokens behind `prefilled`, with their times, for
+    /// the peers' reports (kept only while this replica has peers).
+    pub first_tokens: super::FirstTokens,
 }
 
 /// First tokens close enough in time to come from one engine step: the
@@ -115,6 +118,11 @@ pub struct PeerLoad {
     /// Whether a fresh peer does not report what it prefilled (an older
     /// version).
     pub prefilled_unknown: AtomicBool,
+    /// The peers' first tokens here, on this replica's clock.
+    pub first_tokens: super::PeerFirstTokens,
+    /// Whether a fresh peer does not report when its first tokens came
+    /// (an older version).
+    pub times_unknown: AtomicBool,
 }
 
 impl PeerLoad {
@@ -132,6 +140,11 @@ impl PeerLoad {
     /// Whether every fresh peer reports what it prefilled.
     pub fn prefilled_known(&self, known: bool) {
         self.prefilled_unknown.store(!known, Ordering::Relaxed);
+    }
+
+    /// Whether every fresh peer reports when its first tokens came.
+    pub fn times_known(&self, known: bool) {
+        self.times_unknown.store(!known, Ordering::Relaxed);
     }
 
     /// Reads the figures.
@@ -488,8 +501,11 @@ impl InFlight {
             let t = clock_micros(Instant::now());
             let mut bursts = l.bursts.lock();
             let before = l.prefilled.fetch_add(self.prefill_tokens, Ordering::SeqCst);
-            l.prefilled_version
-                .fetch_max(crate::peers::version() + 1, Ordering::SeqCst);
+            let mark = crate::peers::version() + 1;
+            l.prefilled_version.fetch_max(mark, Ordering::SeqCst);
+            if crate::peers::sharing() {
+                l.first_tokens.push(mark, t, before + self.prefill_tokens);
+            }
             let burst = bursts.first_token(t, before);
             drop(bursts);
             l.decoding.fetch_add(1, Ordering::Relaxed);
@@ -514,17 +530,10 @@ impl InFlight {
     }
 
     /// The engine's steps since the first token, now that `tokens` more
-    /// have come ([`kinference_scoring::steps`]): the time, the sequences
-    /// decoding there on average over its chunks (this router's and, as
-    /// they reported them, its peers'), and the prompt tokens prefilled
-    /// there meanwhile.
-    /// The peers' prefill is what they report prefilled meanwhile, from
-    /// `PEER_LAG` (40 ms) after the first token (their reports come up to a poll
-    /// late, at both ends alike); a shorter stream, or a peer too old to
-    /// report it, leaves this router's count scaled by the routers'
-    /// requests there over its own.
-    /// `None` before the first token.
-    pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
+    /// have come ([`kinference_scoring::steps`]), to be read once the
+    /// peers have had time to report the window's end
+    /// ([`StepWindow::settle`]). `None` before the first token.
+    pub fn step_window(&self, tokens: u32) -> Option<StepWindow> {
         let mark = self.decode_mark?;
         let t = clock_micros(Instant::now());
         let elapsed = t.checked_sub(mark.at).filter(|&e| e > 0)?;
@@ -534,24 +543,80 @@ impl InFlight {
         } else {
             mark.decoding_sum as f64 / f64::from(mark.reads)
         };
-        let prefilled = l
+        let own = l
             .prefilled
             .load(Ordering::Relaxed)
             .saturating_sub(mark.prefilled) as f64;
-        let prefill_tokens =
-            if let (Some(then), Some(now)) = (mark.peers_prefilled, l.peers.prefilled()) {
-                prefilled + now.saturating_sub(then) as f64
-            } else {
-                let own = f64::from(l.requests.load(Ordering::Relaxed).max(1));
-                let peers = f64::from(l.peers.requests.load(Ordering::Relaxed));
-                prefilled * (own + peers) / own
-            };
-        Some(kinference_scoring::StepSample {
-            tokens,
-            millis: elapsed as f64 / 1e3,
-            decoding: decoding.max(1.0),
-            prefill_tokens,
+        let untimed = if let (Some(then), Some(now)) = (mark.peers_prefilled, l.peers.prefilled()) {
+            own + now.saturating_sub(then) as f64
+        } else {
+            let mine = f64::from(l.requests.load(Ordering::Relaxed).max(1));
+            let peers = f64::from(l.peers.requests.load(Ordering::Relaxed));
+            own * (mine + peers) / mine
+        };
+        Some(StepWindow {
+            endpoint: self.endpoint.clone(),
+            from: mark.at,
+            to: t,
+            sample: kinference_scoring::StepSample {
+                tokens,
+                millis: elapsed as f64 / 1e3,
+                decoding: decoding.max(1.0),
+                prefill_tokens: own,
+            },
+            untimed,
         })
+    }
+
+    /// [`InFlight::step_window`] read at once.
+    pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
+        self.step_window(tokens).map(|w| w.sample())
+    }
+}
+
+/// A finished stream's engine steps: the time, the sequences decoding
+/// there on average over its chunks (this router's and, as they reported
+/// them, its peers'), and the prompt tokens prefilled there meanwhile.
+///
+/// The peers' prefill is what they report of first tokens that came
+/// between this stream's first token (and its engine step, [`SAME_STEP`])
+/// and its last, dated by the age the reports give them: exact however
+/// late a report comes, once it has come ([`StepWindow::settle`]). A peer
+/// too old to date them leaves what they reported between a chunk
+/// `PEER_LAG` (40 ms) after the first token and the last (their reports
+/// come up to a poll late, at both ends alike); one that does not report
+/// its prefill at all leaves this router's count scaled by the routers'
+/// requests there over its own.
+#[derive(Debug)]
+pub struct StepWindow {
+    endpoint: Arc<Endpoint>,
+    /// [`clock_micros`] at the first token and at the last.
+    from: i64,
+    to: i64,
+    /// The sample with this router's own prefill.
+    sample: kinference_scoring::StepSample,
+    /// The prefill counted without the peers' times.
+    untimed: f64,
+}
+
+impl StepWindow {
+    /// How long to wait before [`StepWindow::sample`] for the peers'
+    /// reports of first tokens up to the last to arrive; `None` without
+    /// peers.
+    pub fn settle(&self) -> Option<Duration> {
+        crate::peers::sharing().then(|| Duration::from_micros(PEER_LAG.unsigned_abs()))
+    }
+
+    /// The steps, with what the peers reported so far.
+    pub fn sample(&self) -> kinference_scoring::StepSample {
+        let p = &self.endpoint.load.peers;
+        let timed = (!p.times_unknown.load(Ordering::Relaxed))
+            .then(|| p.first_tokens.after_step(self.from, self.to, SAME_STEP))
+            .flatten();
+        kinference_scoring::StepSample {
+            prefill_tokens: timed.map_or(self.untimed, |n| self.sample.prefill_tokens + n as f64),
+            ..self.sample
+        }
     }
 }
 
@@ -620,6 +685,8 @@ mod tests {
     #[test]
     fn step_samples_count_what_the_peers_prefilled_meanwhile() {
         let e = one_endpoint();
+        // Peers that do not date their first tokens.
+        e.load.peers.times_known(false);
         let mut a = e.begin(300, 300);
         a.first_token();
         a.first_token();
@@ -649,6 +716,36 @@ mod tests {
         }));
         let s = a.step_sample(3).unwrap();
         assert!((s.prefill_tokens - 400.0).abs() < 1e-9, "{s:?}");
+    }
+
+    #[test]
+    fn step_samples_count_the_peers_first_tokens_dated_inside_the_window() {
+        let e = one_endpoint();
+        let mut a = e.begin(300, 300);
+        a.first_token();
+        let from = a.decode_mark.unwrap().at;
+        // A peer's first tokens in A's engine step (reported late: they
+        // are placed by their age, not by when the report came), and one
+        // before A's first token.
+        e.load.peers.first_tokens.add(from + 500, 1000);
+        e.load.peers.first_tokens.add(from - 5_000, 4000);
+        std::thread::sleep(Duration::from_millis(3));
+        // Then one of the peer's 600 tokens, and one of this router's 200.
+        e.load
+            .peers
+            .first_tokens
+            .add(from + 500 + SAME_STEP + 100, 600);
+        let mut b = e.begin(200, 200);
+        std::thread::sleep(Duration::from_millis(3));
+        b.first_token();
+        a.first_token();
+        let window = a.step_window(3).unwrap();
+        // Reported after the stream's end, of a first token before it.
+        e.load.peers.first_tokens.add(window.to - 100, 50);
+        e.load.peers.first_tokens.add(window.to + 5_000, 70);
+        let sample = window.sample();
+        assert!((sample.prefill_tokens - 850.0).abs() < 1e-9, "{sample:?}");
+        assert_eq!(sample.tokens, 3);
     }
 
     #[test]

@@ -24,6 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 mod health;
 mod load;
+mod timeline;
 
 use health::Health;
 pub use health::{
@@ -31,8 +32,10 @@ pub use health::{
     PROBE_TIMEOUTS_TO_EJECT,
 };
 pub use load::{
-    Bursts, InFlight, Load, LoadSnapshot, Mark, PeerLoad, WAITING_SLOTS, Waiting, clock_micros,
+    Bursts, InFlight, Load, LoadSnapshot, Mark, PeerLoad, StepWindow, WAITING_SLOTS, Waiting,
+    clock_micros,
 };
+pub use timeline::{FirstTokens, MAX_SENT as MAX_REPORTED_FIRST_TOKENS, PeerFirstTokens};
 
 /// A compact endpoint id, stable while the endpoint exists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]

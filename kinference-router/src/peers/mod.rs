@@ -50,7 +50,9 @@ use tokio::time::Instant;
 mod poll;
 mod report;
 
-pub use poll::{PeerList, PeerState, PeerStatus, PrefilledSeen, Settings, Source, spawn};
+pub use poll::{
+    Increases, PeerList, PeerState, PeerStatus, PrefilledSeen, Settings, Source, spawn,
+};
 pub use report::{PeerRecord, Report, SentRecords, checkpoints, parse, report, sum};
 
 /// The admin path of a replica's own load.
@@ -102,6 +104,11 @@ fn bump_version() -> u64 {
         CHANGED.notify_waiters();
     }
     v
+}
+
+/// Whether this process has peers to report to.
+pub fn sharing() -> bool {
+    SHARING.load(Ordering::Relaxed)
 }
 
 /// The current load version.

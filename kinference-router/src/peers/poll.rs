@@ -14,6 +14,7 @@ use parking_lot::RwLock;
 use serde::Serialize;
 use tokio::time::Instant;
 
+use crate::endpoint::clock_micros;
 use crate::state::Shared;
 
 use super::report::apply;
@@ -86,40 +87,76 @@ impl PeerList {
 /// A peer's prefilled counts as last reported, to turn its reports into
 /// increases: a peer that starts reporting, comes back after going stale,
 /// or is found later adds only what it prefills from then on, never its
-/// whole history.
+/// whole history. Likewise its dated first tokens, each taken once
+/// (a report may repeat the last one of the report before).
 #[derive(Debug, Default)]
 pub struct PrefilledSeen {
     /// The peer process the counts are from ([`Report::replica`]).
     replica: String,
     /// Per engine.
     counts: HashMap<String, u64>,
+    /// Per engine, the count after the latest first token taken.
+    dated: HashMap<String, u64>,
+}
+
+/// What a report adds to the peers' prefill.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Increases<'a> {
+    /// Per engine, the count's increase.
+    pub counts: Vec<(&'a str, u64)>,
+    /// Per engine, first tokens new to this replica: `(age in
+    /// microseconds, tokens prefilled)`.
+    pub dated: Vec<(&'a str, u64, u64)>,
 }
 
 impl PrefilledSeen {
-    /// Takes in `r`'s counts; the increases per engine since the last. The
-    /// first report of a replica (always complete: asked without a
-    /// version) sets where it starts; an engine new in a later report
-    /// starts from zero; a count that went down starts again there.
-    pub fn update<'a>(&mut self, r: &'a Report) -> Vec<(&'a str, u64)> {
+    /// Takes in `r`'s counts and dated first tokens; the increases since
+    /// the last. The first report of a replica (always complete: asked
+    /// without a version) sets where it starts; an engine new in a later
+    /// report starts from zero; a count that went down starts again there.
+    pub fn update<'a>(&mut self, r: &'a Report) -> Increases<'a> {
         let Some(now) = &r.prefilled else {
-            return Vec::new();
+            return Increases::default();
         };
         let first = self.replica != r.replica;
         if first {
             self.replica.clone_from(&r.replica);
             self.counts.clear();
+            self.dated.clear();
         }
-        let mut out = Vec::new();
+        let mut out = Increases::default();
         for (engine, &count) in now {
             let last = self.counts.insert(engine.clone(), count);
             let from = match last {
                 Some(l) if l <= count => l,
-                Some(_) => count,
-                None if first => count,
+                Some(_) => {
+                    // Started again: so did its first tokens.
+                    self.dated.insert(engine.clone(), 0);
+                    count
+                }
+                None if first => {
+                    self.dated.insert(engine.clone(), count);
+                    count
+                }
                 None => 0,
             };
             if count > from {
-                out.push((engine.as_str(), count - from));
+                out.counts.push((engine.as_str(), count - from));
+            }
+        }
+        for (engine, times) in r.first_tokens.iter().flatten() {
+            let mut sorted: Vec<[u64; 2]> = times.clone();
+            sorted.sort_unstable_by_key(|&[_, cum]| cum);
+            let taken = self.dated.entry(engine.clone()).or_insert(0);
+            if first {
+                *taken = (*taken).max(sorted.last().map_or(0, |&[_, cum]| cum));
+                continue;
+            }
+            for [age, cum] in sorted {
+                if cum > *taken {
+                    out.dated.push((engine.as_str(), age, cum - *taken));
+                    *taken = cum;
+                }
             }
         }
         out
@@ -391,7 +428,8 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 }
                 Ok((mut r, version)) => {
                     apply(&shared, &std::mem::take(&mut r.records));
-                    add_prefilled(&shared, &k.prefilled.update(&r));
+                    let received = clock_micros(Instant::now());
+                    add_prefilled(&shared, &k.prefilled.update(&r), received);
                     k.report = Some((r, Instant::now()));
                     k.error = None;
                     after = version;
@@ -423,16 +461,22 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
     }
 }
 
-/// Counts a peer's prefill increases on the endpoints they name.
-fn add_prefilled(shared: &Shared, increases: &[(&str, u64)]) {
-    if increases.is_empty() {
+/// Counts a peer's prefill increases on the endpoints they name, and
+/// dates its first tokens there on this replica's clock (`received`: when
+/// the report came).
+fn add_prefilled(shared: &Shared, inc: &Increases<'_>, received: i64) {
+    if inc.counts.is_empty() && inc.dated.is_empty() {
         return;
     }
     let view = shared.view();
     for ws in &view.worker_sets {
         for e in &ws.endpoints {
-            if let Some((_, n)) = increases.iter().find(|(a, _)| *a == e.authority) {
+            if let Some((_, n)) = inc.counts.iter().find(|(a, _)| *a == e.authority) {
                 e.load.peers.add_prefilled(*n);
+            }
+            for (_, age, n) in inc.dated.iter().filter(|(a, _, _)| *a == e.authority) {
+                let at = received.saturating_sub(i64::try_from(*age).unwrap_or(i64::MAX));
+                e.load.peers.first_tokens.add(at, *n);
             }
         }
     }
@@ -453,11 +497,13 @@ fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration)
         .collect();
     let sums = sum(fresh.iter().copied());
     let prefilled_known = fresh.iter().all(|r| r.prefilled.is_some());
+    let times_known = fresh.iter().all(|r| r.first_tokens.is_some());
     let view = shared.view();
     for ws in &view.worker_sets {
         for e in &ws.endpoints {
             e.load.peers.set(sums.get(&e.authority).copied());
             e.load.peers.prefilled_known(prefilled_known);
+            e.load.peers.times_known(times_known);
         }
     }
     *shared.runtime.peer_state.write() = PeerState {
@@ -487,26 +533,62 @@ mod tests {
         let mut seen = PrefilledSeen::default();
         // Its first report: where it starts, whatever it did before.
         let r = report("a", r#""prefilled":{"e:1":700,"f:1":5}"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).counts, vec![]);
         // Only moved engines are sent: e grew, g is new (from zero).
         let r = report("a", r#""prefilled":{"e:1":900,"g:1":40}"#);
-        let mut up = seen.update(&r);
+        let mut up = seen.update(&r).counts;
         up.sort_unstable();
         assert_eq!(up, vec![("e:1", 200), ("g:1", 40)]);
         // Sent twice (the version boundary): nothing more.
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).counts, vec![]);
         // Restarted under the same address: a new replica starts again.
         let r = report("b", r#""prefilled":{"e:1":50}"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).counts, vec![]);
         let r = report("b", r#""prefilled":{"e:1":80}"#);
-        assert_eq!(seen.update(&r), vec![("e:1", 30)]);
+        assert_eq!(seen.update(&r).counts, vec![("e:1", 30)]);
         // A count that went down starts again there.
         let r = report("b", r#""prefilled":{"e:1":10}"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).counts, vec![]);
         let r = report("b", r#""prefilled":{"e:1":15}"#);
-        assert_eq!(seen.update(&r), vec![("e:1", 5)]);
+        assert_eq!(seen.update(&r).counts, vec![("e:1", 5)]);
         // An older replica says nothing.
         let r = report("c", r#""records":[]"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).counts, vec![]);
+    }
+
+    #[test]
+    fn a_peers_dated_first_tokens_are_taken_once_from_its_first_report_on() {
+        let report = |replica: &str, body: &str| {
+            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
+        };
+        let mut seen = PrefilledSeen::default();
+        // Its first report: history, not dated here.
+        let r = report(
+            "a",
+            r#""prefilled":{"e:1":700},"first_tokens":{"e:1":[[9000,500],[4000,700]]}"#,
+        );
+        assert_eq!(seen.update(&r), Increases::default());
+        // Two new first tokens, listed out of order, and the last one of
+        // the report before again (the version boundary).
+        let r = report(
+            "a",
+            r#""prefilled":{"e:1":1000},"first_tokens":{"e:1":[[300,1000],[4500,700],[900,850]]}"#,
+        );
+        let up = seen.update(&r);
+        assert_eq!(up.counts, vec![("e:1", 300)]);
+        assert_eq!(up.dated, vec![("e:1", 900, 150), ("e:1", 300, 150)]);
+        assert_eq!(seen.update(&r).dated, vec![]);
+        // An engine first heard of after the first report starts at zero.
+        let r = report(
+            "a",
+            r#""prefilled":{"g:1":40},"first_tokens":{"g:1":[[100,40]]}"#,
+        );
+        assert_eq!(seen.update(&r).dated, vec![("g:1", 100, 40)]);
+        // Ages past an hour are taken as an hour.
+        let r = report(
+            "a",
+            r#""prefilled":{"g:1":50},"first_tokens":{"g:1":[[99999999999999,50]]}"#,
+        );
+        assert_eq!(seen.update(&r).dated, vec![("g:1", 3_600_000_000, 10)]);
     }
 }

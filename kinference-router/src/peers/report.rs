@@ -9,7 +9,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use crate::endpoint::LoadSnapshot;
+use crate::endpoint::{LoadSnapshot, MAX_REPORTED_FIRST_TOKENS};
 use crate::state::Shared;
 
 use super::{
@@ -116,6 +116,13 @@ pub struct Report {
     /// ([`crate::endpoint`], [`super::PrefilledSeen`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefilled: Option<HashMap<String, u64>>,
+    /// Per engine: the recent first tokens behind `prefilled` marked at or
+    /// after the asker's version, each `[age in microseconds, the count
+    /// after it]`, so that the asker dates them on its own clock however
+    /// late the report comes ([`crate::endpoint::StepWindow`]). Absent from
+    /// older replicas' reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_tokens: Option<HashMap<String, Vec<[u64; 2]>>>,
 }
 
 /// A prefix a replica sent an engine.
@@ -142,13 +149,21 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let mut engines = HashMap::new();
     let mut records = Vec::new();
     let mut prefilled = HashMap::new();
+    let mut first_tokens = HashMap::new();
+    let now = crate::endpoint::clock_micros(Instant::now());
     for ws in &view.worker_sets {
         ws.runtime.sent.since(after, &mut records);
         for e in &ws.endpoints {
+            // The times first: a first token that comes between the two
+            // reads is counted now and dated in the next report.
+            let times = e.load.first_tokens.since(after, now);
             let moved = e.load.prefilled_version.load(Ordering::SeqCst);
             let p = e.load.prefilled.load(Ordering::SeqCst);
             if p > 0 && after.is_none_or(|a| moved >= a) {
                 prefilled.insert(e.authority.clone(), p);
+            }
+            if !times.is_empty() {
+                first_tokens.insert(e.authority.clone(), times);
             }
             let l = e.load.own();
             if l.requests == 0 && l.prefilling == 0 {
@@ -171,6 +186,7 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
         engines,
         records,
         prefilled: Some(prefilled),
+        first_tokens: Some(first_tokens),
     }
 }
 
@@ -194,6 +210,9 @@ pub(super) fn apply(shared: &Shared, records: &[PeerRecord]) {
     }
 }
 
+/// The oldest a reported first token is taken to be (an hour).
+const MAX_FIRST_TOKEN_AGE_MICROS: u64 = 3_600_000_000;
+
 /// Parses and bounds a peer's report; `None` for anything malformed.
 pub fn parse(body: &[u8]) -> Option<Report> {
     let mut r: Report = serde_json::from_slice(body).ok()?;
@@ -203,6 +222,14 @@ pub fn parse(body: &[u8]) -> Option<Report> {
         .retain(|x| x.age_ms <= horizon && !x.keys.is_empty());
     for x in &mut r.records {
         x.keys.truncate(MAX_RECORD_KEYS);
+    }
+    if let Some(times) = &mut r.first_tokens {
+        for v in times.values_mut() {
+            v.truncate(MAX_REPORTED_FIRST_TOKENS);
+            for [age, _] in v.iter_mut() {
+                *age = (*age).min(MAX_FIRST_TOKEN_AGE_MICROS);
+            }
+        }
     }
     for v in r.engines.values_mut() {
         for (i, x) in v.iter_mut().enumerate() {

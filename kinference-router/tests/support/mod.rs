@@ -60,6 +60,19 @@ pub fn assert_learnt_step_truth(who: &str, steps: &Value) {
     assert_eq!(steps["in_use"], true, "{who}: {steps}");
 }
 
+/// A router on `addrs` with its admin port at `admin`, asking `peers`
+/// (comma-separated) for their load, with `extra` flags.
+pub async fn peered(
+    addrs: &[EngineAddr],
+    opts: &WorkerSetOpts,
+    admin: &str,
+    peers: &str,
+    extra: &[&str],
+) -> Router {
+    let flags = [&["--admin-addr", admin, "--peers", peers][..], extra].concat();
+    router(addrs, opts, &flags).await
+}
+
 pub async fn engines(n: usize, tweak: impl Fn(&mut SimConfig)) -> Vec<SimHandle> {
     let mut out = Vec::new();
     for i in 0..n {
