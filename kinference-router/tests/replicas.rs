@@ -899,3 +899,53 @@ async fn a_peers_new_prefix_is_found_before_the_engines_events() {
     a.shutdown().await;
     b.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_calibrates_on_its_peers_first_tokens_and_streams() {
+    // An engine 5× slower than the profile says. Only A sends it work;
+    // B learns how slow it is from what A saw, as if it had sent the
+    // requests itself. A replica without peers learns nothing.
+    let sims = engines(1, |c| c.faults.slowdown = 5.0).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let (a_admin, b_admin) = (free_addr(), free_addr());
+    let opts = WorkerSetOpts::default();
+    let common = ["--peer-interval", "100ms"];
+    let a = peered(&addrs, &opts, &a_admin, &b_admin, &common).await;
+    let b = peered(&addrs, &opts, &b_admin, &a_admin, &common).await;
+    let blind = router(&addrs, &opts, &[]).await;
+    for r in [&a, &b, &blind] {
+        wait_routable(r, 1, true).await;
+    }
+    let calibration = |e: Value| e["endpoints"][0]["calibration"].clone();
+    for n in 0..8 {
+        let body = serde_json::json!({"model": MODEL, "prompt": words(1000 * n, 200),
+            "max_tokens": 8, "stream": true});
+        let reply = stream_timed(a.api(), "/v1/completions", &body, &[]).await;
+        assert_eq!(reply.status, 200);
+    }
+    let at_a = calibration(endpoints(&a).await);
+    assert_eq!(at_a["samples"], 8, "{at_a:#}");
+    let at_b = eventually(
+        Duration::from_secs(3),
+        "B learns A's first tokens",
+        || async {
+            let c = calibration(endpoints(&b).await);
+            (c["samples"] == 8 && c["steps"]["samples"] == 8).then_some(c)
+        },
+    )
+    .await;
+    eprintln!("FIGURE calibration from the peer's first tokens: A {at_a} B {at_b}");
+    // The same first tokens, the same lesson (B heard them up to a poll
+    // later: its offset decays from a slightly different time).
+    let (sa, sb) = (
+        at_a["scale"].as_f64().unwrap(),
+        at_b["scale"].as_f64().unwrap(),
+    );
+    assert!(sa > 1.5, "A learnt the engine is slower: {at_a:#}");
+    assert!((sb / sa - 1.0).abs() < 0.1, "A {at_a:#} B {at_b:#}");
+    let alone = calibration(endpoints(&blind).await);
+    assert_eq!(alone["samples"], 0, "{alone:#}");
+    a.shutdown().await;
+    b.shutdown().await;
+    blind.shutdown().await;
+}
