@@ -175,7 +175,7 @@ async fn load(shared: &Shared, req: &Request<Incoming>) -> Response<Full<Bytes>>
         let mut r = text(
             StatusCode::OK,
             "application/json",
-            serde_json::to_vec(&crate::peers::report(shared, after, version)).unwrap_or_default(),
+            serde_json::to_vec(&crate::peers::report(shared, after)).unwrap_or_default(),
         );
         r.headers_mut()
             .insert(crate::peers::VERSION_HEADER, HeaderValue::from(version));

@@ -14,7 +14,6 @@ use std::time::Duration;
 use kinference_scoring::{Choice, Pick as _};
 
 use crate::metrics::{ModelLabels, WorkerSetLabels};
-use crate::peers::Seen;
 use crate::proxy::{OnFirstByte, OnStreamEnd};
 use crate::runtime::WsRuntime;
 use crate::state::Shared;
@@ -24,11 +23,9 @@ pub fn on_first_token(
     shared: &Arc<Shared>,
     runtime: &Arc<WsRuntime>,
     choice: &Choice,
-    authority: &str,
     labels: ModelLabels,
 ) -> OnFirstByte {
     let (shared, runtime) = (shared.clone(), runtime.clone());
-    let authority = authority.to_owned();
     let (endpoint, prediction) = (choice.endpoint, choice.prediction);
     Box::new(move |ttft: Duration| {
         let m = &shared.metrics;
@@ -45,24 +42,14 @@ pub fn on_first_token(
             .policy
             .lock()
             .observe(endpoint, &prediction, ttft, now);
-        runtime.seen.push(
-            &authority,
-            Seen::FirstToken([
-                prediction.load_ms,
-                prediction.queue_ms,
-                ttft.as_secs_f64() * 1e3,
-            ]),
-        );
     })
 }
 
 /// The hook a streamed response runs at its end.
-pub fn on_stream_end(runtime: &Arc<WsRuntime>, choice: &Choice, authority: &str) -> OnStreamEnd {
+pub fn on_stream_end(runtime: &Arc<WsRuntime>, choice: &Choice) -> OnStreamEnd {
     let runtime = runtime.clone();
-    let authority = authority.to_owned();
     let endpoint = choice.endpoint;
     Box::new(move |sample| {
         runtime.policy.lock().observe_steps(endpoint, &sample);
-        runtime.seen.push(&authority, Seen::Steps(sample));
     })
 }

@@ -65,8 +65,6 @@ pub struct WsRuntime {
     pub peer_prefixes: RwLock<PrefixRecord>,
     /// The prefixes this router sent, kept for its peers.
     pub sent: crate::peers::SentRecords,
-    /// What this router saw of its engines' speed, kept for its peers.
-    pub seen: crate::peers::SeenRecords,
     /// The local tokenizer, once loaded.
     pub tokenizer: RwLock<Option<Arc<ModelTokenizer>>>,
     /// The local tokenizer's state.
@@ -101,7 +99,6 @@ impl WsRuntime {
                 crate::peers::MAX_RECORDS * 64,
             )),
             sent: crate::peers::SentRecords::default(),
-            seen: crate::peers::SeenRecords::default(),
             tokenizer: RwLock::new(None),
             tokenizer_state: RwLock::new(TokenizerState::NotLocal),
             memo: RouteMemo::new(crate::config::defaults::ROUTE_MEMO_BYTES),

@@ -826,18 +826,10 @@ async fn route(
         let on_first = (prepared.stream && resp.status().is_success())
             .then(|| x.model_labels().cloned())
             .flatten()
-            .map(|labels| {
-                feedback::on_first_token(
-                    shared,
-                    &ws.runtime,
-                    &d.choice,
-                    &d.endpoint.authority,
-                    labels,
-                )
-            });
+            .map(|labels| feedback::on_first_token(shared, &ws.runtime, &d.choice, labels));
         let on_end = on_first
             .is_some()
-            .then(|| feedback::on_stream_end(&ws.runtime, &d.choice, &d.endpoint.authority));
+            .then(|| feedback::on_stream_end(&ws.runtime, &d.choice));
         let (mut rparts, rbody) = resp.into_parts();
         proxy::strip_hop_by_hop(&mut rparts.headers);
         if let Some(v) = &d.endpoint.authority_header {

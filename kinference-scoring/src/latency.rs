@@ -67,7 +67,7 @@ use crate::input::{AdapterSlot, CacheSource, CachedBlocks, Candidate, KvRoom, Re
 use crate::profile::{LatencyParams, TierCredits};
 
 /// One candidate's predicted time to first token, with its terms.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
     /// Calibrated prediction, milliseconds: `offset_ms + scale × load_ms`,
     /// at least the age of the oldest request still waiting there, plus a

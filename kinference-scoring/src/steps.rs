@@ -47,11 +47,10 @@
 //! With router replicas, each counts the sequences its peers report
 //! decoding and the prompt tokens they report prefilled, dated by the
 //! first tokens' ages in their reports (the router's
-//! `endpoint::StepWindow`), and learns from its peers' streams as from
-//! its own (their reports carry each finished stream's sample): before
-//! that, with half the samples each, two replicas on the benchmark's
-//! agent rows did not pin the decode cost down (0.02 and 1.35 ms against
-//! the engines' 0.65, 2026-12-04 at `de4b793`).
+//! `endpoint::StepWindow`); a replica sees only its
+//! own streams: half as many samples with two (on the benchmark's agent
+//! rows, 58 per replica, the decode cost is not pinned down: 0.02 and
+//! 1.35 ms against the engines' 0.65, 2026-12-04 at `de4b793`).
 //! First tokens of one engine step are told apart from the next step's
 //! by arriving within 2 ms of each other: an engine whose step takes less,
 //! or whose server spreads one step's chunks over more (many streams on

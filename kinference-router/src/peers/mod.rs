@@ -53,9 +53,7 @@ mod report;
 pub use poll::{
     Increases, PeerList, PeerState, PeerStatus, PrefilledSeen, Settings, Source, spawn,
 };
-pub use report::{
-    PeerRecord, PeerSeen, Report, Seen, SeenRecords, SentRecords, checkpoints, parse, report, sum,
-};
+pub use report::{PeerRecord, Report, SentRecords, checkpoints, parse, report, sum};
 
 /// The admin path of a replica's own load.
 pub const LOAD_PATH: &str = "/peer/load";

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::endpoint::clock_micros;
 use crate::state::Shared;
 
-use super::report::{apply, learn};
+use super::report::apply;
 use super::{
     LOAD_PATH, MAX_REPORT_BYTES, MAX_WAIT, MIN_GAP, Report, SHARING, Traffic, VERSION_HEADER,
     parse, request_bytes, response_bytes, sum,
@@ -428,7 +428,6 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 }
                 Ok((mut r, version)) => {
                     apply(&shared, &std::mem::take(&mut r.records));
-                    learn(&shared, &std::mem::take(&mut r.seen));
                     let received = clock_micros(Instant::now());
                     add_prefilled(&shared, &k.prefilled.update(&r), received);
                     k.report = Some((r, Instant::now()));
