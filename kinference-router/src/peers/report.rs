@@ -14,7 +14,6 @@ use crate::state::Shared;
 
 use super::{
     MAX_RECORD_KEYS, MAX_RECORDS, MAX_REQUESTS, MAX_TOKENS, RECORD_HORIZON, RECORD_STRIDE, SHARING,
-    bump_version,
 };
 
 /// The keys a record carries: every [`RECORD_STRIDE`]th of `keys` (the
@@ -46,7 +45,9 @@ pub struct SentRecords {
 
 impl SentRecords {
     /// Keeps `keys` (a prompt's block keys, sent to `engine`) for the
-    /// peers, and wakes their long polls.
+    /// peers' next report: the one the request's own start
+    /// ([`crate::endpoint::Endpoint::begin`], right after) wakes their
+    /// long polls for.
     pub fn push(&self, engine: &str, keys: &[u64]) {
         if !SHARING.load(Ordering::Relaxed) || keys.len() < RECORD_STRIDE {
             return;
@@ -62,10 +63,16 @@ impl SentRecords {
             {
                 sent.pop_front();
             }
-            // Stamped inside the lock: a report reading the version and
-            // then the records sees every record up to that version.
+            // Marked inside the lock with the version the next load change
+            // makes, not a change of its own: the request's start makes it
+            // at once, and the record rides the report that carries the
+            // new load instead of waking the peers for one more (each
+            // wake is a report per peer). A report that collects the
+            // records after this went to an asker below the mark (its
+            // version was read before, so before the mark was taken): none
+            // is lost; one collected as the version moves may go twice.
             sent.push_back(Sent {
-                version: bump_version(),
+                version: super::version() + 1,
                 at: now,
                 engine: engine.to_owned(),
                 keys,
@@ -342,10 +349,13 @@ mod tests {
         let sent = SentRecords::default();
         let before = version();
         let keys: Vec<u64> = (1..=16).collect();
+        // Each pushed as its request starts (which moves the version).
         sent.push("e:1", &keys);
+        crate::peers::load_changed();
         sent.push("e:2", &keys[..4]); // shorter than a stride: nothing to send
         let mid = version();
         sent.push("e:3", &keys);
+        crate::peers::load_changed();
         let mut out = Vec::new();
         sent.since(Some(before), &mut out);
         let engines: Vec<&str> = out.iter().map(|r| r.engine.as_str()).collect();
