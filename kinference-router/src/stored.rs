@@ -185,16 +185,12 @@ pub async fn holder(
 /// response's `id` first, and a stream's first event, `response.created`,
 /// carries the response with it). `None` when the bytes do not show it.
 pub fn response_id(data: &[u8]) -> Option<&str> {
-    let key = memchr_find(data, br#""id""#)?;
+    let key = memchr::memmem::find(data, br#""id""#)?;
     let rest = data[key + 4..].trim_ascii_start().strip_prefix(b":")?;
     let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
     let end = rest.iter().position(|b| *b == b'"')?;
     let id = std::str::from_utf8(&rest[..end]).ok()?;
     id.starts_with("resp").then_some(id)
-}
-
-fn memchr_find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
 }
 
 #[cfg(test)]

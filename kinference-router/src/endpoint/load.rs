@@ -567,11 +567,6 @@ impl InFlight {
             untimed,
         })
     }
-
-    /// [`InFlight::step_window`] read at once.
-    pub fn step_sample(&self, tokens: u32) -> Option<kinference_scoring::StepSample> {
-        self.step_window(tokens).map(|w| w.sample())
-    }
 }
 
 /// A finished stream's engine steps: the time, the sequences decoding
@@ -702,7 +697,7 @@ mod tests {
         b.first_token();
         e.load.peers.add_prefilled(600);
         a.first_token();
-        let s = a.step_sample(3).unwrap();
+        let s = a.step_window(3).unwrap().sample();
         assert!((s.prefill_tokens - 800.0).abs() < 1e-9, "{s:?}");
         assert_eq!(s.tokens, 3);
         // One decoding at the first two reads, two at the third.
@@ -714,7 +709,7 @@ mod tests {
             requests: 2,
             ..LoadSnapshot::default()
         }));
-        let s = a.step_sample(3).unwrap();
+        let s = a.step_window(3).unwrap().sample();
         assert!((s.prefill_tokens - 400.0).abs() < 1e-9, "{s:?}");
     }
 

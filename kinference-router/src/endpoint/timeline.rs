@@ -35,12 +35,14 @@ impl FirstTokens {
     }
 
     /// The first tokens marked at or after `after` (all kept, with
-    /// `None`): `[age in microseconds at now, cumulative prefilled]`.
+    /// `None`): `[age in microseconds at now, cumulative prefilled]`. The
+    /// marks only grow (pushed under the endpoint's burst lock, read from
+    /// the version, which only grows), so a report skips to the new ones
+    /// instead of reading every one kept.
     pub fn since(&self, after: Option<u64>, now: i64) -> Vec<[u64; 2]> {
-        self.recent
-            .lock()
-            .iter()
-            .filter(|(mark, _, _)| after.is_none_or(|a| *mark >= a))
+        let r = self.recent.lock();
+        let start = after.map_or(0, |a| r.partition_point(|&(mark, _, _)| mark < a));
+        r.range(start..)
             .map(|&(_, at, cum)| [u64::try_from(now - at).unwrap_or(0), cum])
             .collect()
     }
