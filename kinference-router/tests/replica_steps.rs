@@ -59,9 +59,8 @@ async fn replicas_learn_the_step_costs_from_each_others_prefill() {
         }
     }
     for (name, r) in [("A", &a), ("B", &b)] {
-        let steps = eventually(Duration::from_secs(5), "step costs learnt", || async {
-            let s = endpoints(r).await["endpoints"][0]["calibration"]["steps"].clone();
-            (s["samples"].as_u64() >= Some(45)).then_some(s)
+        let steps = step_costs_when(r, Duration::from_secs(5), "step costs learnt", |s| {
+            s["samples"].as_u64() >= Some(45)
         })
         .await;
         assert_learnt_step_truth(&format!("replica {name}"), &steps);

@@ -492,6 +492,51 @@ async fn a_replica_that_starts_finds_the_blocks_its_peer_knows() {
     b.shutdown().await;
 }
 
+/// A replica that starts (a rollout, a scale-out) predicts with the
+/// engines' step costs its peer learnt from its streams, before a stream
+/// of its own has ended: with the built-in profile against engines far
+/// from it, the first seconds would otherwise be routed on the profile's
+/// costs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_starts_takes_the_step_costs_its_peer_learnt() {
+    let sims = step_truth_engine().await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let opts = WorkerSetOpts::default();
+    let a_admin = free_addr();
+    let a = router(&addrs, &opts, &["--admin-addr", &a_admin]).await;
+    wait_routable(&a, 1, true).await;
+    teach_step_costs(&a).await;
+    let learnt = step_costs_when(&a, Duration::from_secs(5), "A's step costs in use", |s| {
+        s["in_use"] == true
+    })
+    .await;
+
+    // B starts with A as its peer and proxies nothing.
+    let b = router(&addrs, &opts, &["--peers", &a_admin]).await;
+    wait_routable(&b, 1, true).await;
+    let took = step_costs_when(&b, Duration::from_secs(10), "B takes A's step costs", |s| {
+        s["in_use"] == true
+    })
+    .await;
+    eprintln!("FIGURE step costs: A learnt {learnt}, B took {took}");
+    for field in ["prefill_ms_per_token", "decode_ms", "overhead_ms"] {
+        let (t, l) = (
+            took[field].as_f64().unwrap(),
+            learnt[field].as_f64().unwrap(),
+        );
+        assert!(
+            (t / l - 1.0).abs() < 0.05,
+            "{field}: B {took} against A {learnt}"
+        );
+    }
+    assert_eq!(
+        took["samples"], learnt["samples"],
+        "B has no stream of its own"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_waits_for_a_peer_snapshot_for_a_bounded_time() {
     let sims = engines(1, |_| {}).await;

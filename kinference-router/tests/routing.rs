@@ -576,25 +576,9 @@ async fn the_fleets_step_costs_are_learnt_from_its_streams() {
     assert_eq!(before["samples"], 0, "{before}");
     assert_eq!(before["in_use"], false, "{before}");
 
-    // Waves of 1 to 6 concurrent streams, each with a new prompt (its
-    // prefill shares steps with the others' decodes).
-    let mut n = 0;
-    for wave in 0..12usize {
-        let width = 1 + wave % 6;
-        let sends = (0..width).map(|i| {
-            n += 1;
-            let body = json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
-                "max_tokens": 24, "stream": true});
-            let api = r.api();
-            async move { stream_timed(api, "/v1/completions", &body, &[]).await }
-        });
-        for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
-            assert_eq!(reply.status, 200);
-        }
-    }
-    let steps = eventually(Duration::from_secs(5), "step costs learnt", || async {
-        let s = endpoints(&r).await["endpoints"][0]["calibration"]["steps"].clone();
-        (s["samples"].as_u64() >= Some(40)).then_some(s)
+    teach_step_costs(&r).await;
+    let steps = step_costs_when(&r, Duration::from_secs(5), "step costs learnt", |s| {
+        s["samples"].as_u64() >= Some(40)
     })
     .await;
     // Within a third: the batch is averaged per chunk (a long prefill

@@ -108,7 +108,11 @@ const SPREAD_WEIGHT: f64 = 0.05;
 
 /// The fitted step costs of a worker set's engines: `(step overhead,
 /// decode cost per sequence, prefill cost per token)` in milliseconds.
-#[derive(Debug, Clone, Copy, PartialEq)]
+///
+/// Serialised whole (its statistics, not only the costs) so that a router
+/// replica that starts can take a peer's ([`StepFit::adopt`]) and go on
+/// learning from it as from its own streams.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct StepFit {
     /// Σ w·φφᵀ over the streams (forgotten geometrically), `φ` the stream's
     /// features over its step time.
@@ -248,6 +252,51 @@ impl StepFit {
         }
     }
 
+    /// Takes `other`, another router's fit of the same engines (a peer
+    /// replica's), in place of this one when this one is not in use yet
+    /// and `other`, bounded by this profile, is: a replica that starts
+    /// does not learn again what its peers know. Its own streams then
+    /// update the statistics as they would their own, and forget the
+    /// peer's at the same rate as old streams. A fit with a value that is
+    /// not finite or a cost that is not positive is refused. Returns
+    /// whether it was taken.
+    pub fn adopt(&mut self, profile: &LatencyParams, other: &StepFit) -> bool {
+        if !(profile.calibrate && profile.learn_step_costs) || self.identified() {
+            return false;
+        }
+        if !(other.finite()
+            && other.cost.iter().all(|&c| c > 0.0)
+            && (0..3).all(|i| other.gram[i][i] >= 0.0))
+        {
+            return false;
+        }
+        let mut fit = StepFit {
+            spread: other.spread.clamp(MIN_SPREAD, INITIAL_SPREAD),
+            ..*other
+        };
+        let prior = Self::prior_costs(profile);
+        for (c, p) in fit.cost.iter_mut().zip(prior) {
+            *c = c.clamp(p * COST_BOUNDS.0, p * COST_BOUNDS.1);
+        }
+        fit.solve(profile);
+        if !fit.identified() {
+            return false;
+        }
+        *self = fit;
+        true
+    }
+
+    /// Whether every value is finite (what JSON can carry).
+    pub fn finite(&self) -> bool {
+        self.gram
+            .iter()
+            .flatten()
+            .chain(&self.moment)
+            .chain(&self.cost)
+            .chain(std::iter::once(&self.spread))
+            .all(|v| v.is_finite())
+    }
+
     /// Whether the prefill cost is pinned down well enough to take the
     /// others relative to it: its standard error, from the statistics and
     /// the spread of the errors, relative to it.
@@ -384,6 +433,68 @@ mod tests {
             "{costs:?}"
         );
         assert!((costs.decode_ms / 0.325 - 1.0).abs() < 0.2, "{costs:?}");
+    }
+
+    #[test]
+    fn a_starting_router_takes_a_peers_fit_and_goes_on_learning() {
+        let profile = LatencyParams::default();
+        let mut peer = StepFit::new(&profile);
+        feed(&mut peer, &profile, [5.0, 0.65, 0.86], 40, 1);
+        assert!(peer.costs(&profile).in_use);
+        // Through JSON, as replicas send it.
+        let sent: StepFit = serde_json::from_str(&serde_json::to_string(&peer).unwrap()).unwrap();
+
+        let mut fresh = StepFit::new(&profile);
+        assert!(fresh.adopt(&profile, &sent));
+        let (took, had) = (fresh.costs(&profile), peer.costs(&profile));
+        assert!(took.in_use, "{took:?}");
+        assert!(
+            (took.prefill_ms_per_token / had.prefill_ms_per_token - 1.0).abs() < 0.02,
+            "{took:?} against {had:?}"
+        );
+        assert_eq!(took.samples, had.samples);
+        // Its own streams move it from there (the engines got twice as fast).
+        feed(&mut fresh, &profile, [2.5, 0.325, 0.43], 300, 2);
+        let later = fresh.costs(&profile);
+        assert!(
+            (later.prefill_ms_per_token / 0.43 - 1.0).abs() < 0.15,
+            "{later:?}"
+        );
+
+        // A fit in use keeps its own; a peer's fit not in use, or garbage,
+        // is not taken.
+        let before = fresh;
+        assert!(!fresh.adopt(&profile, &peer));
+        assert_eq!(fresh, before);
+        let mut empty = StepFit::new(&profile);
+        assert!(!empty.adopt(&profile, &StepFit::new(&profile)));
+        for bad in [
+            StepFit {
+                cost: [5.0, f64::NAN, 0.86],
+                ..peer
+            },
+            StepFit {
+                cost: [5.0, 0.65, -1.0],
+                ..peer
+            },
+            StepFit {
+                spread: f64::INFINITY,
+                ..peer
+            },
+            StepFit {
+                gram: [[-1.0; 3]; 3],
+                ..peer
+            },
+        ] {
+            assert!(!empty.adopt(&profile, &bad), "{bad:?}");
+        }
+        assert_eq!(empty, StepFit::new(&profile));
+        // Not where the profile turns learning off.
+        let off = LatencyParams {
+            learn_step_costs: false,
+            ..profile
+        };
+        assert!(!StepFit::new(&off).adopt(&off, &peer));
     }
 
     #[test]

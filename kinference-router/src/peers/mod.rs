@@ -34,6 +34,11 @@
 //! prefix, so matching one matches every block before it): a peer's match
 //! is exact to within `RECORD_STRIDE` blocks, at an eighth of the bytes.
 //!
+//! The first answer to an asker (no version, or 0) also carries the step
+//! costs the replica learnt from its streams ([`Report::steps`]): a
+//! replica that starts into a warm fleet predicts with them at once
+//! instead of the profile's until its own streams pin them down.
+//!
 //! It degrades to a lone router, never to worse: a peer that does not
 //! answer within the interval, answers garbage, or whose last report is
 //! older than `--peer-staleness` (1 s) counts for nothing; every figure a

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 use crate::endpoint::clock_micros;
 use crate::state::Shared;
 
-use super::report::apply;
+use super::report::{adopt_steps, apply};
 use super::{
     LOAD_PATH, MAX_REPORT_BYTES, MAX_WAIT, MIN_GAP, Report, SHARING, Traffic, VERSION_HEADER,
     parse, request_bytes, response_bytes, sum,
@@ -186,7 +186,15 @@ struct Known {
     report: Option<(Report, Instant)>,
     error: Option<String>,
     prefilled: PrefilledSeen,
+    /// The step costs of its first report for worker sets this replica
+    /// does not list yet, and until when to keep trying them.
+    steps: HashMap<String, kinference_scoring::StepFit>,
+    steps_until: Option<Instant>,
 }
+
+/// How long a peer's step costs wait for the worker sets they name to be
+/// listed here (the pool's first listing, at start).
+const STEPS_HOLD: Duration = Duration::from_secs(30);
 
 /// Starts polling the peers, and (unless turned off) the bootstrap of the
 /// KV index from one of them ([`crate::snapshot::bootstrap`]).
@@ -419,6 +427,8 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 report: None,
                 error: None,
                 prefilled: PrefilledSeen::default(),
+                steps: HashMap::new(),
+                steps_until: None,
             });
             match result {
                 Ok((r, _)) if r.replica == shared.runtime.replica => {
@@ -428,6 +438,16 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 }
                 Ok((mut r, version)) => {
                     apply(&shared, &std::mem::take(&mut r.records));
+                    if !r.steps.is_empty() {
+                        k.steps = std::mem::take(&mut r.steps);
+                        k.steps_until = Some(Instant::now() + STEPS_HOLD);
+                    }
+                    if k.steps_until.is_some_and(|u| Instant::now() > u) {
+                        k.steps.clear();
+                    }
+                    if !k.steps.is_empty() {
+                        adopt_steps(&shared, &mut k.steps, &address);
+                    }
                     let received = clock_micros(Instant::now());
                     add_prefilled(&shared, &k.prefilled.update(&r), received);
                     k.report = Some((r, Instant::now()));

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use kinference_scoring::Pick as _;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -103,7 +104,7 @@ impl SentRecords {
 }
 
 /// One replica's load report.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Report {
     /// The replica (random per process): a replica that finds itself in
     /// its peer list ignores its own report.
@@ -130,6 +131,13 @@ pub struct Report {
     /// older replicas' reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_tokens: Option<HashMap<String, Vec<[u64; 2]>>>,
+    /// Per worker set (by name): the engines' step costs this replica has
+    /// learnt from its streams, once in use ([`kinference_scoring::StepFit`]);
+    /// only in the first answer to an asker (no version, or 0), so that a
+    /// replica that starts predicts with them at once ([`adopt_steps`]).
+    /// Absent from older replicas' reports.
+    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
+    pub steps: HashMap<String, kinference_scoring::StepFit>,
 }
 
 /// A prefix a replica sent an engine.
@@ -188,12 +196,49 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
             );
         }
     }
+    // What the streams taught, for an asker that starts: a few hundred
+    // bytes per worker set, once per asker.
+    let mut steps = HashMap::new();
+    if after.is_none_or(|a| a == 0) {
+        for ws in &view.worker_sets {
+            if let Some(fit) = ws.runtime.policy.lock().step_fit() {
+                steps.insert(ws.route.name.clone(), fit);
+            }
+        }
+    }
     Report {
         replica: shared.runtime.replica.clone(),
         engines,
         records,
         prefilled: Some(prefilled),
         first_tokens: Some(first_tokens),
+        steps,
+    }
+}
+
+/// Starts the worker sets a peer's report names from the step costs it
+/// learnt ([`Report::steps`]), where their own are not in use yet. Takes
+/// out of `steps` the worker sets this replica lists (taken or not), and
+/// leaves the others for a later try (the pool may not be listed yet).
+pub(super) fn adopt_steps(
+    shared: &Shared,
+    steps: &mut HashMap<String, kinference_scoring::StepFit>,
+    peer: &str,
+) {
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        let Some(fit) = steps.remove(&ws.route.name) else {
+            continue;
+        };
+        if ws.runtime.policy.lock().adopt_steps(&fit) {
+            let c = fit.costs(&ws.runtime.params);
+            tracing::info!(
+                %peer, worker_set = %ws.route.name,
+                overhead_ms = c.overhead_ms, decode_ms = c.decode_ms,
+                prefill_ms_per_token = c.prefill_ms_per_token, samples = c.samples,
+                "starting from a peer's learnt step costs"
+            );
+        }
     }
 }
 
@@ -217,6 +262,10 @@ pub(super) fn apply(shared: &Shared, records: &[PeerRecord]) {
     }
 }
 
+/// The most worker sets whose step costs a report may carry; a report
+/// with more carries none.
+const MAX_WORKER_SETS: usize = 256;
+
 /// The oldest a reported first token is taken to be (an hour).
 const MAX_FIRST_TOKEN_AGE_MICROS: u64 = 3_600_000_000;
 
@@ -229,6 +278,9 @@ pub fn parse(body: &[u8]) -> Option<Report> {
         .retain(|x| x.age_ms <= horizon && !x.keys.is_empty());
     for x in &mut r.records {
         x.keys.truncate(MAX_RECORD_KEYS);
+    }
+    if r.steps.len() > MAX_WORKER_SETS {
+        r.steps.clear();
     }
     if let Some(times) = &mut r.first_tokens {
         for v in times.values_mut() {
@@ -289,6 +341,16 @@ mod tests {
         .unwrap();
         assert_eq!(lying.engines["e"][0], u64::from(MAX_REQUESTS));
         assert_eq!(lying.engines["e"][2], MAX_TOKENS);
+        // Step costs ride a report whole; too many worker sets, none.
+        let fit = kinference_scoring::StepFit::new(&kinference_scoring::LatencyParams::default());
+        let with = |n: usize| {
+            let steps: HashMap<String, _> = (0..n).map(|i| (format!("ws{i}"), fit)).collect();
+            serde_json::to_vec(&serde_json::json!({"replica": "c", "engines": {}, "steps": steps}))
+                .unwrap()
+        };
+        assert_eq!(parse(&with(2)).unwrap().steps["ws1"], fit);
+        assert!(parse(&with(MAX_WORKER_SETS + 1)).unwrap().steps.is_empty());
+        assert!(r.steps.is_empty(), "absent from an older replica's report");
         let s = sum([&r, &lying, &r]);
         assert_eq!(s["10.0.0.1:8000"].requests, 2);
         assert_eq!(s["10.0.0.1:8000"].prefill_tokens, 1000);

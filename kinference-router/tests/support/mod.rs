@@ -43,6 +43,41 @@ pub async fn step_truth_engine() -> Vec<SimHandle> {
     .await
 }
 
+/// Teaches `r` the engine's step costs: waves of 1 to 6 concurrent
+/// streams through it, each with a new prompt (its prefill shares steps
+/// with the others' decodes).
+pub async fn teach_step_costs(r: &Router) {
+    let mut n = 0;
+    for wave in 0..12usize {
+        let width = 1 + wave % 6;
+        let sends = (0..width).map(|i| {
+            n += 1;
+            let body = serde_json::json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
+                "max_tokens": 24, "stream": true});
+            let api = r.api();
+            async move { stream_timed(api, "/v1/completions", &body, &[]).await }
+        });
+        for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
+            assert_eq!(reply.status, 200);
+        }
+    }
+}
+
+/// `r`'s step costs (`calibration.steps` of `/debug/endpoints`) once
+/// `ready` says so, within `within`.
+pub async fn step_costs_when(
+    r: &Router,
+    within: Duration,
+    what: &str,
+    ready: impl Fn(&Value) -> bool,
+) -> Value {
+    eventually(within, what, || async {
+        let s = endpoints(r).await["endpoints"][0]["calibration"]["steps"].clone();
+        ready(&s).then_some(s)
+    })
+    .await
+}
+
 /// Asserts that `who`'s learnt step costs (`calibration.steps` of
 /// `/debug/endpoints`) are in use and within a third of [`STEP_TRUTH`].
 pub fn assert_learnt_step_truth(who: &str, steps: &Value) {

@@ -326,6 +326,37 @@ impl Kinference {
         &self.params
     }
 
+    /// Predicts with the fitted step costs once they are pinned down. The
+    /// first time, if the prefill cost is off the profile's by more than
+    /// [`FLEET_DEAD_ZONE`], every endpoint's calibration starts again from
+    /// the prior: it was fitted to the profile's costs.
+    fn use_step_fit(&mut self) {
+        let steps = &mut *self.steps;
+        let Some((overhead, decode, prefill)) = steps.fit.model(&steps.profile) else {
+            return;
+        };
+        // Calibration absorbed the profile's error; where that was more
+        // than the fleet's dead zone, it now double-counts.
+        let off = prefill / steps.profile.prefill_tokens_per_second;
+        let first = !steps.in_use && !(1.0 / FLEET_DEAD_ZONE..=FLEET_DEAD_ZONE).contains(&off);
+        steps.in_use = true;
+        self.params.step_overhead_millis = overhead;
+        self.params.decode_cost_millis = decode;
+        self.params.prefill_tokens_per_second = prefill;
+        if first {
+            let params = self.params;
+            self.fresh = Slot::new(&params);
+            for slot in &mut self.slots {
+                let last_chosen = slot.last_chosen;
+                *slot = Slot::new(&params);
+                slot.last_chosen = last_chosen;
+            }
+            self.fleet.update(&self.slots);
+            self.mean_prefill_ms = initial_mean_prefill_ms(&params);
+            self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
+        }
+    }
+
     /// The fleet's step costs as fitted so far ([`StepFit`]).
     pub fn step_costs(&self) -> StepCosts {
         self.steps.fit.costs(&self.steps.profile)
@@ -773,10 +804,7 @@ impl Pick for Kinference {
     /// A finished stream: its steps go to the fleet's step costs, relative
     /// to the endpoint's speed against the fleet's median (a slower
     /// engine's steps are all slower), and once the streams pin the costs
-    /// down, decisions predict with them. The first time, if the prefill
-    /// cost is off the profile's by more than [`FLEET_DEAD_ZONE`], every
-    /// endpoint's calibration starts again from the prior: it was fitted to
-    /// the profile's costs.
+    /// down, decisions predict with them ([`Kinference::use_step_fit`]).
     fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
         if endpoint.0 >= EndpointId::LIMIT {
             return ObserveOutcome::Ignored;
@@ -788,29 +816,23 @@ impl Pick for Kinference {
         };
         let steps = &mut *self.steps;
         let outcome = steps.fit.observe(&steps.profile, &sample);
-        if let Some((overhead, decode, prefill)) = steps.fit.model(&steps.profile) {
-            // Calibration absorbed the profile's error; where that was
-            // more than the fleet's dead zone, it now double-counts.
-            let off = prefill / steps.profile.prefill_tokens_per_second;
-            let first = !steps.in_use && !(1.0 / FLEET_DEAD_ZONE..=FLEET_DEAD_ZONE).contains(&off);
-            steps.in_use = true;
-            self.params.step_overhead_millis = overhead;
-            self.params.decode_cost_millis = decode;
-            self.params.prefill_tokens_per_second = prefill;
-            if first {
-                let params = self.params;
-                self.fresh = Slot::new(&params);
-                for slot in &mut self.slots {
-                    let last_chosen = slot.last_chosen;
-                    *slot = Slot::new(&params);
-                    slot.last_chosen = last_chosen;
-                }
-                self.fleet.update(&self.slots);
-                self.mean_prefill_ms = initial_mean_prefill_ms(&params);
-                self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
-            }
-        }
+        self.use_step_fit();
         outcome
+    }
+
+    fn step_fit(&self) -> Option<StepFit> {
+        (self.steps.in_use && self.steps.fit.finite()).then_some(self.steps.fit)
+    }
+
+    /// A peer's step costs, taken as [`Kinference::observe_steps`] takes
+    /// the fit's once it pins them down.
+    fn adopt_steps(&mut self, fit: &StepFit) -> bool {
+        let steps = &mut *self.steps;
+        let taken = steps.fit.adopt(&steps.profile, fit);
+        if taken {
+            self.use_step_fit();
+        }
+        taken
     }
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
@@ -1269,6 +1291,41 @@ mod tests {
         feed_fleet(&mut p, &[1.0; 4], 3, &mut now);
         feed_steps(&mut p, [5.0, 0.65, 0.86], 4, 20);
         assert_eq!(p.calibration_state(EndpointId(0)).samples(), 3);
+    }
+
+    #[test]
+    fn a_peers_step_costs_are_used_at_once() {
+        let mut peer = Kinference::new(LatencyParams::default());
+        assert_eq!(peer.step_fit(), None, "nothing learnt: nothing to give");
+        feed_steps(&mut peer, [5.0, 0.65, 0.86], 4, 40);
+        let fit = peer.step_fit().expect("in use");
+
+        // A replica that starts, having seen first tokens of the built-in
+        // profile's error but no stream's end.
+        let mut p = Kinference::new(LatencyParams::default());
+        let mut now = Duration::ZERO;
+        feed_fleet(&mut p, &[8.0; 4], 10, &mut now);
+        assert!(p.fleet_scale() > 2.0);
+        assert!(p.adopt_steps(&fit));
+        assert!(p.step_costs().in_use);
+        assert!(
+            (p.params().prefill_tokens_per_second / peer.params().prefill_tokens_per_second - 1.0)
+                .abs()
+                < 0.02,
+            "{:?} against {:?}",
+            p.params(),
+            peer.params()
+        );
+        // As when its own streams pin the costs down: calibration had
+        // absorbed the profile's error, and starts again.
+        assert_eq!(p.calibration_state(EndpointId(0)).samples(), 0);
+        assert!((p.fleet_scale() - 1.0).abs() < 1e-12);
+        // Once in use, a peer's costs are not taken again.
+        assert!(!p.adopt_steps(&fit));
+        // Policies that do not learn step costs neither give nor take.
+        let mut rr = crate::policies::Policy::new(PolicyName::RoundRobin, LatencyParams::default());
+        assert_eq!(rr.step_fit(), None);
+        assert!(!rr.adopt_steps(&fit));
     }
 
     #[test]

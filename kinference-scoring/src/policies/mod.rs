@@ -48,7 +48,7 @@ use crate::latency::Prediction;
 use crate::pick::{Choice, Explanation};
 use crate::profile::LatencyParams;
 use crate::rng::RandomSource;
-use crate::steps::StepSample;
+use crate::steps::{StepFit, StepSample};
 
 /// A policy's name, as the router's and the harness's flags spell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -238,6 +238,21 @@ pub trait Pick {
         let _ = endpoint;
     }
 
+    /// The engines' step costs learnt from the streams, once in use, for a
+    /// peer router to start from; `None` for policies that do not learn
+    /// them.
+    fn step_fit(&self) -> Option<StepFit> {
+        None
+    }
+
+    /// Starts from a peer router's step costs ([`Pick::step_fit`]) when
+    /// this one has not pinned its own down ([`StepFit::adopt`]); returns
+    /// whether they were taken.
+    fn adopt_steps(&mut self, fit: &StepFit) -> bool {
+        let _ = fit;
+        false
+    }
+
     /// `endpoint`'s calibration at `now`, for `/debug` and metrics; `None`
     /// for policies that do not calibrate.
     fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
@@ -359,6 +374,17 @@ impl Pick for Policy {
 
     fn remove_endpoint(&mut self, endpoint: EndpointId) {
         self.inner().remove_endpoint(endpoint);
+    }
+
+    fn step_fit(&self) -> Option<StepFit> {
+        match self {
+            Self::Kinference(p) => p.step_fit(),
+            _ => None,
+        }
+    }
+
+    fn adopt_steps(&mut self, fit: &StepFit) -> bool {
+        self.inner().adopt_steps(fit)
     }
 
     fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {

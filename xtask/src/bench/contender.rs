@@ -7,6 +7,7 @@
 //! | `kinference`, `round-robin`, … (every [`PolicyName`]) | `kinference-router --policy NAME`, tuned: the bench's profile (`local` tokenization, the simulator's step costs), 1 s scrapes, KV replay; `llm-d-blend` scrapes every 50 ms as llm-d does; `sglang-cache-aware` routes on the router's record of prefixes it sent (`approximate` mode: SGLang's tree, grown on route) |
 //! | `kinference-admission` | ours, tuned, with admission on (`spec.admission: {maxPredictedTtftMillis: 1000, maxWaitMillis: 1000}`): past the knee requests wait in the router or get 429 |
 //! | `kinference-installed` | our policy as installed by the chart: the built-in `default` profile (`engine` tokenization), 5 s scrapes, no replay, two replicas sharing their load (`--peers` at the default interval, as the chart's `sharedLoad`), clients spread over them |
+//! | `kinference-installed-join` | `kinference-installed` with a third replica started halfway through the measured window (a rollout's new replica: bootstrapping its KV index and taking its peers' learnt step costs) and sent its share once ready |
 //! | `smg-cache-aware`, `smg-power-of-two`, `smg-round-robin` | `smg launch --policy …` (PyPI `sglang-router`) |
 //! | `vllm-router-cache-aware`, `vllm-router-kv-aware` | `vllm-router --policy …` (PyPI `vllm-router`); `kv_aware` subscribes to the engines' KV events |
 //! | `greedy-truth` | the harness itself: per request the engines' true cached prefix and its own exact queue accounting, greedy minimum of predicted TTFT (see [`super::oracle`]); not a bound |
@@ -60,8 +61,10 @@ pub(crate) enum Contender {
     /// Ours, tuned, with the profile's admission on.
     Admission,
     /// Ours as a user gets it from the chart: [`INSTALLED_REPLICAS`]
-    /// replicas sharing their load.
-    Installed,
+    /// replicas sharing their load; with `join`, one more starts halfway
+    /// through the measured window (a rollout's or a scale-out's new
+    /// replica).
+    Installed { join: bool },
     /// Replicas of ours, tuned, sharing their load or not.
     Replicas {
         /// How many.
@@ -119,11 +122,12 @@ impl Contender {
         let mut v: Vec<String> = PolicyName::ALL.iter().map(ToString::to_string).collect();
         v.insert(1, "kinference-admission".into());
         v.insert(2, "kinference-installed".into());
-        v.insert(3, "kinference-x3".into());
-        v.insert(4, "kinference-x3-blind".into());
-        v.insert(5, "kinference-x3-kill".into());
-        v.insert(6, "kinference-x3-join".into());
-        v.insert(7, "kinference-x3-join-cold".into());
+        v.insert(3, "kinference-installed-join".into());
+        v.insert(4, "kinference-x3".into());
+        v.insert(5, "kinference-x3-blind".into());
+        v.insert(6, "kinference-x3-kill".into());
+        v.insert(7, "kinference-x3-join".into());
+        v.insert(8, "kinference-x3-join-cold".into());
         v.extend(PEERS.iter().map(|(n, _, _)| (*n).to_owned()));
         v.push("greedy-truth".into());
         v
@@ -131,7 +135,10 @@ impl Contender {
 
     pub(crate) fn parse(name: &str) -> Result<Self> {
         if name == "kinference-installed" {
-            return Ok(Self::Installed);
+            return Ok(Self::Installed { join: false });
+        }
+        if name == "kinference-installed-join" {
+            return Ok(Self::Installed { join: true });
         }
         if name == "kinference-admission" {
             return Ok(Self::Admission);
@@ -309,15 +316,19 @@ impl Contender {
                 let flags = router_flags("kinference", "1s", 100);
                 self.ours(s, &m, &flags, &logs).await
             }
-            Self::Installed => {
+            Self::Installed { join } => {
                 let mut m = s.tuned.clone();
                 m.profile = None;
                 let flags = router_flags("kinference", "5s", 0);
                 // The chart's shared load: peers at the router's default
                 // interval.
                 let sharing = Sharing::Peers { interval: None };
-                self.replicas(s, &m, &flags, INSTALLED_REPLICAS, sharing, None, &logs)
-                    .await
+                let (n, join) = if *join {
+                    (INSTALLED_REPLICAS + 1, Some(Join::Bootstrap))
+                } else {
+                    (INSTALLED_REPLICAS, None)
+                };
+                self.replicas(s, &m, &flags, n, sharing, join, &logs).await
             }
             Self::Replicas {
                 n, shared, join, ..
@@ -532,7 +543,8 @@ mod tests {
             let c = Contender::parse(&n).expect("known");
             let back = match &c {
                 Contender::Router(p) => p.to_string(),
-                Contender::Installed => "kinference-installed".into(),
+                Contender::Installed { join: false } => "kinference-installed".into(),
+                Contender::Installed { join: true } => "kinference-installed-join".into(),
                 Contender::Admission => "kinference-admission".into(),
                 Contender::Replicas {
                     n,

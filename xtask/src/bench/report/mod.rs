@@ -177,6 +177,12 @@ pub(crate) struct Row {
     pub join_peers_hit_rate: f64,
     #[serde(default)]
     pub join_requests: usize,
+    /// TTFT p90 (ms) of the late replica's requests over the same window,
+    /// and of its peers'.
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub join_ttft_p90_ms: f64,
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub join_peers_ttft_p90_ms: f64,
     #[serde(default)]
     pub join_bootstrap: String,
     /// Each kinference router's learnt step costs at the end, in replica
@@ -473,6 +479,8 @@ pub(crate) fn summarize(
         join_hit_rate: f64::NAN,
         join_peers_hit_rate: f64::NAN,
         join_requests: 0,
+        join_ttft_p90_ms: f64::NAN,
+        join_peers_ttft_p90_ms: f64::NAN,
         join_bootstrap: String::new(),
         step_costs: Vec::new(),
     }
@@ -578,6 +586,8 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 join_hit_rate: m(|r| r.join_hit_rate),
                 join_peers_hit_rate: m(|r| r.join_peers_hit_rate),
                 join_requests: mu(|r| r.join_requests),
+                join_ttft_p90_ms: m(|r| r.join_ttft_p90_ms),
+                join_peers_ttft_p90_ms: m(|r| r.join_peers_ttft_p90_ms),
                 join_bootstrap: first.join_bootstrap.clone(),
                 step_costs: first.step_costs.clone(),
             }

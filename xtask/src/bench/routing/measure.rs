@@ -84,6 +84,32 @@ pub(crate) fn join_window(
     (rate(sums[0]), rate(sums[1]), sums[0].2)
 }
 
+/// The TTFT p90 (ms) of the requests replica `index` answered that were
+/// sent within `window` of `from`, and that of the other replicas' in the
+/// same interval (NaN where none).
+pub(crate) fn join_ttft_p90(
+    samples: &[drive::Sample],
+    index: usize,
+    from: Duration,
+    window: Duration,
+) -> (f64, f64) {
+    let mut ttfts: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+    for s in samples {
+        let (Some(r), Some(t)) = (s.replica, s.ttft) else {
+            continue;
+        };
+        if s.ok && s.sent_at >= from && s.sent_at < from + window {
+            ttfts[usize::from(r != index)].push(t.as_secs_f64() * 1e3);
+        }
+    }
+    let p90 = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        crate::bench::report::percentile(&v, 0.9)
+    };
+    let [own, peers] = ttfts;
+    (p90(own), p90(peers))
+}
+
 /// Bytes every reachable replica received from its peers: load polls and
 /// their answers, snapshots and their requests
 /// (`kinference_router_peer_bytes_total{direction="received"}`).
@@ -253,6 +279,25 @@ mod tests {
         assert_eq!(n, 2);
         let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(30), JOIN_WINDOW);
         assert!(own.is_nan() && peers.is_nan() && n == 0);
+
+        // TTFTs: its own and its peers' in the window, answered ones only.
+        let t = |replica: usize, at: u64, ms: u64, ok: bool| drive::Sample {
+            replica: Some(replica),
+            sent_at: Duration::from_secs(at),
+            ttft: Some(Duration::from_millis(ms)),
+            ok,
+            ..drive::Sample::default()
+        };
+        let mut timed: Vec<drive::Sample> = (0..10).map(|i| t(2, 6, 100 + 10 * i, true)).collect();
+        timed.extend([
+            t(2, 4, 9_000, true),
+            t(2, 7, 9_000, false),
+            t(0, 8, 50, true),
+        ]);
+        let (own, peers) = join_ttft_p90(&timed, 2, Duration::from_secs(5), JOIN_WINDOW);
+        assert_eq!((own, peers), (180.0, 50.0));
+        let (own, peers) = join_ttft_p90(&timed, 2, Duration::from_secs(30), JOIN_WINDOW);
+        assert!(own.is_nan() && peers.is_nan());
     }
 
     #[test]

@@ -36,7 +36,9 @@ mod measure;
 pub(crate) use fleet::Fleet;
 use fleet::{add_latency_fields, admin_addr, http_port, kv_port, listen_addr};
 pub(crate) use measure::{JOIN_WINDOW, clock_ticks, cpu_seconds};
-use measure::{join_window, kill_and_watch, loadavg, peer_bytes, received_share, slow_share};
+use measure::{
+    join_ttft_p90, join_window, kill_and_watch, loadavg, peer_bytes, received_share, slow_share,
+};
 
 /// The simulator's unscaled defaults (its README: fitted to vLLM on an L4),
 /// and llm-d's published per-pod KV capacity.
@@ -370,7 +372,7 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                     }
                     if !row.join_ready_ms.is_nan() {
                         println!(
-                            "  {:<20} late replica ready {:.0} ms after its start ({}); its first {} s: {} requests, hit {:.1}% vs its peers' {:.1}% ({:.2}×)",
+                            "  {:<20} late replica ready {:.0} ms after its start ({}); its first {} s: {} requests, hit {:.1}% vs its peers' {:.1}% ({:.2}×), TTFT p90 {:.0} vs {:.0} ms",
                             "",
                             row.join_ready_ms,
                             if row.join_bootstrap.is_empty() {
@@ -382,7 +384,9 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                             row.join_requests,
                             row.join_hit_rate * 100.0,
                             row.join_peers_hit_rate * 100.0,
-                            row.join_hit_rate / row.join_peers_hit_rate
+                            row.join_hit_rate / row.join_peers_hit_rate,
+                            row.join_ttft_p90_ms,
+                            row.join_peers_ttft_p90_ms
                         );
                     }
                     if !row.peer_bytes_per_req.is_nan() {
@@ -460,7 +464,10 @@ async fn one_run(
     key: (&str, f64, f64, u32),
 ) -> Result<Row> {
     let logs = opts.out.join("logs");
-    let join = matches!(contender, Contender::Replicas { join: Some(_), .. });
+    let join = matches!(
+        contender,
+        Contender::Replicas { join: Some(_), .. } | Contender::Installed { join: true }
+    );
     let mut sims = Vec::new();
     for (i, mut s) in fleet.sims(kind, opts.port_base).into_iter().enumerate() {
         if join {
@@ -661,6 +668,8 @@ async fn one_run(
     }
     if let Some((index, started, ready)) = joined {
         let w = join_window(&samples, index, ready, JOIN_WINDOW);
+        (row.join_ttft_p90_ms, row.join_peers_ttft_p90_ms) =
+            join_ttft_p90(&samples, index, ready, JOIN_WINDOW);
         row.join_ready_ms = ready.saturating_sub(started).as_secs_f64() * 1e3;
         (
             row.join_hit_rate,
