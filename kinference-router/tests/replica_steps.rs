@@ -38,26 +38,12 @@ async fn replicas_learn_the_step_costs_from_each_others_prefill() {
     // prompt prefilled in the first one's stream came through the other
     // replica. (Sent together, the engine prefills the whole wave in one
     // step and the streams tell the prefill cost only by chance.)
-    let mut n = 0;
-    for wave in 0..24usize {
-        let width = 2 + wave % 6;
-        let sends = (0..width).map(|i| {
-            n += 1;
-            let body = serde_json::json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
-                "max_tokens": 24, "stream": true});
-            let via = if (i == 0) == (wave % 2 == 0) { &a } else { &b };
-            let api = via.api();
-            async move {
-                if i > 0 {
-                    tokio::time::sleep(Duration::from_millis(150)).await;
-                }
-                stream_timed(api, "/v1/completions", &body, &[]).await
-            }
-        });
-        for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
-            assert_eq!(reply.status, 200);
-        }
-    }
+    stream_waves(24, 2, |wave, i| {
+        let via = if (i == 0) == (wave % 2 == 0) { &a } else { &b };
+        let delay = if i > 0 { 150 } else { 0 };
+        (via, Duration::from_millis(delay))
+    })
+    .await;
     for (name, r) in [("A", &a), ("B", &b)] {
         let steps = step_costs_when(r, Duration::from_secs(5), "step costs learnt", |s| {
             s["samples"].as_u64() >= Some(45)

@@ -43,24 +43,40 @@ pub async fn step_truth_engine() -> Vec<SimHandle> {
     .await
 }
 
-/// Teaches `r` the engine's step costs: waves of 1 to 6 concurrent
-/// streams through it, each with a new prompt (its prefill shares steps
-/// with the others' decodes).
-pub async fn teach_step_costs(r: &Router) {
+/// Waves of concurrent streams, each with a new prompt (100 + 60 i words
+/// for the i-th of its wave): wave w has `first_width + w % 6` of them,
+/// and `send(w, i)` says through which router the i-th goes and after
+/// what delay. Every one must be answered.
+pub async fn stream_waves<'a>(
+    waves: usize,
+    first_width: usize,
+    send: impl Fn(usize, usize) -> (&'a Router, Duration),
+) {
     let mut n = 0;
-    for wave in 0..12usize {
-        let width = 1 + wave % 6;
+    for wave in 0..waves {
+        let width = first_width + wave % 6;
         let sends = (0..width).map(|i| {
             n += 1;
             let body = serde_json::json!({"model": MODEL, "prompt": words(1000 * n, 100 + 60 * i),
                 "max_tokens": 24, "stream": true});
-            let api = r.api();
-            async move { stream_timed(api, "/v1/completions", &body, &[]).await }
+            let (via, delay) = send(wave, i);
+            let api = via.api();
+            async move {
+                tokio::time::sleep(delay).await;
+                stream_timed(api, "/v1/completions", &body, &[]).await
+            }
         });
         for reply in futures::future::join_all(sends.collect::<Vec<_>>()).await {
             assert_eq!(reply.status, 200);
         }
     }
+}
+
+/// Teaches `r` the engine's step costs: waves of 1 to 6 concurrent
+/// streams through it (a prompt's prefill shares steps with the others'
+/// decodes).
+pub async fn teach_step_costs(r: &Router) {
+    stream_waves(12, 1, |_, _| (r, Duration::ZERO)).await;
 }
 
 /// `r`'s step costs (`calibration.steps` of `/debug/endpoints`) once
