@@ -518,6 +518,10 @@ async fn a_replica_that_starts_takes_the_step_costs_its_peer_learnt() {
         s["in_use"] == true
     })
     .await;
+    // A's last streams may have ended as it was read: read it again, its
+    // fit unchanged since B asked (no stream has gone through it since).
+    assert_eq!(learnt["in_use"], true);
+    let learnt = step_costs_when(&a, Duration::from_secs(1), "A's step costs", |_| true).await;
     eprintln!("FIGURE step costs: A learnt {learnt}, B took {took}");
     for field in ["prefill_ms_per_token", "decode_ms", "overhead_ms"] {
         let (t, l) = (
