@@ -50,6 +50,6 @@ pub fn on_stream_end(runtime: &Arc<WsRuntime>, choice: &Choice) -> OnStreamEnd {
     let runtime = runtime.clone();
     let endpoint = choice.endpoint;
     Box::new(move |sample| {
-        runtime.policy.lock().observe_steps(endpoint, &sample);
+        runtime.observe_steps(endpoint, &sample);
     })
 }

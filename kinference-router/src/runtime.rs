@@ -15,11 +15,14 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use kinference_api::v1alpha1::{RoutingProfileSpec, TokenizationMode};
 use kinference_scoring::approx::PrefixRecord;
-use kinference_scoring::{LatencyParams, Overrides, Policy, PolicyName};
+use kinference_scoring::{
+    EndpointId, LatencyParams, Overrides, Pick as _, Policy, PolicyName, StepSample,
+};
 use kinference_tokenize::ModelTokenizer;
 use parking_lot::{Mutex, RwLock};
 use serde::Serialize;
@@ -75,6 +78,10 @@ pub struct WsRuntime {
     pub admission: Option<crate::admit::Limits>,
     /// Requests held by admission.
     pub queue: crate::admit::Queue,
+    /// The peers' load version after the one current when the policy's
+    /// step costs came into use (0: not yet): the reports from then on
+    /// carry them once to each peer ([`crate::peers::Report::steps`]).
+    pub steps_version: AtomicU64,
 }
 
 impl WsRuntime {
@@ -104,6 +111,20 @@ impl WsRuntime {
             memo: RouteMemo::new(crate::config::defaults::ROUTE_MEMO_BYTES),
             admission: None,
             queue: crate::admit::Queue::default(),
+            steps_version: AtomicU64::new(0),
+        }
+    }
+
+    /// A finished stream's steps to the policy ([`Pick::observe_steps`]);
+    /// when that puts its step costs in use, marks them for the peers'
+    /// next reports.
+    pub fn observe_steps(&self, endpoint: EndpointId, sample: &StepSample) {
+        let mut policy = self.policy.lock();
+        let before = policy.step_fit().is_some();
+        policy.observe_steps(endpoint, sample);
+        if !before && policy.step_fit().is_some() {
+            self.steps_version
+                .fetch_max(crate::peers::version() + 1, Ordering::SeqCst);
         }
     }
 

@@ -492,53 +492,69 @@ async fn a_replica_that_starts_finds_the_blocks_its_peer_knows() {
     b.shutdown().await;
 }
 
-/// A replica that starts (a rollout, a scale-out) predicts with the
-/// engines' step costs its peer learnt from its streams, before a stream
-/// of its own has ended: with the built-in profile against engines far
-/// from it, the first seconds would otherwise be routed on the profile's
-/// costs.
+/// A replica predicts with the engines' step costs its peer learnt from
+/// its streams, before a stream of its own has ended: one that starts
+/// into a warm fleet (a rollout, a scale-out) from the peer's first
+/// report, one that was already asking from the report after the peer's
+/// costs came into use. With the built-in profile against engines far
+/// from it, their first seconds would otherwise be routed on the
+/// profile's costs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_that_starts_takes_the_step_costs_its_peer_learnt() {
+async fn replicas_take_the_step_costs_their_peer_learnt() {
     let sims = step_truth_engine().await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let opts = WorkerSetOpts::default();
     let a_admin = free_addr();
     let a = router(&addrs, &opts, &["--admin-addr", &a_admin]).await;
-    wait_routable(&a, 1, true).await;
-    teach_step_costs(&a).await;
-    let learnt = step_costs_when(&a, Duration::from_secs(5), "A's step costs in use", |s| {
-        s["in_use"] == true
-    })
-    .await;
-
-    // B starts with A as its peer and proxies nothing.
+    // B asks A from the start; neither has learnt anything yet.
     let b = router(&addrs, &opts, &["--peers", &a_admin]).await;
+    wait_routable(&a, 1, true).await;
     wait_routable(&b, 1, true).await;
-    let took = step_costs_when(&b, Duration::from_secs(10), "B takes A's step costs", |s| {
+    let not_yet = step_costs_when(&b, Duration::from_secs(1), "B's step costs", |_| true).await;
+    assert_eq!(not_yet["in_use"], false, "{not_yet}");
+
+    // Streams through A only.
+    teach_step_costs(&a).await;
+    step_costs_when(&a, Duration::from_secs(5), "A's step costs in use", |s| {
         s["in_use"] == true
     })
     .await;
-    // A's last streams may have ended as it was read: read it again, its
-    // fit unchanged since B asked (no stream has gone through it since).
-    assert_eq!(learnt["in_use"], true);
+    let in_use = |s: &Value| s["in_use"] == true;
+    let b_took = step_costs_when(&b, Duration::from_secs(10), "B takes A's costs", in_use).await;
+    // C starts now, with A as its peer, and proxies nothing either.
+    let c = router(&addrs, &opts, &["--peers", &a_admin]).await;
+    wait_routable(&c, 1, true).await;
+    let c_took = step_costs_when(&c, Duration::from_secs(10), "C takes A's costs", in_use).await;
+
+    // A's last streams may have ended as it was first read: read it again,
+    // settled (no stream has gone through it since).
     let learnt = step_costs_when(&a, Duration::from_secs(1), "A's step costs", |_| true).await;
-    eprintln!("FIGURE step costs: A learnt {learnt}, B took {took}");
+    eprintln!("FIGURE step costs: A learnt {learnt}, B took {b_took}, C took {c_took}");
+    // C took A's fit as it is now; B took it as it was when it came into
+    // use (fewer streams), which is near the engine's too.
     for field in ["prefill_ms_per_token", "decode_ms", "overhead_ms"] {
         let (t, l) = (
-            took[field].as_f64().unwrap(),
+            c_took[field].as_f64().unwrap(),
             learnt[field].as_f64().unwrap(),
         );
         assert!(
             (t / l - 1.0).abs() < 0.05,
-            "{field}: B {took} against A {learnt}"
+            "{field}: C {c_took} against A {learnt}"
         );
     }
     assert_eq!(
-        took["samples"], learnt["samples"],
-        "B has no stream of its own"
+        c_took["samples"], learnt["samples"],
+        "C has no stream of its own"
+    );
+    assert_learnt_step_truth("B, from A", &b_took);
+    let (b_n, a_n) = (b_took["samples"].as_u64(), learnt["samples"].as_u64());
+    assert!(
+        b_n > Some(0) && b_n <= a_n,
+        "B has no stream of its own: {b_took}"
     );
     a.shutdown().await;
     b.shutdown().await;
+    c.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

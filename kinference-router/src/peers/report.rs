@@ -133,9 +133,10 @@ pub struct Report {
     pub first_tokens: Option<HashMap<String, Vec<[u64; 2]>>>,
     /// Per worker set (by name): the engines' step costs this replica has
     /// learnt from its streams, once in use ([`kinference_scoring::StepFit`]);
-    /// only in the first answer to an asker (no version, or 0), so that a
-    /// replica that starts predicts with them at once ([`adopt_steps`]).
-    /// Absent from older replicas' reports.
+    /// only in the first answer to an asker (no version, or 0) and in the
+    /// first after they came into use, so that a replica that starts, or
+    /// one still learning beside it, predicts with them at once
+    /// ([`adopt_steps`]). Absent from older replicas' reports.
     #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub steps: HashMap<String, kinference_scoring::StepFit>,
 }
@@ -196,14 +197,16 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
             );
         }
     }
-    // What the streams taught, for an asker that starts: a few hundred
-    // bytes per worker set, once per asker.
+    // What the streams taught, for an asker that starts, and once more to
+    // every asker when it is first in use: a few hundred bytes per worker
+    // set.
     let mut steps = HashMap::new();
-    if after.is_none_or(|a| a == 0) {
-        for ws in &view.worker_sets {
-            if let Some(fit) = ws.runtime.policy.lock().step_fit() {
-                steps.insert(ws.route.name.clone(), fit);
-            }
+    for ws in &view.worker_sets {
+        let marked = ws.runtime.steps_version.load(Ordering::SeqCst);
+        if after.is_none_or(|a| a == 0 || (marked > 0 && marked >= a))
+            && let Some(fit) = ws.runtime.policy.lock().step_fit()
+        {
+            steps.insert(ws.route.name.clone(), fit);
         }
     }
     Report {
@@ -231,6 +234,10 @@ pub(super) fn adopt_steps(
             continue;
         };
         if ws.runtime.policy.lock().adopt_steps(&fit) {
+            // Passed on to the other peers, which may still be learning.
+            ws.runtime
+                .steps_version
+                .fetch_max(super::version() + 1, Ordering::SeqCst);
             let c = fit.costs(&ws.runtime.params);
             tracing::info!(
                 %peer, worker_set = %ws.route.name,
