@@ -34,9 +34,10 @@
 //! prefix, so matching one matches every block before it): a peer's match
 //! is exact to within `RECORD_STRIDE` blocks, at an eighth of the bytes.
 //!
-//! The first answer to an asker (no version, or 0) also carries the step
-//! costs the replica learnt from its streams ([`Report::steps`]): a
-//! replica that starts into a warm fleet predicts with them at once
+//! The first answer to an asker (no version, or 0), and the first after
+//! they come into use, also carry the step costs the replica learnt from
+//! its streams ([`Report::steps`]): a replica that starts into a warm
+//! fleet, or one still learning beside it, predicts with them at once
 //! instead of the profile's until its own streams pin them down.
 //!
 //! It degrades to a lone router, never to worse: a peer that does not
