@@ -79,8 +79,9 @@ pub struct WsRuntime {
     /// Requests held by admission.
     pub queue: crate::admit::Queue,
     /// The peers' load version after the one current when the policy's
-    /// step costs came into use (0: not yet): the reports from then on
-    /// carry them once to each peer ([`crate::peers::Report::steps`]).
+    /// step costs came into use (0: not yet): each peer's answers carry
+    /// them until its load version passes this one
+    /// ([`crate::peers::Report::steps`]).
     pub steps_version: AtomicU64,
 }
 
@@ -120,6 +121,11 @@ impl WsRuntime {
     /// next reports.
     pub fn observe_steps(&self, endpoint: EndpointId, sample: &StepSample) {
         let mut policy = self.policy.lock();
+        // Marked once: the costs stay in use.
+        if self.steps_version.load(Ordering::Relaxed) > 0 {
+            policy.observe_steps(endpoint, sample);
+            return;
+        }
         let before = policy.step_fit().is_some();
         policy.observe_steps(endpoint, sample);
         if !before && policy.step_fit().is_some() {

@@ -186,10 +186,9 @@ struct Known {
     report: Option<(Report, Instant)>,
     error: Option<String>,
     prefilled: PrefilledSeen,
-    /// The step costs of its first report for worker sets this replica
-    /// does not list yet, and until when to keep trying them.
-    steps: HashMap<String, kinference_scoring::StepFit>,
-    steps_until: Option<Instant>,
+    /// Until when to keep trying, and the step costs of a report for
+    /// worker sets this replica does not list yet.
+    steps: Option<(Instant, HashMap<String, kinference_scoring::StepFit>)>,
 }
 
 /// How long a peer's step costs wait for the worker sets they name to be
@@ -427,8 +426,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 report: None,
                 error: None,
                 prefilled: PrefilledSeen::default(),
-                steps: HashMap::new(),
-                steps_until: None,
+                steps: None,
             });
             match result {
                 Ok((r, _)) if r.replica == shared.runtime.replica => {
@@ -439,14 +437,13 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 Ok((mut r, version)) => {
                     apply(&shared, &std::mem::take(&mut r.records));
                     if !r.steps.is_empty() {
-                        k.steps = std::mem::take(&mut r.steps);
-                        k.steps_until = Some(Instant::now() + STEPS_HOLD);
+                        k.steps = Some((Instant::now() + STEPS_HOLD, std::mem::take(&mut r.steps)));
                     }
-                    if k.steps_until.is_some_and(|u| Instant::now() > u) {
-                        k.steps.clear();
-                    }
-                    if !k.steps.is_empty() {
-                        adopt_steps(&shared, &mut k.steps, &address);
+                    if let Some((until, steps)) = &mut k.steps {
+                        adopt_steps(&shared, steps, &address);
+                        if steps.is_empty() || Instant::now() > *until {
+                            k.steps = None;
+                        }
                     }
                     let received = clock_micros(Instant::now());
                     add_prefilled(&shared, &k.prefilled.update(&r), received);

@@ -134,9 +134,10 @@ pub struct Report {
     /// Per worker set (by name): the engines' step costs this replica has
     /// learnt from its streams, once in use ([`kinference_scoring::StepFit`]);
     /// only in the first answer to an asker (no version, or 0) and in the
-    /// first after they came into use, so that a replica that starts, or
-    /// one still learning beside it, predicts with them at once
-    /// ([`adopt_steps`]). Absent from older replicas' reports.
+    /// answers after they came into use until the load next changes (one
+    /// or two, or one per long poll's wait on an idle fleet), so that a
+    /// replica that starts, or one still learning beside it, predicts with
+    /// them at once ([`adopt_steps`]). Absent from older replicas' reports.
     #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub steps: HashMap<String, kinference_scoring::StepFit>,
 }

@@ -133,6 +133,15 @@ impl Contender {
         v
     }
 
+    /// Whether a replica of the row starts halfway through the measured
+    /// window (a join row).
+    pub(crate) fn has_late_replica(&self) -> bool {
+        matches!(
+            self,
+            Self::Replicas { join: Some(_), .. } | Self::Installed { join: true }
+        )
+    }
+
     pub(crate) fn parse(name: &str) -> Result<Self> {
         if name == "kinference-installed" {
             return Ok(Self::Installed { join: false });
@@ -593,6 +602,9 @@ mod tests {
                 join: Some(Join::Cold),
             })
         ));
+        let late = |n: &str| Contender::parse(n).unwrap().has_late_replica();
+        assert!(late("kinference-x3-join-cold") && late("kinference-installed-join"));
+        assert!(!late("kinference-installed") && !late("kinference-x3-kill"));
         // A late replica needs peers to bootstrap from and to share with.
         assert!(Contender::parse("kinference-x3-blind-join").is_err());
         assert!(Contender::parse("kinference-x1-join").is_err());

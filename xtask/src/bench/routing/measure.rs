@@ -51,28 +51,48 @@ pub(super) fn loadavg() -> String {
 /// its peers' (issue 17: "within 10 s").
 pub(crate) const JOIN_WINDOW: Duration = Duration::from_secs(10);
 
-/// The prefix-cache hit rate (cached ÷ prompt tokens, from each response's
-/// usage) of the requests replica `index` answered that were sent within
-/// `window` of `from`, that of the other replicas' in the same interval,
-/// and how many the replica answered.
+/// A late replica's requests sent within a window after it was ready,
+/// beside its peers' over the same interval.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct JoinWindow {
+    /// Prefix-cache hit rate (cached ÷ prompt tokens, from each response's
+    /// usage) of its requests, and of its peers'.
+    pub hit_rate: f64,
+    pub peers_hit_rate: f64,
+    /// Its requests with usage.
+    pub requests: usize,
+    /// TTFT p90 (ms) of its answered requests, and of its peers'.
+    pub ttft_p90_ms: f64,
+    pub peers_ttft_p90_ms: f64,
+}
+
+/// [`JoinWindow`] of replica `index`, over the requests sent within
+/// `window` of `from` (NaN where there are none).
 pub(crate) fn join_window(
     samples: &[drive::Sample],
     index: usize,
     from: Duration,
     window: Duration,
-) -> (f64, f64, usize) {
+) -> JoinWindow {
     let mut sums = [(0u64, 0u64, 0usize); 2];
+    let mut ttfts: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
     for s in samples {
-        let (Some(r), Some(p), Some(c)) = (s.replica, s.prompt_tokens, s.cached_tokens) else {
+        let Some(r) = s.replica else {
             continue;
         };
         if s.sent_at < from || s.sent_at >= from + window {
             continue;
         }
-        let x = &mut sums[usize::from(r != index)];
-        x.0 += c;
-        x.1 += p;
-        x.2 += 1;
+        let side = usize::from(r != index);
+        if let (Some(p), Some(c)) = (s.prompt_tokens, s.cached_tokens) {
+            let x = &mut sums[side];
+            x.0 += c;
+            x.1 += p;
+            x.2 += 1;
+        }
+        if let Some(t) = s.ttft.filter(|_| s.ok) {
+            ttfts[side].push(t.as_secs_f64() * 1e3);
+        }
     }
     let rate = |(c, p, _): (u64, u64, usize)| {
         if p == 0 {
@@ -81,33 +101,17 @@ pub(crate) fn join_window(
             c as f64 / p as f64
         }
     };
-    (rate(sums[0]), rate(sums[1]), sums[0].2)
-}
-
-/// The TTFT p90 (ms) of the requests replica `index` answered that were
-/// sent within `window` of `from`, and that of the other replicas' in the
-/// same interval (NaN where none).
-pub(crate) fn join_ttft_p90(
-    samples: &[drive::Sample],
-    index: usize,
-    from: Duration,
-    window: Duration,
-) -> (f64, f64) {
-    let mut ttfts: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
-    for s in samples {
-        let (Some(r), Some(t)) = (s.replica, s.ttft) else {
-            continue;
-        };
-        if s.ok && s.sent_at >= from && s.sent_at < from + window {
-            ttfts[usize::from(r != index)].push(t.as_secs_f64() * 1e3);
-        }
-    }
-    let p90 = |mut v: Vec<f64>| {
+    let p90 = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
-        crate::bench::report::percentile(&v, 0.9)
+        crate::bench::report::percentile(v, 0.9)
     };
-    let [own, peers] = ttfts;
-    (p90(own), p90(peers))
+    JoinWindow {
+        hit_rate: rate(sums[0]),
+        peers_hit_rate: rate(sums[1]),
+        requests: sums[0].2,
+        ttft_p90_ms: p90(&mut ttfts[0]),
+        peers_ttft_p90_ms: p90(&mut ttfts[1]),
+    }
 }
 
 /// Bytes every reachable replica received from its peers: load polls and
@@ -273,12 +277,12 @@ mod tests {
                 ..drive::Sample::default()
             },
         ];
-        let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(5), JOIN_WINDOW);
-        assert!((own - 0.75).abs() < 1e-12, "{own}");
-        assert!((peers - 0.8).abs() < 1e-12, "{peers}");
-        assert_eq!(n, 2);
-        let (own, peers, n) = join_window(&samples, 2, Duration::from_secs(30), JOIN_WINDOW);
-        assert!(own.is_nan() && peers.is_nan() && n == 0);
+        let w = join_window(&samples, 2, Duration::from_secs(5), JOIN_WINDOW);
+        assert!((w.hit_rate - 0.75).abs() < 1e-12, "{w:?}");
+        assert!((w.peers_hit_rate - 0.8).abs() < 1e-12, "{w:?}");
+        assert_eq!(w.requests, 2);
+        let w = join_window(&samples, 2, Duration::from_secs(30), JOIN_WINDOW);
+        assert!(w.hit_rate.is_nan() && w.peers_hit_rate.is_nan() && w.requests == 0);
 
         // TTFTs: its own and its peers' in the window, answered ones only.
         let t = |replica: usize, at: u64, ms: u64, ok: bool| drive::Sample {
@@ -294,10 +298,10 @@ mod tests {
             t(2, 7, 9_000, false),
             t(0, 8, 50, true),
         ]);
-        let (own, peers) = join_ttft_p90(&timed, 2, Duration::from_secs(5), JOIN_WINDOW);
-        assert_eq!((own, peers), (180.0, 50.0));
-        let (own, peers) = join_ttft_p90(&timed, 2, Duration::from_secs(30), JOIN_WINDOW);
-        assert!(own.is_nan() && peers.is_nan());
+        let w = join_window(&timed, 2, Duration::from_secs(5), JOIN_WINDOW);
+        assert_eq!((w.ttft_p90_ms, w.peers_ttft_p90_ms), (180.0, 50.0));
+        let w = join_window(&timed, 2, Duration::from_secs(30), JOIN_WINDOW);
+        assert!(w.ttft_p90_ms.is_nan() && w.peers_ttft_p90_ms.is_nan());
     }
 
     #[test]

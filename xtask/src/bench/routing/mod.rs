@@ -36,9 +36,7 @@ mod measure;
 pub(crate) use fleet::Fleet;
 use fleet::{add_latency_fields, admin_addr, http_port, kv_port, listen_addr};
 pub(crate) use measure::{JOIN_WINDOW, clock_ticks, cpu_seconds};
-use measure::{
-    join_ttft_p90, join_window, kill_and_watch, loadavg, peer_bytes, received_share, slow_share,
-};
+use measure::{join_window, kill_and_watch, loadavg, peer_bytes, received_share, slow_share};
 
 /// The simulator's unscaled defaults (its README: fitted to vLLM on an L4),
 /// and llm-d's published per-pod KV capacity.
@@ -464,10 +462,7 @@ async fn one_run(
     key: (&str, f64, f64, u32),
 ) -> Result<Row> {
     let logs = opts.out.join("logs");
-    let join = matches!(
-        contender,
-        Contender::Replicas { join: Some(_), .. } | Contender::Installed { join: true }
-    );
+    let join = contender.has_late_replica();
     let mut sims = Vec::new();
     for (i, mut s) in fleet.sims(kind, opts.port_base).into_iter().enumerate() {
         if join {
@@ -668,14 +663,12 @@ async fn one_run(
     }
     if let Some((index, started, ready)) = joined {
         let w = join_window(&samples, index, ready, JOIN_WINDOW);
-        (row.join_ttft_p90_ms, row.join_peers_ttft_p90_ms) =
-            join_ttft_p90(&samples, index, ready, JOIN_WINDOW);
         row.join_ready_ms = ready.saturating_sub(started).as_secs_f64() * 1e3;
-        (
-            row.join_hit_rate,
-            row.join_peers_hit_rate,
-            row.join_requests,
-        ) = w;
+        row.join_hit_rate = w.hit_rate;
+        row.join_peers_hit_rate = w.peers_hit_rate;
+        row.join_requests = w.requests;
+        row.join_ttft_p90_ms = w.ttft_p90_ms;
+        row.join_peers_ttft_p90_ms = w.peers_ttft_p90_ms;
         bootstrap["state"]
             .as_str()
             .unwrap_or("")
