@@ -588,6 +588,148 @@ async fn the_fleets_step_costs_are_learnt_from_its_streams() {
     r.shutdown().await;
 }
 
+/// A cold prompt waits where running sequences hold nearly every KV block
+/// (the engine holds it, or preempts and recomputes it, until enough of
+/// them finish): the router counts the blocks it will take on top of the
+/// engine's scraped usage, and charges a full cache the time its streams
+/// take to decode, so the prompt goes to an engine with room even where
+/// that engine decodes more sequences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_prompt_avoids_an_engine_whose_running_sequences_fill_its_cache() {
+    // 400 blocks of 16 tokens each; steps three times the default's.
+    let sims = engines(2, |c| {
+        c.engine.num_gpu_blocks = 401;
+        c.max_model_len = 6400;
+        c.faults.slowdown = 3.0;
+    })
+    .await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    // Each decoding sequence costs a step 20 ms: more of them make an
+    // engine clearly slower to a first token.
+    let opts = WorkerSetOpts {
+        profile_spec: Some("  latency: {decodeCostMillis: 20}\n".into()),
+        ..WorkerSetOpts::default()
+    };
+    let r = router(&addrs, &opts, &[]).await;
+    wait_routable(&r, 2, true).await;
+    // Streams through the router teach it how long streams decode.
+    for i in 0..10 {
+        let reply = stream_timed(
+            r.api(),
+            "/v1/completions",
+            &json!({"model": MODEL, "prompt": words(100 * i, 20), "max_tokens": 48, "stream": true}),
+            &[],
+        )
+        .await;
+        assert_eq!(reply.status, 200);
+    }
+    let turnover = eventually(
+        Duration::from_secs(5),
+        "the streams' turnover learnt",
+        || async { endpoints(&r).await["endpoints"][0]["calibration"]["kv_turnover_ms"].as_f64() },
+    )
+    .await;
+    eprintln!("FIGURE learnt KV turnover: {turnover:.0} ms");
+    assert!(
+        turnover > 50.0,
+        "48 tokens at 15 ms a step or more: {turnover}"
+    );
+
+    // Engine 0: three long generations of 1,600-token prompts hold 300 of
+    // its 400 blocks (and grow); engine 1: eight of 16-token prompts, few
+    // blocks but more sequences decoding. Neither through the router.
+    let long = |start: usize, words_n: usize| json!({"model": MODEL, "prompt": words(start, words_n), "max_tokens": 400, "stream": true});
+    let mut held = Vec::new();
+    for i in 0..3 {
+        let resp = post_streaming(
+            sims[0].http_addr(),
+            "/v1/completions",
+            &long(10_000 + 2_000 * i, 1600),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        held.push(resp);
+    }
+    for i in 0..8 {
+        let resp = post_streaming(
+            sims[1].http_addr(),
+            "/v1/completions",
+            &long(30_000 + 100 * i, 16),
+        )
+        .await;
+        assert_eq!(resp.status(), 200);
+        held.push(resp);
+    }
+    let (full, roomy) = (
+        sims[0].http_addr().to_string(),
+        sims[1].http_addr().to_string(),
+    );
+    eventually(
+        Duration::from_secs(10),
+        "the router scrapes both engines' batches and usage",
+        || async {
+            let e = endpoints(&r).await;
+            let eps = e["endpoints"].as_array()?;
+            let of = |addr: &str| eps.iter().find(|ep| ep["endpoint"] == addr);
+            let busy = of(&full)?["scraped"]["kv_usage"].as_f64()? >= 0.75
+                && of(&full)?["scraped"]["running"].as_f64()? >= 3.0;
+            let batch = of(&roomy)?["scraped"]["running"].as_f64()? >= 8.0;
+            (busy && batch).then_some(())
+        },
+    )
+    .await;
+
+    // A cold 1,600-token prompt (100 blocks) would take engine 0 past full.
+    let reply = send(
+        r.api(),
+        "POST",
+        "/v1/completions",
+        &[("x-kinference-debug", "1")],
+        bytes::Bytes::from(
+            serde_json::to_vec(
+                &json!({"model": MODEL, "prompt": words(50_000, 1600), "max_tokens": 2}),
+            )
+            .unwrap(),
+        ),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text());
+    let explain: serde_json::Value =
+        serde_json::from_str(reply.headers["x-kinference-explain"].to_str().unwrap()).unwrap();
+    assert_eq!(reply.endpoint(), roomy, "{explain}");
+    // The chosen candidate is the roomy engine, the other the full one.
+    let chosen = &explain["choice"]["endpoint"];
+    let candidates = explain["candidates"].as_array().unwrap();
+    let pick = |want: bool| {
+        candidates
+            .iter()
+            .find(|c| (&c["inputs"]["endpoint"] == chosen) == want)
+            .unwrap()
+            .clone()
+    };
+    let (f, o) = (pick(false), pick(true));
+    let kv = |c: &serde_json::Value| c["prediction"]["kv_pressure_ms"].as_f64().unwrap();
+    let ttft = |c: &serde_json::Value| c["prediction"]["ttft_ms"].as_f64().unwrap();
+    eprintln!(
+        "FIGURE full cache: predicted {:.0} ms ({:.0} of KV pressure); the roomy engine {:.0} ms ({:.0})",
+        ttft(&f),
+        kv(&f),
+        ttft(&o),
+        kv(&o)
+    );
+    assert!(kv(&o).abs() < 1e-9, "{o}");
+    // The KV pressure decided it: without it the full engine, decoding
+    // fewer sequences, would have been predicted the sooner.
+    let scale = f["prediction"]["scale"].as_f64().unwrap();
+    eprintln!(
+        "FIGURE full cache without its KV pressure: {:.0} ms",
+        ttft(&f) - scale * kv(&f)
+    );
+    assert!(kv(&f) > 0.0 && ttft(&f) - scale * kv(&f) < ttft(&o), "{f}\n{o}");
+    drop(held);
+    r.shutdown().await;
+}
+
 /// A client that leaves (a user pressing stop, a timeout in the SDK) must
 /// free the engine: vLLM aborts a request when its connection closes, so
 /// the router must close its own. Streamed after the first token, and

@@ -80,6 +80,11 @@ pub struct CalibrationView {
     /// them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<crate::steps::StepCosts>,
+    /// The delay at a full KV cache the policy predicts with, learnt from
+    /// how long the fleet's streams decode ([`crate::latency`]); absent
+    /// until learnt, and for a policy that does not learn it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_turnover_ms: Option<f64>,
 }
 
 fn one() -> f64 {
@@ -203,6 +208,7 @@ impl Calibration {
             fleet_scale: 1.0,
             profile_fits: false,
             steps: None,
+            kv_turnover_ms: None,
         }
     }
 

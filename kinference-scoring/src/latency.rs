@@ -22,7 +22,14 @@
 //! `unseen_request_tokens` each, and running requests beyond its own at the
 //! scrape as decoding sequences, weighted down linearly with the scrape's
 //! age. KV usage above `kv_pressure_start` adds up
-//! to `kv_full_penalty_millis`. A LoRA adapter request adds
+//! to `kv_full_penalty_millis` at a full cache (up to twice that past it),
+//! where the usage is the scraped one plus, when the cache's size is known
+//! ([`crate::KvRoom`]), the blocks of the prefill queued there and of the
+//! request's own uncached tokens: a cold prompt sent to an engine whose
+//! running sequences hold nearly every block waits (vLLM and SGLang hold
+//! it, or preempt it, recomputing) until enough of them finish. The
+//! kinference policy replaces the penalty with the time its streams take
+//! to decode, once learnt ([`crate::Kinference`]). A LoRA adapter request adds
 //! `adapter_load_millis` where its adapter must be loaded into a free slot
 //! and `adapter_slot_wait_millis` where every slot holds another adapter
 //! with running requests ([`crate::AdapterSlot`]).
@@ -230,7 +237,11 @@ pub(crate) struct Model {
     inv_max_age_nanos: f64,
     unseen_tokens: f64,
     kv_start: f64,
-    kv_slope: f64,
+    /// `1 ÷ (1 − kv_start)`: the pressure's growth per unit of usage.
+    inv_kv_span: f64,
+    /// The delay at a full cache: `kv_full_penalty_millis`, or the
+    /// running sequences' turnover once learnt ([`Model::with_kv_turnover`]).
+    kv_full: f64,
     calibrate: bool,
     overdue_slack: f64,
     overdue_max_scale: f64,
@@ -296,11 +307,12 @@ impl Model {
             },
             unseen_tokens: f64::from(params.unseen_request_tokens),
             kv_start: start,
-            kv_slope: if start < 1.0 {
-                params.kv_full_penalty_millis / (1.0 - start)
+            inv_kv_span: if start < 1.0 {
+                1.0 / (1.0 - start)
             } else {
                 0.0
             },
+            kv_full: params.kv_full_penalty_millis,
             calibrate: params.calibrate,
             overdue_slack: params.overdue_slack_millis,
             overdue_max_scale: params.overdue_max_scale,
@@ -430,9 +442,22 @@ impl Model {
                 let unseen_running = max(f64::from(m.running) - f64::from(m.own_requests), 0.0);
                 decoding += trust * unseen_running;
                 // NaN usage counts as 0 (`max` returns its second argument).
-                let over = min(max(m.kv_usage, 0.0), 1.0) - self.kv_start;
+                let usage = min(max(m.kv_usage, 0.0), 1.0);
+                // Where the cache's size is known, the blocks the prefill
+                // queued there and this request's own will take count too:
+                // a cold prompt needs its blocks free before it starts, and
+                // an engine short of them holds it (or preempts it) until
+                // running sequences finish.
+                let projected = if candidate.room.capacity_blocks > 0 && self.block > 0.0 {
+                    usage
+                        + (pending + uncached)
+                            / (self.block * f64::from(candidate.room.capacity_blocks))
+                } else {
+                    usage
+                };
+                let over = projected - self.kv_start;
                 if over > 0.0 {
-                    kv_ms = trust * self.kv_slope * over;
+                    kv_ms = trust * self.kv_full * min(over * self.inv_kv_span, KV_MOST_FULL);
                 }
             }
         }
@@ -497,6 +522,20 @@ impl Model {
     pub(crate) fn evicted_ms(&self, room: KvRoom, uncached: f64, scale: f64) -> f64 {
         // `block` is positive: requests are checked before any decision.
         scale * room.evicted(uncached / self.block) * self.block * self.ms_per_token
+    }
+
+    /// The same model with the delay at a full cache set to `turnover_ms`:
+    /// the time the running sequences take to finish and free their blocks
+    /// (a positive, finite value; others keep the profile's).
+    pub(crate) fn with_kv_turnover(self, turnover_ms: f64) -> Self {
+        if turnover_ms > 0.0 && turnover_ms.is_finite() {
+            Self {
+                kv_full: turnover_ms,
+                ..self
+            }
+        } else {
+            self
+        }
     }
 
     /// The same model with `silent_overdue_factor` 1: the silent engine's
@@ -565,6 +604,11 @@ impl Model {
         }
     }
 }
+
+/// Most of the full-cache delay the KV pressure adds: a cache projected
+/// past full by as much as the pressure's span again. Beyond, the
+/// request waits for about every running sequence to turn over.
+const KV_MOST_FULL: f64 = 2.0;
 
 /// A count as `f64`, through `i64` (see [`ceil_non_negative`]); counts past
 /// 2^63 saturate.
@@ -850,6 +894,73 @@ mod tests {
         assert!((at(1.0) - p.kv_full_penalty_millis).abs() < 1e-9);
         assert!((at(7.0) - p.kv_full_penalty_millis).abs() < 1e-9);
         assert!(at(f64::NAN).abs() < 1e-12);
+    }
+
+    #[test]
+    fn kv_pressure_counts_the_blocks_the_prefill_will_take() {
+        // A 100-block cache whose running sequences hold 80: a prompt of
+        // ten new blocks brings it to 90 % (the start), one of twenty to
+        // full, one of forty past it, where the penalty stops at twice.
+        let p = LatencyParams::default();
+        let full = p.kv_full_penalty_millis;
+        let at = |prompt: u32, cached: u32, pending: u64, capacity: u32| {
+            let c = Candidate {
+                cached: CachedBlocks {
+                    gpu: cached,
+                    ..CachedBlocks::default()
+                },
+                in_flight: InFlight {
+                    requests: u32::from(pending > 0),
+                    prefill_tokens: pending,
+                    ..InFlight::default()
+                },
+                engine: Some(EngineMetrics {
+                    running: 0,
+                    waiting: 0,
+                    kv_usage: 0.8,
+                    age: Duration::ZERO,
+                    own_requests: 0,
+                    own_prefilling: 0,
+                }),
+                room: KvRoom {
+                    capacity_blocks: capacity,
+                    used_blocks: 0,
+                },
+                ..idle()
+            };
+            predict(&p, &req(prompt), &c, None, Duration::ZERO).kv_pressure_ms
+        };
+        assert!(at(160, 0, 0, 100).abs() < 1e-9);
+        assert!((at(320, 0, 0, 100) - full).abs() < 1e-9);
+        assert!((at(640, 0, 0, 100) - 2.0 * full).abs() < 1e-9);
+        assert!((at(6400, 0, 0, 100) - 2.0 * full).abs() < 1e-9);
+        // Cached blocks take none; queued prefill takes its own first.
+        assert!(at(320, 19, 0, 100).abs() < 1e-9);
+        assert!((at(160, 0, 160, 100) - full).abs() < 1e-9);
+        // Without the cache's size, the scraped usage alone (80 %: none).
+        assert!(at(640, 0, 160, 0).abs() < 1e-9);
+        // A learnt turnover replaces the profile's penalty.
+        let model = Model::new(&p, &req(320)).with_kv_turnover(1500.0);
+        let c = Candidate {
+            engine: Some(EngineMetrics {
+                running: 0,
+                waiting: 0,
+                kv_usage: 0.8,
+                age: Duration::ZERO,
+                own_requests: 0,
+                own_prefilling: 0,
+            }),
+            room: KvRoom {
+                capacity_blocks: 100,
+                used_blocks: 0,
+            },
+            ..idle()
+        };
+        assert!((model.terms(&c).kv_ms - 1500.0).abs() < 1e-9);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let model = Model::new(&p, &req(320)).with_kv_turnover(bad);
+            assert!((model.terms(&c).kv_ms - full).abs() < 1e-9, "{bad}");
+        }
     }
 
     #[test]

@@ -206,6 +206,45 @@ struct Steps {
     fit: StepFit,
     /// Whether `Kinference::params` holds the fit's costs.
     in_use: bool,
+    /// How long the fleet's streams decode, first token to last.
+    turnover: Turnover,
+}
+
+/// The mean time a stream decodes (first token to last) over the fleet's
+/// recent streams: about how long an engine's running sequences take to
+/// finish and free their KV blocks, which is what a prompt waits for where
+/// they hold nearly every block. It replaces the profile's
+/// `kv_full_penalty_millis` once [`TURNOVER_MIN_SAMPLES`] streams are in.
+#[derive(Debug, Clone, Copy, Default)]
+struct Turnover {
+    mean_ms: f64,
+    samples: u32,
+}
+
+/// Streams seen before [`Turnover`] is used.
+const TURNOVER_MIN_SAMPLES: u32 = 8;
+/// [`Turnover`]'s memory: a running mean at first, then exponential over
+/// about this many streams.
+const TURNOVER_MEMORY: u32 = 64;
+
+impl Turnover {
+    fn observe(&mut self, millis: f64) {
+        if !(millis > 0.0 && millis.is_finite()) {
+            return;
+        }
+        self.samples = self.samples.saturating_add(1);
+        let k = 1.0 / f64::from(self.samples.min(TURNOVER_MEMORY));
+        self.mean_ms += k * (millis - self.mean_ms);
+    }
+
+    /// The learnt turnover, once enough streams are in (0 before).
+    fn millis(&self) -> f64 {
+        if self.samples >= TURNOVER_MIN_SAMPLES {
+            self.mean_ms
+        } else {
+            0.0
+        }
+    }
 }
 
 /// The fleet's speed against the profile: the median over endpoints of how
@@ -308,6 +347,7 @@ impl Kinference {
                 profile: params,
                 fit: StepFit::new(&params),
                 in_use: false,
+                turnover: Turnover::default(),
             }),
             fresh: Slot::new(&params),
             slots: Vec::new(),
@@ -378,14 +418,16 @@ impl Kinference {
         )
     }
 
-    /// The model for one decision: `silent_overdue_factor` only while the
+    /// The model for one decision, with the streams' turnover as the delay
+    /// at a full cache once learnt ([`Turnover`]): `silent_overdue_factor` only while the
     /// fleet's first tokens say the profile fits its engines
     /// ([`FleetScale::fits`]); with a profile that mispredicts them every
     /// engine sent a request while idle looks late until calibration
     /// catches up, and multiplying that moved requests off the engine
     /// holding their conversation.
     fn model(&self, request: &Request) -> Model {
-        let model = Model::new(&self.params, request);
+        let model =
+            Model::new(&self.params, request).with_kv_turnover(self.steps.turnover.millis());
         if self.fleet.fits {
             model
         } else {
@@ -798,6 +840,8 @@ impl Pick for Kinference {
         view.profile_fits = self.fleet.fits;
         view.scale *= self.fleet.scale;
         view.steps = Some(self.step_costs());
+        let turnover = self.steps.turnover.millis();
+        view.kv_turnover_ms = (turnover > 0.0).then_some(turnover);
         Some(view)
     }
 
@@ -808,6 +852,9 @@ impl Pick for Kinference {
     fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
         if endpoint.0 >= EndpointId::LIMIT {
             return ObserveOutcome::Ignored;
+        }
+        if self.params.calibrate && sample.tokens >= crate::steps::MIN_TOKENS {
+            self.steps.turnover.observe(sample.millis);
         }
         let speed = self.relative_speed(endpoint);
         let sample = StepSample {
@@ -1262,6 +1309,79 @@ mod tests {
             };
             p.observe_steps(EndpointId(i % endpoints), &sample);
         }
+    }
+
+    #[test]
+    fn a_full_cache_costs_the_time_the_streams_take_to_decode() {
+        // An engine whose running sequences hold 95 % of a 1,000-block
+        // cache: a cold 4,000-token prompt (250 blocks) projects it past
+        // full, which costs twice the delay at a full cache.
+        let full = |p: &Kinference| {
+            let c = Candidate {
+                engine: Some(crate::input::EngineMetrics {
+                    running: 0,
+                    waiting: 0,
+                    kv_usage: 0.95,
+                    age: Duration::ZERO,
+                    own_requests: 0,
+                    own_prefilling: 0,
+                }),
+                room: KvRoom {
+                    capacity_blocks: 1000,
+                    used_blocks: 0,
+                },
+                ..cand(0, 0, 0)
+            };
+            p.predict(&request(), &c, Duration::ZERO).kv_pressure_ms
+        };
+        let mut p = Kinference::new(LatencyParams::default());
+        let stream = |millis| StepSample {
+            tokens: 100,
+            millis,
+            decoding: 4.0,
+            prefill_tokens: 0.0,
+        };
+        assert!((full(&p) - 2.0 * p.params().kv_full_penalty_millis).abs() < 1e-9);
+        // Short streams say nothing; seven are not enough.
+        p.observe_steps(
+            EndpointId(0),
+            &StepSample {
+                tokens: 2,
+                ..stream(50.0)
+            },
+        );
+        for _ in 0..7 {
+            p.observe_steps(EndpointId(0), &stream(1500.0));
+        }
+        assert!((full(&p) - 2.0 * p.params().kv_full_penalty_millis).abs() < 1e-9);
+        assert_eq!(
+            p.calibration(EndpointId(0), Duration::ZERO)
+                .and_then(|v| v.kv_turnover_ms),
+            None
+        );
+        p.observe_steps(EndpointId(1), &stream(1500.0));
+        assert!((full(&p) - 3000.0).abs() < 1e-6, "{}", full(&p));
+        let shown = p
+            .calibration(EndpointId(0), Duration::ZERO)
+            .and_then(|v| v.kv_turnover_ms);
+        assert!(
+            shown.is_some_and(|t| (t - 1500.0).abs() < 1e-6),
+            "{shown:?}"
+        );
+        // It follows the streams as they change.
+        for _ in 0..400 {
+            p.observe_steps(EndpointId(1), &stream(600.0));
+        }
+        assert!((full(&p) - 1200.0).abs() < 12.0, "{}", full(&p));
+        // Without calibration nothing is learnt.
+        let mut off = Kinference::new(LatencyParams {
+            calibrate: false,
+            ..LatencyParams::default()
+        });
+        for _ in 0..20 {
+            off.observe_steps(EndpointId(0), &stream(1500.0));
+        }
+        assert!((full(&off) - 2.0 * off.params().kv_full_penalty_millis).abs() < 1e-9);
     }
 
     #[test]
