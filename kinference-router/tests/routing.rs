@@ -725,7 +725,10 @@ async fn a_cold_prompt_avoids_an_engine_whose_running_sequences_fill_its_cache()
         "FIGURE full cache without its KV pressure: {:.0} ms",
         ttft(&f) - scale * kv(&f)
     );
-    assert!(kv(&f) > 0.0 && ttft(&f) - scale * kv(&f) < ttft(&o), "{f}\n{o}");
+    assert!(
+        kv(&f) > 0.0 && ttft(&f) - scale * kv(&f) < ttft(&o),
+        "{f}\n{o}"
+    );
     drop(held);
     r.shutdown().await;
 }
