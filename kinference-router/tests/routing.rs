@@ -465,6 +465,15 @@ async fn problems_are_shown_and_slow_clients_are_cut_off() {
 /// where a slot is free, rather than to a less loaded engine whose only
 /// slot (`--max-loras 1`) runs another adapter: there it would wait until
 /// that adapter's requests had all finished.
+/// A profile where each decoding sequence costs a step 20 ms: an engine
+/// decoding a few more sequences is clearly slower to a first token.
+fn decode_heavy() -> WorkerSetOpts {
+    WorkerSetOpts {
+        profile_spec: Some("  latency: {decodeCostMillis: 20}\n".into()),
+        ..WorkerSetOpts::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_adapter_request_avoids_an_engine_whose_slots_run_other_adapters() {
     let sims = engines(2, |c| {
@@ -479,13 +488,7 @@ async fn an_adapter_request_avoids_an_engine_whose_slots_run_other_adapters() {
     })
     .await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
-    // Each decoding sequence costs a step 20 ms: six of them make an engine
-    // clearly slower to a first token than one.
-    let opts = WorkerSetOpts {
-        profile_spec: Some("  latency: {decodeCostMillis: 20}\n".into()),
-        ..WorkerSetOpts::default()
-    };
-    let r = router(&addrs, &opts, &[]).await;
+    let r = router(&addrs, &decode_heavy(), &[]).await;
     wait_routable(&r, 2, true).await;
     let long = |model: &str, start: usize| json!({"model": model, "prompt": words(start, 64), "max_tokens": 4000, "stream": true});
 
@@ -604,13 +607,7 @@ async fn a_cold_prompt_avoids_an_engine_whose_running_sequences_fill_its_cache()
     })
     .await;
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
-    // Each decoding sequence costs a step 20 ms: more of them make an
-    // engine clearly slower to a first token.
-    let opts = WorkerSetOpts {
-        profile_spec: Some("  latency: {decodeCostMillis: 20}\n".into()),
-        ..WorkerSetOpts::default()
-    };
-    let r = router(&addrs, &opts, &[]).await;
+    let r = router(&addrs, &decode_heavy(), &[]).await;
     wait_routable(&r, 2, true).await;
     // Streams through the router teach it how long streams decode.
     for i in 0..10 {

@@ -903,6 +903,21 @@ mod tests {
         // full, one of forty past it, where the penalty stops at twice.
         let p = LatencyParams::default();
         let full = p.kv_full_penalty_millis;
+        let busy = |capacity: u32| Candidate {
+            engine: Some(EngineMetrics {
+                running: 0,
+                waiting: 0,
+                kv_usage: 0.8,
+                age: Duration::ZERO,
+                own_requests: 0,
+                own_prefilling: 0,
+            }),
+            room: KvRoom {
+                capacity_blocks: capacity,
+                used_blocks: 0,
+            },
+            ..idle()
+        };
         let at = |prompt: u32, cached: u32, pending: u64, capacity: u32| {
             let c = Candidate {
                 cached: CachedBlocks {
@@ -914,19 +929,7 @@ mod tests {
                     prefill_tokens: pending,
                     ..InFlight::default()
                 },
-                engine: Some(EngineMetrics {
-                    running: 0,
-                    waiting: 0,
-                    kv_usage: 0.8,
-                    age: Duration::ZERO,
-                    own_requests: 0,
-                    own_prefilling: 0,
-                }),
-                room: KvRoom {
-                    capacity_blocks: capacity,
-                    used_blocks: 0,
-                },
-                ..idle()
+                ..busy(capacity)
             };
             predict(&p, &req(prompt), &c, None, Duration::ZERO).kv_pressure_ms
         };
@@ -941,21 +944,7 @@ mod tests {
         assert!(at(640, 0, 160, 0).abs() < 1e-9);
         // A learnt turnover replaces the profile's penalty.
         let model = Model::new(&p, &req(320)).with_kv_turnover(1500.0);
-        let c = Candidate {
-            engine: Some(EngineMetrics {
-                running: 0,
-                waiting: 0,
-                kv_usage: 0.8,
-                age: Duration::ZERO,
-                own_requests: 0,
-                own_prefilling: 0,
-            }),
-            room: KvRoom {
-                capacity_blocks: 100,
-                used_blocks: 0,
-            },
-            ..idle()
-        };
+        let c = busy(100);
         assert!((model.terms(&c).kv_ms - 1500.0).abs() < 1e-9);
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let model = Model::new(&p, &req(320)).with_kv_turnover(bad);
