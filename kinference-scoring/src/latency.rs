@@ -28,8 +28,8 @@
 //! request's own uncached tokens: a cold prompt sent to an engine whose
 //! running sequences hold nearly every block waits (vLLM and SGLang hold
 //! it, or preempt it, recomputing) until enough of them finish. The
-//! kinference policy replaces the penalty with the time its streams take
-//! to decode, once learnt ([`crate::Kinference`]). A LoRA adapter request adds
+//! kinference policy replaces the penalty, where the size is known, with
+//! the time its streams take to decode, once learnt ([`crate::Kinference`]). A LoRA adapter request adds
 //! `adapter_load_millis` where its adapter must be loaded into a free slot
 //! and `adapter_slot_wait_millis` where every slot holds another adapter
 //! with running requests ([`crate::AdapterSlot`]).
@@ -239,9 +239,13 @@ pub(crate) struct Model {
     kv_start: f64,
     /// `1 ÷ (1 − kv_start)`: the pressure's growth per unit of usage.
     inv_kv_span: f64,
-    /// The delay at a full cache: `kv_full_penalty_millis`, or the
-    /// running sequences' turnover once learnt ([`Model::with_kv_turnover`]).
+    /// The delay at a full cache: `kv_full_penalty_millis`, or, where the
+    /// cache's size is known, the running sequences' turnover once learnt
+    /// ([`Model::with_kv_turnover`]).
     kv_full: f64,
+    /// `kv_full_penalty_millis`: the delay at a full cache whose size is
+    /// unknown (the usage alone cannot tell whether the prompt fits).
+    kv_full_unsized: f64,
     calibrate: bool,
     overdue_slack: f64,
     overdue_max_scale: f64,
@@ -313,6 +317,7 @@ impl Model {
                 0.0
             },
             kv_full: params.kv_full_penalty_millis,
+            kv_full_unsized: params.kv_full_penalty_millis,
             calibrate: params.calibrate,
             overdue_slack: params.overdue_slack_millis,
             overdue_max_scale: params.overdue_max_scale,
@@ -448,16 +453,15 @@ impl Model {
                 // a cold prompt needs its blocks free before it starts, and
                 // an engine short of them holds it (or preempts it) until
                 // running sequences finish.
-                let projected = if candidate.room.capacity_blocks > 0 && self.block > 0.0 {
-                    usage
-                        + (pending + uncached)
-                            / (self.block * f64::from(candidate.room.capacity_blocks))
+                let (projected, full) = if candidate.room.capacity_blocks > 0 && self.block > 0.0 {
+                    let blocks = self.block * f64::from(candidate.room.capacity_blocks);
+                    (usage + (pending + uncached) / blocks, self.kv_full)
                 } else {
-                    usage
+                    (usage, self.kv_full_unsized)
                 };
                 let over = projected - self.kv_start;
                 if over > 0.0 {
-                    kv_ms = trust * self.kv_full * min(over * self.inv_kv_span, KV_MOST_FULL);
+                    kv_ms = trust * full * min(over * self.inv_kv_span, KV_MOST_FULL);
                 }
             }
         }
@@ -524,9 +528,10 @@ impl Model {
         scale * room.evicted(uncached / self.block) * self.block * self.ms_per_token
     }
 
-    /// The same model with the delay at a full cache set to `turnover_ms`:
-    /// the time the running sequences take to finish and free their blocks
-    /// (a positive, finite value; others keep the profile's).
+    /// The same model with the delay at a full cache of known size set to
+    /// `turnover_ms`: the time the running sequences take to finish and
+    /// free their blocks (a positive, finite value; others keep the
+    /// profile's).
     pub(crate) fn with_kv_turnover(self, turnover_ms: f64) -> Self {
         if turnover_ms > 0.0 && turnover_ms.is_finite() {
             Self {
@@ -950,6 +955,16 @@ mod tests {
             let model = Model::new(&p, &req(320)).with_kv_turnover(bad);
             assert!((model.terms(&c).kv_ms - full).abs() < 1e-9, "{bad}");
         }
+        // Where the size is unknown the usage alone cannot tell whether the
+        // prompt fits: the profile's penalty stays.
+        let unsized_full = Candidate {
+            engine: Some(EngineMetrics {
+                kv_usage: 1.0,
+                ..c.engine.unwrap()
+            }),
+            ..busy(0)
+        };
+        assert!((model.terms(&unsized_full).kv_ms - full).abs() < 1e-9);
     }
 
     #[test]

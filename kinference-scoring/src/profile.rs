@@ -105,9 +105,10 @@ pub struct LatencyParams {
     /// Delay added at 100 % KV-cache usage, growing linearly from
     /// `kv_pressure_start` (the usage counting the blocks the request and
     /// the prefill queued before it will take, where the cache's size is
-    /// known; up to twice this past full). The kinference policy uses the
-    /// time its streams take to decode instead, once it has seen a few:
-    /// about how long running sequences take to free their blocks.
+    /// known; up to twice this past full). Where the size is known, the
+    /// kinference policy uses the time its streams take to decode instead,
+    /// once it has seen a few: about how long running sequences take to
+    /// free their blocks.
     pub kv_full_penalty_millis: f64,
     /// Credit multiplier for cache estimates from the router's own prefix
     /// record (approximate mode): the engine may have evicted them.
