@@ -637,25 +637,13 @@ async fn a_cold_prompt_avoids_an_engine_whose_running_sequences_fill_its_cache()
     // blocks but more sequences decoding. Neither through the router.
     let long = |start: usize, words_n: usize| json!({"model": MODEL, "prompt": words(start, words_n), "max_tokens": 400, "stream": true});
     let mut held = Vec::new();
-    for i in 0..3 {
-        let resp = post_streaming(
-            sims[0].http_addr(),
-            "/v1/completions",
-            &long(10_000 + 2_000 * i, 1600),
-        )
-        .await;
-        assert_eq!(resp.status(), 200);
-        held.push(resp);
-    }
-    for i in 0..8 {
-        let resp = post_streaming(
-            sims[1].http_addr(),
-            "/v1/completions",
-            &long(30_000 + 100 * i, 16),
-        )
-        .await;
-        assert_eq!(resp.status(), 200);
-        held.push(resp);
+    for (sim, n, first, words_n) in [(&sims[0], 3, 10_000, 1600), (&sims[1], 8, 30_000, 16)] {
+        for i in 0..n {
+            let body = long(first + 2_000 * i, words_n);
+            let resp = post_streaming(sim.http_addr(), "/v1/completions", &body).await;
+            assert_eq!(resp.status(), 200);
+            held.push(resp);
+        }
     }
     let (full, roomy) = (
         sims[0].http_addr().to_string(),

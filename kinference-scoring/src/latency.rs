@@ -239,10 +239,10 @@ pub(crate) struct Model {
     kv_start: f64,
     /// `1 ÷ (1 − kv_start)`: the pressure's growth per unit of usage.
     inv_kv_span: f64,
-    /// The delay at a full cache: `kv_full_penalty_millis`, or, where the
-    /// cache's size is known, the running sequences' turnover once learnt
-    /// ([`Model::with_kv_turnover`]).
-    kv_full: f64,
+    /// The delay at a full cache whose size is known:
+    /// `kv_full_penalty_millis`, or the running sequences' turnover once
+    /// learnt ([`Model::with_kv_turnover`]).
+    kv_full_sized: f64,
     /// `kv_full_penalty_millis`: the delay at a full cache whose size is
     /// unknown (the usage alone cannot tell whether the prompt fits).
     kv_full_unsized: f64,
@@ -316,7 +316,7 @@ impl Model {
             } else {
                 0.0
             },
-            kv_full: params.kv_full_penalty_millis,
+            kv_full_sized: params.kv_full_penalty_millis,
             kv_full_unsized: params.kv_full_penalty_millis,
             calibrate: params.calibrate,
             overdue_slack: params.overdue_slack_millis,
@@ -455,7 +455,7 @@ impl Model {
                 // running sequences finish.
                 let (projected, full) = if candidate.room.capacity_blocks > 0 && self.block > 0.0 {
                     let blocks = self.block * f64::from(candidate.room.capacity_blocks);
-                    (usage + (pending + uncached) / blocks, self.kv_full)
+                    (usage + (pending + uncached) / blocks, self.kv_full_sized)
                 } else {
                     (usage, self.kv_full_unsized)
                 };
@@ -535,7 +535,7 @@ impl Model {
     pub(crate) fn with_kv_turnover(self, turnover_ms: f64) -> Self {
         if turnover_ms > 0.0 && turnover_ms.is_finite() {
             Self {
-                kv_full: turnover_ms,
+                kv_full_sized: turnover_ms,
                 ..self
             }
         } else {

@@ -196,6 +196,9 @@ pub struct Kinference {
     inv_mean_prefill_ms: f64,
     /// The fleet's speed against the profile ([`FleetScale`]).
     fleet: FleetScale,
+    /// How long the fleet's streams decode: the delay at a full cache
+    /// (read by every decision, so not in the boxed [`Steps`]).
+    turnover: Turnover,
 }
 
 /// The fleet's step costs ([`crate::steps`]).
@@ -206,8 +209,6 @@ struct Steps {
     fit: StepFit,
     /// Whether `Kinference::params` holds the fit's costs.
     in_use: bool,
-    /// How long the fleet's streams decode, first token to last.
-    turnover: Turnover,
 }
 
 /// The mean time a stream decodes (first token to last) over the fleet's
@@ -237,13 +238,9 @@ impl Turnover {
         self.mean_ms += k * (millis - self.mean_ms);
     }
 
-    /// The learnt turnover, once enough streams are in (0 before).
-    fn millis(&self) -> f64 {
-        if self.samples >= TURNOVER_MIN_SAMPLES {
-            self.mean_ms
-        } else {
-            0.0
-        }
+    /// The learnt turnover, once enough streams are in.
+    fn millis(&self) -> Option<f64> {
+        (self.samples >= TURNOVER_MIN_SAMPLES).then_some(self.mean_ms)
     }
 }
 
@@ -347,7 +344,6 @@ impl Kinference {
                 profile: params,
                 fit: StepFit::new(&params),
                 in_use: false,
-                turnover: Turnover::default(),
             }),
             fresh: Slot::new(&params),
             slots: Vec::new(),
@@ -357,6 +353,7 @@ impl Kinference {
             mean_prefill_ms: initial_mean_prefill_ms(&params),
             inv_mean_prefill_ms: 1.0 / initial_mean_prefill_ms(&params),
             fleet: FleetScale::new(),
+            turnover: Turnover::default(),
         }
     }
 
@@ -426,8 +423,10 @@ impl Kinference {
     /// catches up, and multiplying that moved requests off the engine
     /// holding their conversation.
     fn model(&self, request: &Request) -> Model {
-        let model =
-            Model::new(&self.params, request).with_kv_turnover(self.steps.turnover.millis());
+        let mut model = Model::new(&self.params, request);
+        if let Some(turnover) = self.turnover.millis() {
+            model = model.with_kv_turnover(turnover);
+        }
         if self.fleet.fits {
             model
         } else {
@@ -840,8 +839,7 @@ impl Pick for Kinference {
         view.profile_fits = self.fleet.fits;
         view.scale *= self.fleet.scale;
         view.steps = Some(self.step_costs());
-        let turnover = self.steps.turnover.millis();
-        view.kv_turnover_ms = (turnover > 0.0).then_some(turnover);
+        view.kv_turnover_ms = self.turnover.millis();
         Some(view)
     }
 
@@ -854,7 +852,7 @@ impl Pick for Kinference {
             return ObserveOutcome::Ignored;
         }
         if self.params.calibrate && sample.tokens >= crate::steps::MIN_TOKENS {
-            self.steps.turnover.observe(sample.millis);
+            self.turnover.observe(sample.millis);
         }
         let speed = self.relative_speed(endpoint);
         let sample = StepSample {
