@@ -120,9 +120,10 @@ pub struct LatencyParams {
     /// See `tie_millis`.
     pub tie_fraction: f64,
     /// Cap on the externality multiplier of [`crate::Kinference`]'s score: a
-    /// choice is charged its prefill time × min(queue ahead ÷ mean prefill
-    /// time, this cap), the delay its work imposes on requests that will
-    /// queue behind it (M/M/1: ρ/(1−ρ) per unit of work). 0 turns the charge
+    /// choice is charged its prefill time s × min(the requests that will
+    /// arrive behind it before it is done, this cap), the delay its work
+    /// imposes on them (at arrival rate λ behind a queue of W: λ·(W + s÷2)).
+    /// 0 turns the charge
     /// off: pure TTFT greed, which under load replicates prefixes until the
     /// caches thrash (see `examples/fleet.rs`).
     pub externality_cap: f64,

@@ -12,12 +12,11 @@ use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
 use crate::steps::{StepCosts, StepFit, StepSample};
 
-/// The mean prefill time assumed before any decision: an
-/// `unseen_request_tokens` prompt.
-fn initial_mean_prefill_ms(params: &LatencyParams) -> f64 {
-    (f64::from(params.unseen_request_tokens) * 1e3 / params.prefill_tokens_per_second)
-        .max(params.step_overhead_millis.max(1.0))
-}
+/// How far back (ns) an endpoint's arrival rate looks: its recent
+/// choices count with weight `τ ÷ (τ + age)`, so the rate follows a change
+/// within a few seconds and a request stream of a few per second is seen
+/// as one.
+const ARRIVAL_MEMORY_NANOS: u64 = 3_000_000_000;
 
 /// Per-endpoint state. The first four fields are what a decision reads per
 /// candidate; the calibration itself is touched only by `observe` and when a
@@ -38,6 +37,11 @@ struct Slot {
     log_ratio: f64,
     /// The weight behind `log_ratio`.
     ratio_weight: f64,
+    /// Requests this policy sent here recently, each weighted by
+    /// `τ ÷ (τ + its age at arrivals_at)` ([`ARRIVAL_MEMORY_NANOS`]).
+    arrivals: f64,
+    /// When `arrivals` was last brought up to date, ns.
+    arrivals_at: u64,
 }
 
 impl Slot {
@@ -73,6 +77,8 @@ impl Slot {
             calibration: Calibration::prior(params),
             log_ratio: 0.0,
             ratio_weight: 0.0,
+            arrivals: 0.0,
+            arrivals_at: 0,
         };
         slot.cache_coefficients(params);
         slot
@@ -83,6 +89,24 @@ impl Slot {
         self.offset_ms = offset_ms;
         self.scale = scale;
         self.fresh_until = fresh_until;
+    }
+
+    /// The rate requests arrive here (per ms): the weighted recent
+    /// arrivals over the window they span, `arrivals ÷ (τ + since)`. A
+    /// steady stream every Δ reads 1 ÷ Δ just before its next arrival.
+    #[inline]
+    fn arrival_rate(&self, now_nanos: u64) -> f64 {
+        let window =
+            ARRIVAL_MEMORY_NANOS.saturating_add(now_nanos.saturating_sub(self.arrivals_at));
+        self.arrivals * 1e6 / window as f64
+    }
+
+    /// One more request sent here at `now_nanos`.
+    fn arrived(&mut self, now_nanos: u64) {
+        let tau = ARRIVAL_MEMORY_NANOS as f64;
+        let since = now_nanos.saturating_sub(self.arrivals_at) as f64;
+        self.arrivals = self.arrivals * tau / (tau + since) + 1.0;
+        self.arrivals_at = now_nanos.max(self.arrivals_at);
     }
 
     #[inline]
@@ -131,26 +155,33 @@ const FLEET_DEAD_ZONE: f64 = 2.0;
 ///
 /// ```text
 /// score = TTFT − tolerance × warm fraction
-///       + scale × own prefill × min(queue ahead ÷ mean prefill, externality_cap)
+///       + s × min(λ × (scale × queue ahead + s ÷ 2), externality_cap)
 ///       + eviction_weight × scale × prefill of the cached blocks it evicts
 /// ```
 ///
-/// The lowest score wins.
+/// with `s = scale × own prefill` and λ the rate this policy has been
+/// sending requests to the candidate. The lowest score wins.
 ///
 /// - **Saturation release.** A warm endpoint keeps a request unless it is
 ///   predicted later than a colder one by more than `tolerance_millis` plus
 ///   the difference in externality.
-/// - **Externality.** Prefill work sent to an engine with a queue delays the
-///   requests that will queue behind it: for an M/M/1 queue a job of size s
-///   delays later arrivals by s·ρ/(1−ρ) in total, and ρ/(1−ρ) = queue wait ÷
-///   mean service. The mean prefill time per decision is learnt online
-///   (EWMA). On idle engines the charge is 0 and the policy is plain
-///   TTFT-greedy; on busy ones a cold endpoint must be much faster to be worth
-///   recomputing a prefix and evicting other prefixes for it. Without it,
-///   greedy release replicates prefixes under load until the caches thrash
-///   and the fleet collapses (`examples/fleet.rs`, 8 engines at 200 req/s:
-///   58 % of prompt tokens cached and an 86 s median TTFT without it, 91 %
-///   and 0.12 s with it).
+/// - **Externality.** Prefill work sent to an engine delays the requests
+///   that arrive there before it is done: with arrivals at rate λ behind a
+///   queue of W ms, a job of s ms delays about λ·(W + s÷2) of them by s
+///   (λ·W is the queue's length, by Little's law). λ is this policy's own
+///   sending rate: with several router replicas each counts its own share.
+///   On an engine nobody sends work to the charge is 0 and the policy is plain
+///   TTFT-greedy; on busy ones a cold endpoint must be much faster to be
+///   worth recomputing a prefix and evicting other prefixes for it, and a
+///   long cold prefill costs in proportion to its square where requests
+///   keep arriving. Without it, greedy release replicates prefixes under
+///   load until the caches thrash and the fleet collapses
+///   (`examples/fleet.rs`, 8 engines at 200 req/s: 58 % of prompt tokens
+///   cached and an 86 s median TTFT without it, 91 % and 0.12 s with it).
+///   (The charge was `s × queue ÷ mean prefill` before: one long prefill
+///   queued read as a saturated engine, and a request whose group's prefix
+///   was being computed there went cold to an idle engine instead, doing
+///   the same prefill twice.)
 /// - **Eviction.** A prefill needs free KV blocks; where the cache is full
 ///   ([`crate::KvRoom`]) it evicts cached ones, which later requests may
 ///   recompute. The charge is recomputing the evicted blocks at this
@@ -173,8 +204,8 @@ const FLEET_DEAD_ZONE: f64 = 2.0;
 ///   meets it, the choice stands (the router's admission then holds the
 ///   request or answers 429).
 ///
-/// State: one 128-byte slot per endpoint id ever chosen or observed (a dense
-/// vector indexed by id), the mean prefill time and reusable buffers. A
+/// State: one 144-byte slot per endpoint id ever chosen or observed (a dense
+/// vector indexed by id) and reusable buffers. A
 /// decision is O(candidates) with no allocation once the buffers have grown;
 /// candidates whose lower-bound score cannot win skip the full model.
 #[derive(Debug, Clone)]
@@ -191,9 +222,6 @@ pub struct Kinference {
     /// Every candidate's predicted TTFT, when the request has a target.
     ttfts: Vec<f64>,
     equals: Vec<(usize, u64)>,
-    /// EWMA of the chosen candidates' prefill time, ms, and its reciprocal.
-    mean_prefill_ms: f64,
-    inv_mean_prefill_ms: f64,
     /// The fleet's speed against the profile ([`FleetScale`]).
     fleet: FleetScale,
     /// How long the fleet's streams decode: the delay at a full cache
@@ -350,8 +378,6 @@ impl Kinference {
             scores: Vec::new(),
             ttfts: Vec::new(),
             equals: Vec::new(),
-            mean_prefill_ms: initial_mean_prefill_ms(&params),
-            inv_mean_prefill_ms: 1.0 / initial_mean_prefill_ms(&params),
             fleet: FleetScale::new(),
             turnover: Turnover::default(),
         }
@@ -384,13 +410,13 @@ impl Kinference {
             let params = self.params;
             self.fresh = Slot::new(&params);
             for slot in &mut self.slots {
-                let last_chosen = slot.last_chosen;
+                let old = *slot;
                 *slot = Slot::new(&params);
-                slot.last_chosen = last_chosen;
+                slot.last_chosen = old.last_chosen;
+                slot.arrivals = old.arrivals;
+                slot.arrivals_at = old.arrivals_at;
             }
             self.fleet.update(&self.slots);
-            self.mean_prefill_ms = initial_mean_prefill_ms(&params);
-            self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
         }
     }
 
@@ -455,16 +481,18 @@ impl Kinference {
         self.slots.get_mut(i)
     }
 
-    /// The delay a choice's prefill imposes on requests that will queue
-    /// behind it: `scale × prefill × min(queue ÷ mean prefill, cap)`, in
-    /// calibrated ms. For an M/M/1 queue ρ/(1−ρ) = queue wait ÷ mean service,
-    /// and a job of size s delays later arrivals by s·ρ/(1−ρ) in total.
+    /// The delay a choice's prefill imposes on requests that arrive behind
+    /// it, in calibrated ms: with `s = scale × prefill`,
+    /// `s × min(rate × (scale × queue + s ÷ 2), cap)`. Requests arriving at
+    /// `rate` (per ms) behind a queue of W ms and a job of s ms: about
+    /// rate·(W + s÷2) of them wait s longer. Grows with `queue`, so the
+    /// pruning bound stays a bound.
     #[inline]
-    fn externality(&self, scale: f64, prefill_ms: f64, queue_ms: f64) -> f64 {
-        let multiplier = queue_ms * self.inv_mean_prefill_ms;
-        let cap = self.params.externality_cap;
+    fn externality(scale: f64, prefill_ms: f64, queue_ms: f64, rate: f64, cap: f64) -> f64 {
+        let s = scale * prefill_ms;
+        let multiplier = rate * (scale * queue_ms + 0.5 * s);
         let multiplier = if multiplier < cap { multiplier } else { cap };
-        scale * prefill_ms * multiplier
+        s * multiplier
     }
 
     /// `candidate`'s KV room as the eviction charge counts it: free room
@@ -540,6 +568,7 @@ impl Kinference {
         let model = self.model(request);
         let now_nanos = nanos(now);
         let tolerance = self.params.tolerance_millis;
+        let cap = self.params.externality_cap;
         let mut scores = std::mem::take(&mut self.scores);
         scores.clear();
         scores.resize(candidates.len(), 0.0);
@@ -562,6 +591,7 @@ impl Kinference {
         let prune = explain.is_none() && target_ms.is_none();
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
+            let rate = slot.arrival_rate(now_nanos);
             let (offset, scale) = self.coefficients(&model, slot, now_nanos);
             let adjust = model.adjust(c, scale);
             let (cached, uncached) = model.cache_terms(c);
@@ -574,7 +604,7 @@ impl Kinference {
                 let (load_bound, queue_bound, prefill_ms) = model.bounds(c, uncached);
                 let ttft_bound = adjust.ttft(offset, load_bound);
                 let score_bound = ttft_bound - tolerance * warm
-                    + self.externality(adjust.scale, prefill_ms, queue_bound);
+                    + Self::externality(adjust.scale, prefill_ms, queue_bound, rate, cap);
                 let may_be_warmest =
                     warm > warmest.1 || (warm >= warmest.1 && ttft_bound < warmest.2);
                 if !may_be_warmest && ttft_bound >= fastest.1 && score_bound > prune_limit {
@@ -584,7 +614,8 @@ impl Kinference {
             }
             let terms = model.terms_given(c, cached, uncached);
             let ttft = adjust.ttft(offset, terms.load_ms);
-            let externality = self.externality(adjust.scale, terms.prefill_ms, terms.queue_ms);
+            let externality =
+                Self::externality(adjust.scale, terms.prefill_ms, terms.queue_ms, rate, cap);
             // Not in the pruning bound above: it only adds.
             let eviction = self.params.eviction_weight
                 * model.evicted_ms(
@@ -794,16 +825,13 @@ impl Pick for Kinference {
     }
 
     /// The request went to `choice`: its endpoint becomes the most recently
-    /// chosen, and its prefill time enters the running mean the externality
-    /// charge divides by.
+    /// chosen, and the request counts in its arrival rate (the externality's
+    /// λ).
     fn commit(&mut self, _request: &Request, _chosen: &Candidate, choice: &Choice, now: Duration) {
         if let Some(slot) = self.slot_mut(choice.endpoint) {
             slot.last_chosen = nanos(now).saturating_add(1);
+            slot.arrived(nanos(now));
         }
-        let floor = self.params.step_overhead_millis.max(1.0);
-        self.mean_prefill_ms =
-            (0.98 * self.mean_prefill_ms + 0.02 * choice.prediction.prefill_ms).max(floor);
-        self.inv_mean_prefill_ms = 1.0 / self.mean_prefill_ms;
     }
 
     fn observe(
@@ -1205,15 +1233,31 @@ mod tests {
         assert_eq!(pick(params, &warm, &mut rng).choice.endpoint, EndpointId(0));
     }
 
+    /// Sends `p` a request to each of `endpoints` every `every` for 10 s
+    /// until `until`: the traffic its externality's arrival rate counts.
+    fn traffic(p: &mut Kinference, endpoints: &[u32], every: Duration, until: Duration) {
+        let mut rng = SplitMix64::new(7);
+        let mut at = until.saturating_sub(Duration::from_secs(10));
+        while at < until {
+            for &id in endpoints {
+                p.pick(&request(), &[cand(id, 240, 0)], at, &mut rng)
+                    .unwrap();
+            }
+            at += every;
+        }
+    }
+
     #[test]
     fn on_a_busy_fleet_the_prefix_stays_home() {
         let mut p = Kinference::new(LatencyParams::default());
         let mut rng = SplitMix64::new(1);
-        // Both endpoints are queued; the cold one is 400 ms less so (well
-        // beyond the 50 ms tolerance), but recomputing the whole prompt there
-        // would delay everyone queued behind it by far more.
+        // Both endpoints are queued, and requests keep arriving (20 a
+        // second each); the cold one is 400 ms less queued (well beyond the
+        // 50 ms tolerance), but recomputing the whole prompt there would
+        // delay everyone arriving behind it by far more.
+        traffic(&mut p, &[0, 1], Duration::from_millis(50), secs(10));
         let cands = [cand(0, 240, 30_000), cand(1, 0, 20_000)];
-        let choice = p.pick(&request(), &cands, secs(1), &mut rng).unwrap();
+        let choice = p.pick(&request(), &cands, secs(10), &mut rng).unwrap();
         assert_eq!(choice.endpoint, EndpointId(0));
         assert!(
             matches!(choice.reason, Reason::StayedWarm { fastest, later_ms } if fastest == EndpointId(1) && later_ms > 200.0),
@@ -1226,12 +1270,120 @@ mod tests {
             ..LatencyParams::default()
         };
         let mut p = Kinference::new(greedy);
+        traffic(&mut p, &[0, 1], Duration::from_millis(50), secs(10));
         assert_eq!(
-            p.pick(&request(), &cands, secs(1), &mut rng)
+            p.pick(&request(), &cands, secs(10), &mut rng)
                 .unwrap()
                 .endpoint,
             EndpointId(1)
         );
+        // Nor does the queue alone make an engine busy: with nothing
+        // arriving behind the work, nobody waits for it.
+        let mut p = Kinference::new(LatencyParams::default());
+        assert_eq!(
+            p.pick(&request(), &cands, secs(10), &mut rng)
+                .unwrap()
+                .endpoint,
+            EndpointId(1)
+        );
+    }
+
+    fn externality_of(e: &Explanation, i: usize) -> f64 {
+        match e.candidates[i].detail {
+            ScoreDetail::Kinference { externality_ms, .. } => externality_ms,
+            ref d => panic!("{d:?}"),
+        }
+    }
+
+    #[test]
+    fn the_externality_counts_the_requests_arriving_behind_the_work() {
+        let mut rng = SplitMix64::new(1);
+        let mut p = Kinference::new(LatencyParams::default());
+        let cands = [cand(0, 0, 0), cand(1, 0, 5000), cand(2, 0, 0)];
+        // Nothing sent anywhere yet: no charge.
+        let e = p
+            .propose_explained(&request(), &cands, secs(5), &mut rng)
+            .unwrap();
+        for i in 0..3 {
+            assert_eq!(externality_of(&e, i), 0.0);
+        }
+        // One request to each of 0 and 1, just now: a rate of 1 per 3 s
+        // (the memory), and the charge λ·(W + s/2)·s.
+        for id in [0, 1] {
+            p.pick(&request(), &[cand(id, 240, 0)], secs(5), &mut rng)
+                .unwrap();
+        }
+        let e = p
+            .propose_explained(&request(), &cands, secs(5), &mut rng)
+            .unwrap();
+        let rate = 1.0 / 3000.0;
+        for i in 0..2 {
+            let pred = &e.candidates[i].prediction;
+            let s = pred.scale * pred.prefill_ms;
+            let expected = s * rate * (pred.scale * pred.queue_ms + s / 2.0);
+            assert!(expected > 0.0);
+            let got = externality_of(&e, i);
+            assert!(
+                (got - expected).abs() < 1e-9 * expected,
+                "{i}: {got} vs {expected}"
+            );
+        }
+        // 1 has 200 ms queued: its charge is λ·W·s larger (3.5×).
+        assert!(externality_of(&e, 1) > 3.0 * externality_of(&e, 0));
+        assert_eq!(externality_of(&e, 2), 0.0);
+        // The rate fades: 3 s later it is half.
+        let later = secs(8);
+        let e2 = p
+            .propose_explained(&request(), &cands, later, &mut rng)
+            .unwrap();
+        let ratio = externality_of(&e2, 0) / externality_of(&e, 0);
+        assert!((ratio - 0.5).abs() < 1e-6, "{ratio}");
+        // A steady stream every 50 ms reads as 20 a second; under a deep
+        // queue the multiplier stops at the cap.
+        let mut p = Kinference::new(LatencyParams::default());
+        traffic(&mut p, &[0], Duration::from_millis(50), secs(10));
+        let deep = [cand(0, 0, 1_000_000)];
+        let e = p
+            .propose_explained(&request(), &deep, secs(10), &mut rng)
+            .unwrap();
+        let pred = &e.candidates[0].prediction;
+        let s = pred.scale * pred.prefill_ms;
+        let cap = LatencyParams::default().externality_cap;
+        assert!((externality_of(&e, 0) - cap * s).abs() < 1e-9 * s);
+        let shallow = [cand(0, 0, 0)];
+        let e = p
+            .propose_explained(&request(), &shallow, secs(10), &mut rng)
+            .unwrap();
+        let pred = &e.candidates[0].prediction;
+        let s = pred.scale * pred.prefill_ms;
+        let per_ms = 2.0 * externality_of(&e, 0) / (s * s);
+        assert!((per_ms * 1e3 - 20.0).abs() < 1.5, "{}", per_ms * 1e3);
+    }
+
+    #[test]
+    fn a_groups_next_request_waits_where_its_prefix_is_being_computed() {
+        // A 16,000-token prompt (640 ms cold). Engine 0 is computing the
+        // group's shared 15,000-token prefix for its first request (the
+        // router's record shows it there); engine 1 is idle. Both get a
+        // few short, mostly cached requests a second, so the mean prefill
+        // per decision is small beside that one queued job.
+        let req = Request {
+            prompt_tokens: 16_000,
+            ..request()
+        };
+        let mut p = Kinference::new(LatencyParams::default());
+        traffic(&mut p, &[0, 1], Duration::from_millis(300), secs(10));
+        let cands = [cand(0, 937, 15_000), cand(1, 0, 0)];
+        let mut rng = SplitMix64::new(1);
+        let e = p
+            .propose_explained(&req, &cands, secs(10), &mut rng)
+            .unwrap();
+        // Recomputing the prefix on the idle engine is as fast for this
+        // request, but is the same work twice, and the requests arriving
+        // there meanwhile wait behind all of it; on 0 the request adds
+        // ~40 ms behind work that is being done anyway.
+        assert_eq!(e.choice.endpoint, EndpointId(0), "{e:#?}");
+        assert!(externality_of(&e, 1) > 5.0 * externality_of(&e, 0));
     }
 
     #[test]
