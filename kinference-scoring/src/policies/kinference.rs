@@ -1342,21 +1342,20 @@ mod tests {
         // queue the multiplier stops at the cap.
         let mut p = Kinference::new(LatencyParams::default());
         traffic(&mut p, &[0], Duration::from_millis(50), secs(10));
-        let deep = [cand(0, 0, 1_000_000)];
-        let e = p
-            .propose_explained(&request(), &deep, secs(10), &mut rng)
-            .unwrap();
-        let pred = &e.candidates[0].prediction;
-        let s = pred.scale * pred.prefill_ms;
+        // (The charge and the calibrated own prefill s, alone on `queued`
+        // tokens.)
+        let mut alone = |queued| {
+            let e = p
+                .propose_explained(&request(), &[cand(0, 0, queued)], secs(10), &mut rng)
+                .unwrap();
+            let pred = &e.candidates[0].prediction;
+            (externality_of(&e, 0), pred.scale * pred.prefill_ms)
+        };
+        let (charge, s) = alone(1_000_000);
         let cap = LatencyParams::default().externality_cap;
-        assert!((externality_of(&e, 0) - cap * s).abs() < 1e-9 * s);
-        let shallow = [cand(0, 0, 0)];
-        let e = p
-            .propose_explained(&request(), &shallow, secs(10), &mut rng)
-            .unwrap();
-        let pred = &e.candidates[0].prediction;
-        let s = pred.scale * pred.prefill_ms;
-        let per_ms = 2.0 * externality_of(&e, 0) / (s * s);
+        assert!((charge - cap * s).abs() < 1e-9 * s);
+        let (charge, s) = alone(0);
+        let per_ms = 2.0 * charge / (s * s);
         assert!((per_ms * 1e3 - 20.0).abs() < 1.5, "{}", per_ms * 1e3);
     }
 
