@@ -12,13 +12,13 @@ use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
 use crate::steps::{StepCosts, StepFit, StepSample};
 
-/// How far back (ns) an endpoint's arrival rate looks: its recent
-/// choices count with weight `τ ÷ (τ + age)`, so the rate follows a change
-/// within a few seconds and a request stream of a few per second is seen
-/// as one.
+/// τ, how far back (ns) an endpoint's arrival rate looks: each request
+/// sent there counts with weight `τ ÷ (τ + its age)`, so the rate follows
+/// a change within a few seconds, and a stream of one request every few
+/// hundred milliseconds still reads as steady between its arrivals.
 const ARRIVAL_MEMORY_NANOS: u64 = 3_000_000_000;
 
-/// Per-endpoint state. The first four fields are what a decision reads per
+/// Per-endpoint state. The first six fields are what a decision reads per
 /// candidate; the calibration itself is touched only by `observe` and when a
 /// fit has gone stale.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +30,11 @@ struct Slot {
     fresh_until: u64,
     /// 0 = never; otherwise the decision's time in nanoseconds + 1.
     last_chosen: u64,
+    /// Requests this policy sent here recently, each weighted by
+    /// `τ ÷ (τ + its age at arrivals_at)` ([`ARRIVAL_MEMORY_NANOS`]).
+    arrivals: f64,
+    /// When `arrivals` was last brought up to date, ns.
+    arrivals_at: u64,
     calibration: Calibration,
     /// Running mean of ln(observed ÷ uncalibrated prediction), weighted by
     /// the share of the prediction that is the request's own work: this
@@ -37,11 +42,6 @@ struct Slot {
     log_ratio: f64,
     /// The weight behind `log_ratio`.
     ratio_weight: f64,
-    /// Requests this policy sent here recently, each weighted by
-    /// `τ ÷ (τ + its age at arrivals_at)` ([`ARRIVAL_MEMORY_NANOS`]).
-    arrivals: f64,
-    /// When `arrivals` was last brought up to date, ns.
-    arrivals_at: u64,
 }
 
 impl Slot {
@@ -74,11 +74,11 @@ impl Slot {
             scale: 1.0,
             fresh_until: 0,
             last_chosen: 0,
+            arrivals: 0.0,
+            arrivals_at: 0,
             calibration: Calibration::prior(params),
             log_ratio: 0.0,
             ratio_weight: 0.0,
-            arrivals: 0.0,
-            arrivals_at: 0,
         };
         slot.cache_coefficients(params);
         slot
@@ -176,8 +176,9 @@ const FLEET_DEAD_ZONE: f64 = 2.0;
 ///   long cold prefill costs in proportion to its square where requests
 ///   keep arriving. Without it, greedy release replicates prefixes under
 ///   load until the caches thrash and the fleet collapses
-///   (`examples/fleet.rs`, 8 engines at 200 req/s: 58 % of prompt tokens
-///   cached and an 86 s median TTFT without it, 91 % and 0.12 s with it).
+///   (`examples/fleet.rs`, 8 engines at 200 req/s, 2026-12-07: 59 % of
+///   prompt tokens cached and an 81 s median TTFT without it, 91 % and
+///   0.12 s with it).
 ///   (The charge was `s × queue ÷ mean prefill` before: one long prefill
 ///   queued read as a saturated engine, and a request whose group's prefix
 ///   was being computed there went cold to an idle engine instead, doing
@@ -409,12 +410,14 @@ impl Kinference {
         if first {
             let params = self.params;
             self.fresh = Slot::new(&params);
+            // What was sent where still stands; only the fits start again.
             for slot in &mut self.slots {
-                let old = *slot;
-                *slot = Slot::new(&params);
-                slot.last_chosen = old.last_chosen;
-                slot.arrivals = old.arrivals;
-                slot.arrivals_at = old.arrivals_at;
+                *slot = Slot {
+                    last_chosen: slot.last_chosen,
+                    arrivals: slot.arrivals,
+                    arrivals_at: slot.arrivals_at,
+                    ..Slot::new(&params)
+                };
             }
             self.fleet.update(&self.slots);
         }
@@ -1364,8 +1367,9 @@ mod tests {
         // A 16,000-token prompt (640 ms cold). Engine 0 is computing the
         // group's shared 15,000-token prefix for its first request (the
         // router's record shows it there); engine 1 is idle. Both get a
-        // few short, mostly cached requests a second, so the mean prefill
-        // per decision is small beside that one queued job.
+        // few short, mostly cached requests a second. (The charge this
+        // replaced, queue ÷ the mean prefill per decision, read that one
+        // long job as a saturated engine and sent the request to 1.)
         let req = Request {
             prompt_tokens: 16_000,
             ..request()
