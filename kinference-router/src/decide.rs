@@ -428,6 +428,7 @@ fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now, storing: bool) -> Can
         adapter: AdapterSlot::Unknown,
         room: KvRoom::default(),
         session_blocks: 0,
+        peer_arrival_rate: e.load.peers.arrival_rate(now.since_start),
     }
 }
 

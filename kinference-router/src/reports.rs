@@ -104,6 +104,11 @@ pub struct EndpointReport {
     pub load: LoadSnapshot,
     /// What the other router replicas report they have on it.
     pub peer_load: LoadSnapshot,
+    /// Requests per second the other router replicas have been sending it
+    /// lately (from their reports' counts; the kinference policy's
+    /// externality counts them beside this router's own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peer_arrivals_per_s: Option<f64>,
     /// Models it serves.
     pub models: Vec<String>,
     /// The last `/v1/models` error.
@@ -182,7 +187,7 @@ pub struct WorkerSetReport {
 /// A report per endpoint of `view` (an endpoint listed by two worker sets
 /// appears once); with `calibrated_at` (the router's time since start),
 /// each with its calibration, which takes each worker set's policy lock
-/// (the lock decisions take) once.
+/// (the lock decisions take) once, and its peers' arrival rate.
 pub fn endpoint_reports(
     view: &View,
     kv: &KvPlane,
@@ -215,6 +220,7 @@ pub fn endpoint_reports(
                 failures: e.failures(),
                 load: e.load.own(),
                 peer_load: e.load.peers_snapshot(),
+                peer_arrivals_per_s: calibrated_at.map(|at| 1e3 * e.load.peers.arrival_rate(at)),
                 models: e.models().into_iter().map(|m| m.id).collect(),
                 models_error: e.models_error(),
                 scraped: e.scraped(),

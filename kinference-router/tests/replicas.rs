@@ -22,6 +22,18 @@ fn total(e: &Value, kind: &str, engine: Option<&str>) -> u64 {
         .sum()
 }
 
+/// Waits until `r` has a report from its peer at `peer` (admin address).
+async fn has_report(r: &Router, peer: &str) {
+    eventually(Duration::from_secs(5), "a report from the peer", || async {
+        endpoints(r).await["peers"]["peers"]
+            .as_array()?
+            .iter()
+            .any(|p| p["address"] == peer && p["report_age_ms"].is_u64())
+            .then_some(())
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_share_their_load_and_degrade_to_alone() {
     // Six streams of 120 tokens at ~10 ms per stream per step: ~7 s.
@@ -61,6 +73,8 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     let e0 = addrs[0].http.to_string();
     let e1 = addrs[1].http.to_string();
 
+    // (A's first report to B is its history, not arrivals: wait for it.)
+    has_report(&b, &a_admin).await;
     // A holds six streams on engine 0.
     let held = hold_streams(&a, 6, 120).await;
     // B counts them on engine 0 within a few polls; they are not its own.
@@ -70,8 +84,24 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     })
     .await;
     assert_eq!(total(&seen, "load", None), 0, "{seen:#}");
+    // Nor of A's sending them: B counts the six as arrivals on engine 0
+    // (what its externality charges beside its own), none on engine 1.
+    let rate = |e: &Value, addr: &str| {
+        e["endpoints"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|x| x["endpoint"] == addr)
+            .and_then(|x| x["peer_arrivals_per_s"].as_f64())
+    };
+    // Six within the 3 s memory: about 2 a second, fading after.
+    let r0 = rate(&seen, &e0).unwrap_or_default();
+    assert!(r0 > 0.5 && r0 <= 2.0, "{r0}: {seen:#}");
+    assert_eq!(rate(&seen, &e1), Some(0.0), "{seen:#}");
     // The replica without peers knows nothing of them.
-    assert_eq!(total(&endpoints(&blind).await, "peer_load", None), 0);
+    let alone = endpoints(&blind).await;
+    assert_eq!(total(&alone, "peer_load", None), 0);
+    assert_eq!(rate(&alone, &e0), Some(0.0), "{alone:#}");
 
     // B's decisions read A's streams on engine 0: there it predicts
     // later, and its new work goes to the engine A left idle.
@@ -845,15 +875,7 @@ async fn a_peers_load_arrives_at_once_not_a_poll_interval_later() {
     let second = peered(&addrs, &opts, &b_admin, &b_peers, &common).await;
     wait_routable(&first, 1, true).await;
     wait_routable(&second, 1, true).await;
-    eventually(Duration::from_secs(5), "B has a report from A", || async {
-        let page = endpoints(&second).await;
-        page["peers"]["peers"]
-            .as_array()?
-            .iter()
-            .any(|p| p["address"] == a_admin.as_str() && p["report_age_ms"].is_u64())
-            .then_some(())
-    })
-    .await;
+    has_report(&second, &a_admin).await;
 
     let held = hold_streams(&first, 2, 1000).await;
     eventually(

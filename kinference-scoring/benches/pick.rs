@@ -71,6 +71,7 @@ fn fleet(seed: u64) -> Vec<Candidate> {
                     used_blocks: r(25_000) as u32,
                 },
                 session_blocks: 0,
+                peer_arrival_rate: 0.0,
             }
         })
         .collect()

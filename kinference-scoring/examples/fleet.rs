@@ -222,6 +222,7 @@ fn run(policy: &mut Policy, reqs: &[Req], seed: u64) -> Outcome {
                             used_blocks: engine.cache.at.len() as u32,
                         },
                         session_blocks: 0,
+                        peer_arrival_rate: 0.0,
                     });
                 }
                 let request = Request {

@@ -167,6 +167,13 @@ pub struct Candidate {
     /// candidate holding any of the prompt.
     #[serde(default)]
     pub session_blocks: u32,
+    /// Requests per millisecond the other router replicas have been
+    /// sending this endpoint lately ([`crate::ArrivalRate::per_ms`] of
+    /// what their load reports counted); 0 without peers. The kinference
+    /// policy adds it to its own sending rate in the externality's λ, so
+    /// that R replicas charge what one router taking all of it would.
+    #[serde(default)]
+    pub peer_arrival_rate: f64,
 }
 
 /// The KV cache of one candidate, in blocks of the request's width

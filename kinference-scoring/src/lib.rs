@@ -55,6 +55,7 @@
 //!         // Its KV cache: 20,000 blocks, 12,000 taken (the index's count).
 //!         room: kinference_scoring::KvRoom { capacity_blocks: 20_000, used_blocks: 12_000 },
 //!         session_blocks: 0, // the request names no session
+//!         peer_arrival_rate: 0.0, // no router replicas beside this one
 //!     },
 //!     Candidate { endpoint: EndpointId(1), ..Candidate::default() },
 //! ];
@@ -94,6 +95,7 @@
 //! allocate one entry per candidate.
 
 pub mod approx;
+mod arrivals;
 pub mod calibrate;
 mod error;
 mod input;
@@ -105,6 +107,7 @@ mod rng;
 pub mod steps;
 
 pub use crate::approx::{PrefixRecord, RecordMark};
+pub use crate::arrivals::{ARRIVAL_MEMORY_NANOS, ArrivalRate};
 pub use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 pub use crate::error::ScoringError;
 pub use crate::input::{

@@ -120,6 +120,9 @@ fn arb_candidate(endpoint: u32) -> impl Strategy<Value = Candidate> {
                     adapter,
                     room,
                     session_blocks,
+                    // Some candidates with other replicas sending there
+                    // (0, 10 or 20 requests a second).
+                    peer_arrival_rate: f64::from(endpoint % 3) * 0.01,
                 }
             },
         )

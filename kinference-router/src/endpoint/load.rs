@@ -7,6 +7,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
+use kinference_scoring::ArrivalRate;
 use serde::Serialize;
 use tokio::time::Instant;
 
@@ -17,6 +18,9 @@ use super::Endpoint;
 pub struct Load {
     /// Requests sent and not finished.
     pub requests: AtomicU32,
+    /// Requests sent, cumulative: what the peers count as this replica's
+    /// arrivals here ([`crate::peers::Report::sent`]).
+    pub sent: AtomicU64,
     /// Requests whose first token has not arrived.
     pub prefilling: AtomicU32,
     /// Uncached prompt tokens of the prefilling requests.
@@ -91,6 +95,11 @@ impl Bursts {
     }
 }
 
+/// The scoring clock's reading in nanoseconds.
+fn clock_nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
 /// Microseconds since the process's first call: the clock of
 /// [`Bursts`] and step samples.
 pub fn clock_micros(at: Instant) -> i64 {
@@ -123,6 +132,13 @@ pub struct PeerLoad {
     /// Whether a fresh peer does not report when its first tokens came
     /// (an older version).
     pub times_unknown: AtomicBool,
+    /// The requests the peers reported sending here, as an
+    /// [`ArrivalRate`]: its count's bits, and its time (ns since the
+    /// router started, the scoring clock). Written only under the peer
+    /// poller's lock; a decision may read the two halves of different
+    /// updates, which moves the rate by one report's worth at most.
+    arrivals: AtomicU64,
+    arrivals_at: AtomicU64,
 }
 
 impl PeerLoad {
@@ -145,6 +161,28 @@ impl PeerLoad {
     /// Whether every fresh peer reports when its first tokens came.
     pub fn times_known(&self, known: bool) {
         self.times_unknown.store(!known, Ordering::Relaxed);
+    }
+
+    fn arrivals(&self) -> ArrivalRate {
+        ArrivalRate {
+            count: f64::from_bits(self.arrivals.load(Ordering::Relaxed)),
+            at_nanos: self.arrivals_at.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The peers reported `n` more requests sent here, at `now` (the
+    /// scoring clock). Callers hold the peer poller's lock.
+    pub fn add_arrivals(&self, now: Duration, n: u64) {
+        let mut r = self.arrivals();
+        r.add(clock_nanos(now), n as f64);
+        self.arrivals.store(r.count.to_bits(), Ordering::Relaxed);
+        self.arrivals_at.store(r.at_nanos, Ordering::Relaxed);
+    }
+
+    /// The rate (per ms) the peers have been sending requests here
+    /// lately, at `now` (the scoring clock).
+    pub fn arrival_rate(&self, now: Duration) -> f64 {
+        self.arrivals().per_ms(clock_nanos(now))
     }
 
     /// Reads the figures.
@@ -351,6 +389,7 @@ impl Endpoint {
     /// of a `context_tokens`-token prompt.
     pub fn begin(self: &Arc<Self>, prefill_tokens: u64, context_tokens: u64) -> InFlight {
         self.load.requests.fetch_add(1, Ordering::Relaxed);
+        self.load.sent.fetch_add(1, Ordering::Relaxed);
         self.load
             .context_tokens
             .fetch_add(context_tokens, Ordering::Relaxed);

@@ -34,6 +34,11 @@
 //! prefix, so matching one matches every block before it): a peer's match
 //! is exact to within `RECORD_STRIDE` blocks, at an eighth of the bytes.
 //!
+//! It also carries how many requests the replica has sent each engine
+//! ([`Report::sent`]): the asker counts the increases as its peers'
+//! arrivals there, which the kinference policy's externality adds to its
+//! own sends ([`kinference_scoring::Candidate::peer_arrival_rate`]).
+//!
 //! The first answer to an asker (no version, or 0), and the first after
 //! they come into use, also carry the step costs the replica learnt from
 //! its streams ([`Report::steps`]): a replica that starts into a warm
@@ -57,7 +62,7 @@ mod poll;
 mod report;
 
 pub use poll::{
-    Increases, PeerList, PeerState, PeerStatus, PrefilledSeen, Settings, Source, spawn,
+    Increases, PeerList, PeerState, PeerStatus, PrefilledSeen, SentSeen, Settings, Source, spawn,
 };
 pub use report::{PeerRecord, Report, SentRecords, checkpoints, parse, report, sum};
 

@@ -19,8 +19,8 @@ use crate::state::Shared;
 
 use super::report::{adopt_steps, apply};
 use super::{
-    LOAD_PATH, MAX_REPORT_BYTES, MAX_WAIT, MIN_GAP, Report, SHARING, Traffic, VERSION_HEADER,
-    parse, request_bytes, response_bytes, sum,
+    LOAD_PATH, MAX_REPORT_BYTES, MAX_REQUESTS, MAX_WAIT, MIN_GAP, Report, SHARING, Traffic,
+    VERSION_HEADER, parse, request_bytes, response_bytes, sum,
 };
 
 /// Where the peers are.
@@ -127,19 +127,17 @@ impl PrefilledSeen {
         let mut out = Increases::default();
         for (engine, &count) in now {
             let last = self.counts.insert(engine.clone(), count);
-            let from = match last {
-                Some(l) if l <= count => l,
-                Some(_) => {
-                    // Started again: so did its first tokens.
+            let from = counted_from(last, count, first);
+            match last {
+                // Started again: so did its first tokens.
+                Some(l) if l > count => {
                     self.dated.insert(engine.clone(), 0);
-                    count
                 }
                 None if first => {
                     self.dated.insert(engine.clone(), count);
-                    count
                 }
-                None => 0,
-            };
+                _ => {}
+            }
             if count > from {
                 out.counts.push((engine.as_str(), count - from));
             }
@@ -157,6 +155,55 @@ impl PrefilledSeen {
                     out.dated.push((engine.as_str(), age, cum - *taken));
                     *taken = cum;
                 }
+            }
+        }
+        out
+    }
+}
+
+/// Where a peer's cumulative count on one engine is counted from, given
+/// the `last` one seen: there, if it did not go down; the count itself
+/// (nothing new) if it went down (the peer started again) or if this is
+/// the peer's `first` report (its history); zero for an engine new in a
+/// later one.
+fn counted_from(last: Option<u64>, count: u64, first: bool) -> u64 {
+    match last {
+        Some(l) if l <= count => l,
+        Some(_) => count,
+        None if first => count,
+        None => 0,
+    }
+}
+
+/// What a peer has reported sending each engine
+/// ([`Report::sent`]), to count only the increases as its arrivals there:
+/// a peer's first report (always complete) sets where it starts; an
+/// engine new in a later report starts from zero; a count that went down
+/// (a restart) starts again there.
+#[derive(Debug, Default)]
+pub struct SentSeen {
+    /// The peer process the counts are from ([`Report::replica`]).
+    replica: String,
+    counts: HashMap<String, u64>,
+}
+
+impl SentSeen {
+    /// Takes in `r`'s counts; each engine's increase since the last, at
+    /// most [`MAX_REQUESTS`].
+    pub fn update<'a>(&mut self, r: &'a Report) -> Vec<(&'a str, u64)> {
+        let Some(now) = &r.sent else {
+            return Vec::new();
+        };
+        let first = self.replica != r.replica;
+        if first {
+            self.replica.clone_from(&r.replica);
+            self.counts.clear();
+        }
+        let mut out = Vec::new();
+        for (engine, &count) in now {
+            let from = counted_from(self.counts.insert(engine.clone(), count), count, first);
+            if count > from {
+                out.push((engine.as_str(), (count - from).min(u64::from(MAX_REQUESTS))));
             }
         }
         out
@@ -186,6 +233,7 @@ struct Known {
     report: Option<(Report, Instant)>,
     error: Option<String>,
     prefilled: PrefilledSeen,
+    sent: SentSeen,
     /// Until when to keep trying, and the step costs of a report for
     /// worker sets this replica does not list yet.
     steps: Option<(Instant, HashMap<String, kinference_scoring::StepFit>)>,
@@ -426,6 +474,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                 report: None,
                 error: None,
                 prefilled: PrefilledSeen::default(),
+                sent: SentSeen::default(),
                 steps: None,
             });
             match result {
@@ -447,6 +496,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                     }
                     let received = clock_micros(Instant::now());
                     add_prefilled(&shared, &k.prefilled.update(&r), received);
+                    add_arrivals(&shared, &k.sent.update(&r));
                     k.report = Some((r, Instant::now()));
                     k.error = None;
                     after = version;
@@ -494,6 +544,23 @@ fn add_prefilled(shared: &Shared, inc: &Increases<'_>, received: i64) {
             for (_, age, n) in inc.dated.iter().filter(|(a, _, _)| *a == e.authority) {
                 let at = received.saturating_sub(i64::try_from(*age).unwrap_or(i64::MAX));
                 e.load.peers.first_tokens.add(at, *n);
+            }
+        }
+    }
+}
+
+/// Counts a peer's new requests on the endpoints they name as arrivals
+/// there, now (a report comes within a long poll's gap of them).
+fn add_arrivals(shared: &Shared, increases: &[(&str, u64)]) {
+    if increases.is_empty() {
+        return;
+    }
+    let now = shared.now();
+    let view = shared.view();
+    for ws in &view.worker_sets {
+        for e in &ws.endpoints {
+            if let Some((_, n)) = increases.iter().find(|(a, _)| *a == e.authority) {
+                e.load.peers.add_arrivals(now, *n);
             }
         }
     }
@@ -571,6 +638,39 @@ mod tests {
         // An older replica says nothing.
         let r = report("c", r#""records":[]"#);
         assert_eq!(seen.update(&r).counts, vec![]);
+    }
+
+    #[test]
+    fn a_peers_sent_counts_become_arrivals_from_its_first_report() {
+        let report = |replica: &str, body: &str| {
+            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
+        };
+        let mut seen = SentSeen::default();
+        // Its first report (complete): its history, not arrivals now.
+        let r = report("a", r#""sent":{"e:1":700,"f:1":5}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        // e sent three more; f idle and left out; g new since (from zero).
+        let r = report("a", r#""sent":{"e:1":703,"g:1":2}"#);
+        let mut up = seen.update(&r);
+        up.sort_unstable();
+        assert_eq!(up, vec![("e:1", 3), ("g:1", 2)]);
+        // f's requests while it was left out count when it is back.
+        let r = report("a", r#""sent":{"f:1":9}"#);
+        assert_eq!(seen.update(&r), vec![("f:1", 4)]);
+        assert_eq!(seen.update(&r), vec![]);
+        // A restart (a new replica) starts again; so does a count that
+        // went down.
+        let r = report("b", r#""sent":{"e:1":50}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        let r = report("b", r#""sent":{"e:1":10}"#);
+        assert_eq!(seen.update(&r), vec![]);
+        let r = report("b", r#""sent":{"e:1":11}"#);
+        assert_eq!(seen.update(&r), vec![("e:1", 1)]);
+        // A lying peer's jump is capped; an older replica says nothing.
+        let r = report("b", r#""sent":{"e:1":99999999999}"#);
+        assert_eq!(seen.update(&r), vec![("e:1", u64::from(MAX_REQUESTS))]);
+        let r = report("c", r#""records":[]"#);
+        assert_eq!(seen.update(&r), vec![]);
     }
 
     #[test]

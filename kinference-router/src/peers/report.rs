@@ -140,6 +140,15 @@ pub struct Report {
     /// them at once ([`adopt_steps`]). Absent from older replicas' reports.
     #[serde(default, skip_serializing_if = "HashMap::is_empty")]
     pub steps: HashMap<String, kinference_scoring::StepFit>,
+    /// Per engine: the requests this replica sent there, cumulative; in
+    /// the first answer to an asker (no version, or 0) for every engine it
+    /// ever sent to, after that for the engines it has requests in flight
+    /// on (those it just sent to among them). The asker counts the
+    /// increases as the peer's arrivals there
+    /// ([`kinference_scoring::Candidate::peer_arrival_rate`],
+    /// [`super::SentSeen`]). Absent from older replicas' reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent: Option<HashMap<String, u64>>,
 }
 
 /// A prefix a replica sent an engine.
@@ -167,6 +176,8 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let mut records = Vec::new();
     let mut prefilled = HashMap::new();
     let mut first_tokens = HashMap::new();
+    let mut sent = HashMap::new();
+    let complete = after.is_none_or(|a| a == 0);
     let now = crate::endpoint::clock_micros(Instant::now());
     for ws in &view.worker_sets {
         ws.runtime.sent.since(after, &mut records);
@@ -183,6 +194,10 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
                 first_tokens.insert(e.authority.clone(), times);
             }
             let l = e.load.own();
+            let count = e.load.sent.load(Ordering::Relaxed);
+            if count > 0 && (complete || l.requests > 0) {
+                sent.insert(e.authority.clone(), count);
+            }
             if l.requests == 0 && l.prefilling == 0 {
                 continue;
             }
@@ -217,6 +232,7 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
         prefilled: Some(prefilled),
         first_tokens: Some(first_tokens),
         steps,
+        sent: Some(sent),
     }
 }
 

@@ -181,6 +181,7 @@ pub(super) mod test_support {
             adapter: crate::input::AdapterSlot::Unknown,
             room: crate::input::KvRoom::default(),
             session_blocks: 0,
+            peer_arrival_rate: 0.0,
         }
     }
 

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use crate::arrivals::ArrivalRate;
 use crate::calibrate::{Calibration, CalibrationView, ObserveOutcome};
 use crate::error::ScoringError;
 use crate::input::{Candidate, EndpointId, KvRoom, Request};
@@ -11,12 +12,6 @@ use crate::policies::{Pick, PolicyName, check, millis};
 use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
 use crate::steps::{StepCosts, StepFit, StepSample};
-
-/// τ, how far back (ns) an endpoint's arrival rate looks: each request
-/// sent there counts with weight `τ ÷ (τ + its age)`, so the rate follows
-/// a change within a few seconds, and a stream of one request every few
-/// hundred milliseconds still reads as steady between its arrivals.
-const ARRIVAL_MEMORY_NANOS: u64 = 3_000_000_000;
 
 /// Per-endpoint state. The first six fields are what a decision reads per
 /// candidate; the calibration itself is touched only by `observe` and when a
@@ -30,11 +25,8 @@ struct Slot {
     fresh_until: u64,
     /// 0 = never; otherwise the decision's time in nanoseconds + 1.
     last_chosen: u64,
-    /// Requests this policy sent here recently, each weighted by
-    /// `τ ÷ (τ + its age at arrivals_at)` ([`ARRIVAL_MEMORY_NANOS`]).
-    arrivals: f64,
-    /// When `arrivals` was last brought up to date, ns.
-    arrivals_at: u64,
+    /// Requests this policy sent here recently.
+    arrivals: ArrivalRate,
     calibration: Calibration,
     /// Running mean of ln(observed ÷ uncalibrated prediction), weighted by
     /// the share of the prediction that is the request's own work: this
@@ -74,8 +66,7 @@ impl Slot {
             scale: 1.0,
             fresh_until: 0,
             last_chosen: 0,
-            arrivals: 0.0,
-            arrivals_at: 0,
+            arrivals: ArrivalRate::default(),
             calibration: Calibration::prior(params),
             log_ratio: 0.0,
             ratio_weight: 0.0,
@@ -89,24 +80,6 @@ impl Slot {
         self.offset_ms = offset_ms;
         self.scale = scale;
         self.fresh_until = fresh_until;
-    }
-
-    /// The rate requests arrive here (per ms): the weighted recent
-    /// arrivals over the window they span, `arrivals ÷ (τ + since)`. A
-    /// steady stream every Δ reads 1 ÷ Δ just before its next arrival.
-    #[inline]
-    fn arrival_rate(&self, now_nanos: u64) -> f64 {
-        let window =
-            ARRIVAL_MEMORY_NANOS.saturating_add(now_nanos.saturating_sub(self.arrivals_at));
-        self.arrivals * 1e6 / window as f64
-    }
-
-    /// One more request sent here at `now_nanos`.
-    fn arrived(&mut self, now_nanos: u64) {
-        let tau = ARRIVAL_MEMORY_NANOS as f64;
-        let since = now_nanos.saturating_sub(self.arrivals_at) as f64;
-        self.arrivals = self.arrivals * tau / (tau + since) + 1.0;
-        self.arrivals_at = now_nanos.max(self.arrivals_at);
     }
 
     #[inline]
@@ -169,7 +142,8 @@ const FLEET_DEAD_ZONE: f64 = 2.0;
 ///   that arrive there before it is done: with arrivals at rate λ behind a
 ///   queue of W ms, a job of s ms delays about λ·(W + s÷2) of them by s
 ///   (λ·W is the queue's length, by Little's law). λ is this policy's own
-///   sending rate: with several router replicas each counts its own share.
+///   sending rate ([`crate::ArrivalRate`]) plus the other router
+///   replicas' there ([`Candidate::peer_arrival_rate`]).
 ///   On an engine nobody sends work to the charge is 0 and the policy is plain
 ///   TTFT-greedy; on busy ones a cold endpoint must be much faster to be
 ///   worth recomputing a prefix and evicting other prefixes for it, and a
@@ -415,7 +389,6 @@ impl Kinference {
                 *slot = Slot {
                     last_chosen: slot.last_chosen,
                     arrivals: slot.arrivals,
-                    arrivals_at: slot.arrivals_at,
                     ..Slot::new(&params)
                 };
             }
@@ -594,7 +567,8 @@ impl Kinference {
         let prune = explain.is_none() && target_ms.is_none();
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
-            let rate = slot.arrival_rate(now_nanos);
+            // λ: this router's own arrivals there, and its peers'.
+            let rate = slot.arrivals.per_ms(now_nanos) + c.peer_arrival_rate;
             let (offset, scale) = self.coefficients(&model, slot, now_nanos);
             let adjust = model.adjust(c, scale);
             let (cached, uncached) = model.cache_terms(c);
@@ -833,7 +807,7 @@ impl Pick for Kinference {
     fn commit(&mut self, _request: &Request, _chosen: &Candidate, choice: &Choice, now: Duration) {
         if let Some(slot) = self.slot_mut(choice.endpoint) {
             slot.last_chosen = nanos(now).saturating_add(1);
-            slot.arrived(nanos(now));
+            slot.arrivals.add(nanos(now), 1.0);
         }
     }
 
@@ -961,6 +935,7 @@ mod tests {
             adapter: crate::input::AdapterSlot::Unknown,
             room: KvRoom::default(),
             session_blocks: 0,
+            peer_arrival_rate: 0.0,
         }
     }
 
@@ -987,6 +962,7 @@ mod tests {
         let mut rng = SplitMix64::new(1);
         let session = |id, blocks| Candidate {
             session_blocks: blocks,
+            peer_arrival_rate: 0.0,
             ..cand(id, 0, 0)
         };
         // Nothing matched anywhere (the router could not key the prompt as
@@ -1360,6 +1336,35 @@ mod tests {
         let (charge, s) = alone(0);
         let per_ms = 2.0 * charge / (s * s);
         assert!((per_ms * 1e3 - 20.0).abs() < 1.5, "{}", per_ms * 1e3);
+    }
+
+    #[test]
+    fn the_peers_arrivals_count_like_this_routers_own() {
+        // Three replicas each sending 0 a request every 150 ms: one router
+        // that sent all of them (every 50 ms) charges what one replica
+        // charges with the other two's rate beside its own.
+        let mut rng = SplitMix64::new(1);
+        let mut one = Kinference::new(LatencyParams::default());
+        traffic(&mut one, &[0], Duration::from_millis(50), secs(10));
+        let mut replica = Kinference::new(LatencyParams::default());
+        traffic(&mut replica, &[0], Duration::from_millis(150), secs(10));
+        let queued = cand(0, 0, 4000);
+        let charge = |p: &mut Kinference, c: Candidate, rng: &mut SplitMix64| {
+            externality_of(
+                &p.propose_explained(&request(), &[c], secs(10), rng)
+                    .unwrap(),
+                0,
+            )
+        };
+        let whole = charge(&mut one, queued, &mut rng);
+        let blind = charge(&mut replica, queued, &mut rng);
+        let peers = Candidate {
+            peer_arrival_rate: 2.0 / 150.0,
+            ..queued
+        };
+        let shared = charge(&mut replica, peers, &mut rng);
+        assert!(blind < 0.4 * whole, "{blind} vs {whole}");
+        assert!((shared - whole).abs() < 0.05 * whole, "{shared} vs {whole}");
     }
 
     #[test]
