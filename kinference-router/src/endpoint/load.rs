@@ -21,6 +21,8 @@ pub struct Load {
     /// Requests sent, cumulative: what the peers count as this replica's
     /// arrivals here ([`crate::peers::Report::sent`]).
     pub sent: AtomicU64,
+    /// Marks when `sent` last moved, as `prefilled_version` does.
+    pub sent_version: AtomicU64,
     /// Requests whose first token has not arrived.
     pub prefilling: AtomicU32,
     /// Uncached prompt tokens of the prefilling requests.
@@ -389,7 +391,10 @@ impl Endpoint {
     /// of a `context_tokens`-token prompt.
     pub fn begin(self: &Arc<Self>, prefill_tokens: u64, context_tokens: u64) -> InFlight {
         self.load.requests.fetch_add(1, Ordering::Relaxed);
-        self.load.sent.fetch_add(1, Ordering::Relaxed);
+        self.load.sent.fetch_add(1, Ordering::SeqCst);
+        self.load
+            .sent_version
+            .fetch_max(crate::peers::version() + 1, Ordering::SeqCst);
         self.load
             .context_tokens
             .fetch_add(context_tokens, Ordering::Relaxed);

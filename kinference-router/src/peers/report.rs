@@ -142,8 +142,8 @@ pub struct Report {
     pub steps: HashMap<String, kinference_scoring::StepFit>,
     /// Per engine: the requests this replica sent there, cumulative; in
     /// the first answer to an asker (no version, or 0) for every engine it
-    /// ever sent to, after that for the engines it has requests in flight
-    /// on (those it just sent to among them). The asker counts the
+    /// ever sent to, after that for those whose count moved at or after
+    /// the asker's version (as `prefilled`). The asker counts the
     /// increases as the peer's arrivals there
     /// ([`kinference_scoring::Candidate::peer_arrival_rate`],
     /// [`super::SentSeen`]). Absent from older replicas' reports.
@@ -177,7 +177,6 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
     let mut prefilled = HashMap::new();
     let mut first_tokens = HashMap::new();
     let mut sent = HashMap::new();
-    let complete = after.is_none_or(|a| a == 0);
     let now = crate::endpoint::clock_micros(Instant::now());
     for ws in &view.worker_sets {
         ws.runtime.sent.since(after, &mut records);
@@ -194,8 +193,9 @@ pub fn report(shared: &Shared, after: Option<u64>) -> Report {
                 first_tokens.insert(e.authority.clone(), times);
             }
             let l = e.load.own();
-            let count = e.load.sent.load(Ordering::Relaxed);
-            if count > 0 && (complete || l.requests > 0) {
+            let sent_moved = e.load.sent_version.load(Ordering::SeqCst);
+            let count = e.load.sent.load(Ordering::SeqCst);
+            if count > 0 && after.is_none_or(|a| a == 0 || sent_moved >= a) {
                 sent.insert(e.authority.clone(), count);
             }
             if l.requests == 0 && l.prefilling == 0 {
