@@ -10,6 +10,7 @@ Usage: python3 kv_publisher.py PLAN.json. Prints "PORTS <pub> <replay>"
 once bound, runs the plan's steps, then serves replay until stdin closes
 or `linger` seconds pass. Steps:
   {"op": "wait_sub"}                     wait until a subscriber subscribed
+                                         (and stayed, SETTLE seconds)
   {"op": "send", "seq": N, "file": F, "publish": true}
                                          buffer (and publish) payload file F
   {"op": "sleep", "s": 0.2}
@@ -27,6 +28,10 @@ import time
 import zmq
 
 END = b"\xff" * 8
+# How long a subscription must stand before `wait_sub` counts it: longer
+# than the subscriber's connect timeout (500 ms), within which an attempt
+# it abandons ends.
+SETTLE = 0.75
 
 
 def main():
@@ -90,14 +95,25 @@ def main():
         threading.Thread(target=serve_replay, daemon=True).start()
 
     def wait_sub():
+        # A subscription that lasts SETTLE seconds. On a loaded machine the
+        # subscriber may give up on a connect attempt (its own timeout)
+        # after this side accepted it and saw it subscribe; what is
+        # published then goes down the abandoned connection, the retry
+        # connects fine and waits for batches that never come. The
+        # abandoned one's end shows here as an unsubscribe: start again.
         poller = zmq.Poller()
         poller.register(pub, zmq.POLLIN)
         deadline = time.time() + 20
+        since = None
         while time.time() < deadline:
-            if poller.poll(100):
+            if since is not None and time.time() - since >= SETTLE:
+                return
+            if poller.poll(50):
                 msg = pub.recv()
-                if msg[:1] == b"\x01":
-                    return
+                if msg[:1] == b"\x01" and since is None:
+                    since = time.time()
+                elif msg[:1] == b"\x00":
+                    since = None
         print("NO SUBSCRIBER", flush=True)
         sys.exit(3)
 
