@@ -22,6 +22,14 @@ fn total(e: &Value, kind: &str, engine: Option<&str>) -> u64 {
         .sum()
 }
 
+/// The entry of `/debug/endpoints` for the endpoint at `addr`.
+fn endpoint<'a>(e: &'a Value, addr: &str) -> Option<&'a Value> {
+    e["endpoints"]
+        .as_array()?
+        .iter()
+        .find(|x| x["endpoint"] == addr)
+}
+
 /// Waits until `r` has a report from its peer at `peer` (admin address).
 async fn has_report(r: &Router, peer: &str) {
     eventually(Duration::from_secs(5), "a report from the peer", || async {
@@ -86,14 +94,7 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
     assert_eq!(total(&seen, "load", None), 0, "{seen:#}");
     // Nor of A's sending them: B counts the six as arrivals on engine 0
     // (what its externality charges beside its own), none on engine 1.
-    let rate = |e: &Value, addr: &str| {
-        e["endpoints"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .find(|x| x["endpoint"] == addr)
-            .and_then(|x| x["peer_arrivals_per_s"].as_f64())
-    };
+    let rate = |e: &Value, addr: &str| endpoint(e, addr)?["peer_arrivals_per_s"].as_f64();
     // Six within the 3 s memory: about 2 a second, fading after.
     let r0 = rate(&seen, &e0).unwrap_or_default();
     assert!(r0 > 0.5 && r0 <= 2.0, "{r0}: {seen:#}");
@@ -105,15 +106,7 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
 
     // B's decisions read A's streams on engine 0: there it predicts
     // later, and its new work goes to the engine A left idle.
-    let id_of = |e: &Value, addr: &str| {
-        e["endpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|x| x["endpoint"] == addr)
-            .map(|x| x["id"].clone())
-            .unwrap()
-    };
+    let id_of = |e: &Value, addr: &str| endpoint(e, addr).unwrap()["id"].clone();
     let explained = |r: &Reply| -> Value {
         serde_json::from_str(r.headers["x-kinference-explain"].to_str().unwrap()).unwrap()
     };

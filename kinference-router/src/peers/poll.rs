@@ -609,11 +609,13 @@ fn publish(shared: &Shared, known: &HashMap<String, Known>, staleness: Duration)
 mod tests {
     use super::*;
 
+    /// A report of `replica` with `body`'s fields besides.
+    fn report(replica: &str, body: &str) -> Report {
+        parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
+    }
+
     #[test]
     fn a_peers_prefilled_counts_become_increases_from_its_first_report() {
-        let report = |replica: &str, body: &str| {
-            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
-        };
         let mut seen = PrefilledSeen::default();
         // Its first report: where it starts, whatever it did before.
         let r = report("a", r#""prefilled":{"e:1":700,"f:1":5}"#);
@@ -642,9 +644,6 @@ mod tests {
 
     #[test]
     fn a_peers_sent_counts_become_arrivals_from_its_first_report() {
-        let report = |replica: &str, body: &str| {
-            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
-        };
         let mut seen = SentSeen::default();
         // Its first report (complete): its history, not arrivals now.
         let r = report("a", r#""sent":{"e:1":700,"f:1":5}"#);
@@ -675,9 +674,6 @@ mod tests {
 
     #[test]
     fn a_peers_dated_first_tokens_are_taken_once_from_its_first_report_on() {
-        let report = |replica: &str, body: &str| {
-            parse(format!(r#"{{"replica":"{replica}","engines":{{}},{body}}}"#).as_bytes()).unwrap()
-        };
         let mut seen = PrefilledSeen::default();
         // Its first report: history, not dated here.
         let r = report(
