@@ -81,8 +81,7 @@ mod tests {
         }
         let now = 600 * MS;
         let mut sum = ArrivalRate::default();
-        for s in [a, b] {
-            let mut s = s;
+        for mut s in [a, b] {
             s.add(now, 0.0);
             sum.add(now, s.count);
         }

@@ -172,6 +172,7 @@ pub struct Candidate {
     /// what their load reports counted); 0 without peers. The kinference
     /// policy adds it to its own sending rate in the externality's λ, so
     /// that R replicas charge what one router taking all of it would.
+    /// Negative or NaN counts as 0.
     #[serde(default)]
     pub peer_arrival_rate: f64,
 }

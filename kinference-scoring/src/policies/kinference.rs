@@ -13,7 +13,7 @@ use crate::profile::LatencyParams;
 use crate::rng::{RandomSource, below};
 use crate::steps::{StepCosts, StepFit, StepSample};
 
-/// Per-endpoint state. The first six fields are what a decision reads per
+/// Per-endpoint state. The first five fields are what a decision reads per
 /// candidate; the calibration itself is touched only by `observe` and when a
 /// fit has gone stale.
 #[derive(Debug, Clone, Copy)]
@@ -568,7 +568,8 @@ impl Kinference {
         for (i, (c, out)) in candidates.iter().zip(scores.iter_mut()).enumerate() {
             let slot = self.slots.get(c.endpoint.index()).unwrap_or(&self.fresh);
             // λ: this router's own arrivals there, and its peers'.
-            let rate = slot.arrivals.per_ms(now_nanos) + c.peer_arrival_rate;
+            // (A negative or NaN peer rate counts as 0.)
+            let rate = slot.arrivals.per_ms(now_nanos) + c.peer_arrival_rate.max(0.0);
             let (offset, scale) = self.coefficients(&model, slot, now_nanos);
             let adjust = model.adjust(c, scale);
             let (cached, uncached) = model.cache_terms(c);
@@ -962,7 +963,6 @@ mod tests {
         let mut rng = SplitMix64::new(1);
         let session = |id, blocks| Candidate {
             session_blocks: blocks,
-            peer_arrival_rate: 0.0,
             ..cand(id, 0, 0)
         };
         // Nothing matched anywhere (the router could not key the prompt as
@@ -1365,6 +1365,14 @@ mod tests {
         let shared = charge(&mut replica, peers, &mut rng);
         assert!(blind < 0.4 * whole, "{blind} vs {whole}");
         assert!((shared - whole).abs() < 0.05 * whole, "{shared} vs {whole}");
+        // A garbled rate counts as none.
+        for bad in [f64::NAN, -1.0] {
+            let c = Candidate {
+                peer_arrival_rate: bad,
+                ..queued
+            };
+            assert!((charge(&mut replica, c, &mut rng) - blind).abs() < 1e-9 * blind);
+        }
     }
 
     #[test]
