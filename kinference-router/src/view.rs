@@ -209,6 +209,15 @@ impl View {
         }
     }
 
+    /// The endpoint at `authority` (`address:port`), whichever worker sets
+    /// list it.
+    pub fn endpoint(&self, authority: &str) -> Option<&Arc<Endpoint>> {
+        self.worker_sets
+            .iter()
+            .flat_map(|ws| &ws.endpoints)
+            .find(|e| e.authority == authority)
+    }
+
     /// The targets of a requested model name or alias.
     pub fn resolve(&self, name: &str) -> Option<&[Target]> {
         self.names.get(name).map(Vec::as_slice)

@@ -30,6 +30,23 @@ fn endpoint<'a>(e: &'a Value, addr: &str) -> Option<&'a Value> {
         .find(|x| x["endpoint"] == addr)
 }
 
+/// Holds six streams of 120 tokens on `a` (its only engine, `engine`)
+/// and waits up to 2 s for `b` to count them there; the streams and `b`'s
+/// `/debug/endpoints` then.
+async fn six_streams_seen(
+    a: &Router,
+    b: &Router,
+    engine: &str,
+) -> (Vec<tokio::task::JoinHandle<(Ending, String)>>, Value) {
+    let held = hold_streams(a, 6, 120).await;
+    let seen = eventually(Duration::from_secs(2), "B sees A's streams", || async {
+        let e = endpoints(b).await;
+        (total(&e, "peer_load", Some(engine)) == 6).then_some(e)
+    })
+    .await;
+    (held, seen)
+}
+
 /// Waits until `r` has a report from its peer at `peer` (admin address).
 async fn has_report(r: &Router, peer: &str) {
     eventually(Duration::from_secs(5), "a report from the peer", || async {
@@ -83,14 +100,9 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
 
     // (A's first report to B is its history, not arrivals: wait for it.)
     has_report(&b, &a_admin).await;
-    // A holds six streams on engine 0.
-    let held = hold_streams(&a, 6, 120).await;
-    // B counts them on engine 0 within a few polls; they are not its own.
-    let seen = eventually(Duration::from_secs(2), "B sees A's streams", || async {
-        let e = endpoints(&b).await;
-        (total(&e, "peer_load", Some(&e0)) == 6).then_some(e)
-    })
-    .await;
+    // A holds six streams on engine 0; B counts them there within a few
+    // polls; they are not its own.
+    let (held, seen) = six_streams_seen(&a, &b, &e0).await;
     assert_eq!(total(&seen, "load", None), 0, "{seen:#}");
     // Nor of A's sending them: B counts the six as arrivals on engine 0
     // (what its externality charges beside its own), none on engine 1.
@@ -218,6 +230,62 @@ async fn replicas_share_their_load_and_degrade_to_alone() {
 /// A peer that stops listening (killed: it never reported its requests
 /// ending) counts for nothing from the next poll, long before its last
 /// report would be stale (60 s here); while it answers, it counts.
+/// One Service behind two worker sets (two models' worker sets on the
+/// same engines) is one engine: a peer's requests there count once in its
+/// arrivals, not once per worker set listing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_sends_count_once_on_an_engine_two_worker_sets_list() {
+    let sims = engines(1, |c| c.latency.decode_ms_per_seq = 10.0).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let e0 = addrs[0].http.to_string();
+    let (a_admin, b_admin) = (free_addr(), free_addr());
+    let common = ["--peer-interval", "100ms", "--scrape-interval", "60s"];
+    let opts = WorkerSetOpts::default();
+    let a = peered(&addrs, &opts, &a_admin, &b_admin, &common).await;
+    // B lists the engine under a second worker set too.
+    let twice = manifests_yaml(&addrs, &opts).replacen(
+        "workerSets: [{name: sim}]",
+        "workerSets: [{name: sim}, {name: sim-b}]",
+        1,
+    ) + &format!(
+        "apiVersion: kinference.buoyant.io/v1alpha1\nkind: InferenceWorkerSet\nmetadata: {{name: sim-b}}\nspec:\n  profile: default\n  kvBlockSize: 16\n  serviceRef: {{name: sim, port: http}}\n  kvEvents: {{port: kv}}\n  models:\n    - name: {MODEL}\n---\n"
+    );
+    let dir = tempfile::tempdir().expect("temp dir");
+    write_manifests(dir.path(), &twice);
+    let path = dir.path().to_str().expect("utf-8 path").to_owned();
+    let flags = [
+        &["--pool", "test", "--manifests", &path][..],
+        &["--admin-addr", &b_admin, "--peers", &a_admin],
+        &common,
+    ]
+    .concat();
+    let b = serve(dir, &flags).await;
+    wait_routable(&a, 1, true).await;
+    wait_routable(&b, 1, true).await;
+    let page = endpoints(&b).await;
+    let listed = endpoint(&page, &e0).map(|x| x["worker_sets"].clone());
+    assert_eq!(
+        listed,
+        Some(serde_json::json!(["sim", "sim-b"])),
+        "{page:#}"
+    );
+    has_report(&b, &a_admin).await;
+
+    let (held, seen) = six_streams_seen(&a, &b, &e0).await;
+    // Six within the 3 s memory: at most 2 a second (counted per worker
+    // set it would read up to 4).
+    let rate = endpoint(&seen, &e0).and_then(|x| x["peer_arrivals_per_s"].as_f64());
+    assert!(
+        rate.is_some_and(|r| r > 0.5 && r <= 2.0),
+        "{rate:?}: {seen:#}"
+    );
+    for task in held {
+        task.abort();
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_cannot_be_reached_counts_for_nothing_at_once() {
     let sims = engines(1, |_| {}).await;

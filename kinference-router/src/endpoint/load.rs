@@ -124,7 +124,7 @@ pub struct PeerLoad {
     /// Prompt tokens of the requests in flight.
     pub context_tokens: AtomicU64,
     /// What the peers reported prefilled here since this router heard
-    /// from them, cumulative ([`crate::peers::PrefilledSeen`]).
+    /// from them, cumulative ([`crate::peers::CountsSeen`]).
     pub prefilled: AtomicU64,
     /// Whether a fresh peer does not report what it prefilled (an older
     /// version).

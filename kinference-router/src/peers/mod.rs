@@ -61,9 +61,7 @@ use tokio::time::Instant;
 mod poll;
 mod report;
 
-pub use poll::{
-    Increases, PeerList, PeerState, PeerStatus, PrefilledSeen, SentSeen, Settings, Source, spawn,
-};
+pub use poll::{CountsSeen, Increases, PeerList, PeerState, PeerStatus, Settings, Source, spawn};
 pub use report::{PeerRecord, Report, SentRecords, checkpoints, parse, report, sum};
 
 /// The admin path of a replica's own load.

@@ -84,47 +84,66 @@ impl PeerList {
     }
 }
 
-/// A peer's prefilled counts as last reported, to turn its reports into
+/// A peer's cumulative counts as last reported, to turn its reports into
 /// increases: a peer that starts reporting, comes back after going stale,
-/// or is found later adds only what it prefills from then on, never its
-/// whole history. Likewise its dated first tokens, each taken once
-/// (a report may repeat the last one of the report before).
+/// or is found later adds only what it prefills and sends from then on,
+/// never its whole history. Likewise its dated first tokens, each taken
+/// once (a report may repeat the last one of the report before).
 #[derive(Debug, Default)]
-pub struct PrefilledSeen {
+pub struct CountsSeen {
     /// The peer process the counts are from ([`Report::replica`]).
     replica: String,
-    /// Per engine.
+    /// Per engine, prefilled tokens ([`Report::prefilled`]).
     counts: HashMap<String, u64>,
     /// Per engine, the count after the latest first token taken.
     dated: HashMap<String, u64>,
+    /// Per engine, requests sent ([`Report::sent`]).
+    sent: HashMap<String, u64>,
 }
 
-/// What a report adds to the peers' prefill.
+/// What a report adds to the peers' prefill and arrivals.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Increases<'a> {
-    /// Per engine, the count's increase.
+    /// Per engine, the prefilled count's increase.
     pub counts: Vec<(&'a str, u64)>,
     /// Per engine, first tokens new to this replica: `(age in
     /// microseconds, tokens prefilled)`.
     pub dated: Vec<(&'a str, u64, u64)>,
+    /// Per engine, requests sent since the last report, at most
+    /// [`MAX_REQUESTS`]: the peer's arrivals there.
+    pub sent: Vec<(&'a str, u64)>,
 }
 
-impl PrefilledSeen {
+impl Increases<'_> {
+    fn is_empty(&self) -> bool {
+        self.counts.is_empty() && self.dated.is_empty() && self.sent.is_empty()
+    }
+}
+
+impl CountsSeen {
     /// Takes in `r`'s counts and dated first tokens; the increases since
     /// the last. The first report of a replica (always complete: asked
     /// without a version) sets where it starts; an engine new in a later
     /// report starts from zero; a count that went down starts again there.
     pub fn update<'a>(&mut self, r: &'a Report) -> Increases<'a> {
-        let Some(now) = &r.prefilled else {
-            return Increases::default();
-        };
         let first = self.replica != r.replica;
         if first {
             self.replica.clone_from(&r.replica);
             self.counts.clear();
             self.dated.clear();
+            self.sent.clear();
         }
         let mut out = Increases::default();
+        for (engine, &count) in r.sent.iter().flatten() {
+            let from = counted_from(self.sent.insert(engine.clone(), count), count, first);
+            if count > from {
+                let n = (count - from).min(u64::from(MAX_REQUESTS));
+                out.sent.push((engine.as_str(), n));
+            }
+        }
+        let Some(now) = &r.prefilled else {
+            return out;
+        };
         for (engine, &count) in now {
             let last = self.counts.insert(engine.clone(), count);
             let from = counted_from(last, count, first);
@@ -175,41 +194,6 @@ fn counted_from(last: Option<u64>, count: u64, first: bool) -> u64 {
     }
 }
 
-/// What a peer has reported sending each engine
-/// ([`Report::sent`]), to count only the increases as its arrivals there:
-/// a peer's first report (always complete) sets where it starts; an
-/// engine new in a later report starts from zero; a count that went down
-/// (a restart) starts again there.
-#[derive(Debug, Default)]
-pub struct SentSeen {
-    /// The peer process the counts are from ([`Report::replica`]).
-    replica: String,
-    counts: HashMap<String, u64>,
-}
-
-impl SentSeen {
-    /// Takes in `r`'s counts; each engine's increase since the last, at
-    /// most [`MAX_REQUESTS`].
-    pub fn update<'a>(&mut self, r: &'a Report) -> Vec<(&'a str, u64)> {
-        let Some(now) = &r.sent else {
-            return Vec::new();
-        };
-        let first = self.replica != r.replica;
-        if first {
-            self.replica.clone_from(&r.replica);
-            self.counts.clear();
-        }
-        let mut out = Vec::new();
-        for (engine, &count) in now {
-            let from = counted_from(self.counts.insert(engine.clone(), count), count, first);
-            if count > from {
-                out.push((engine.as_str(), (count - from).min(u64::from(MAX_REQUESTS))));
-            }
-        }
-        out
-    }
-}
-
 /// What the poller knows, for `/debug/endpoints`.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PeerState {
@@ -232,8 +216,7 @@ pub struct PeerStatus {
 struct Known {
     report: Option<(Report, Instant)>,
     error: Option<String>,
-    prefilled: PrefilledSeen,
-    sent: SentSeen,
+    counts: CountsSeen,
     /// Until when to keep trying, and the step costs of a report for
     /// worker sets this replica does not list yet.
     steps: Option<(Instant, HashMap<String, kinference_scoring::StepFit>)>,
@@ -473,8 +456,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
             let k = map.entry(address.clone()).or_insert(Known {
                 report: None,
                 error: None,
-                prefilled: PrefilledSeen::default(),
-                sent: SentSeen::default(),
+                counts: CountsSeen::default(),
                 steps: None,
             });
             match result {
@@ -495,8 +477,7 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
                         }
                     }
                     let received = clock_micros(Instant::now());
-                    add_prefilled(&shared, &k.prefilled.update(&r), received);
-                    add_arrivals(&shared, &k.sent.update(&r));
+                    add_increases(&shared, &k.counts.update(&r), received);
                     k.report = Some((r, Instant::now()));
                     k.error = None;
                     after = version;
@@ -528,40 +509,31 @@ async fn ask(shared: Arc<Shared>, settings: Settings, address: String, known: Kn
     }
 }
 
-/// Counts a peer's prefill increases on the endpoints they name, and
-/// dates its first tokens there on this replica's clock (`received`: when
-/// the report came).
-fn add_prefilled(shared: &Shared, inc: &Increases<'_>, received: i64) {
-    if inc.counts.is_empty() && inc.dated.is_empty() {
-        return;
-    }
-    let view = shared.view();
-    for ws in &view.worker_sets {
-        for e in &ws.endpoints {
-            if let Some((_, n)) = inc.counts.iter().find(|(a, _)| *a == e.authority) {
-                e.load.peers.add_prefilled(*n);
-            }
-            for (_, age, n) in inc.dated.iter().filter(|(a, _, _)| *a == e.authority) {
-                let at = received.saturating_sub(i64::try_from(*age).unwrap_or(i64::MAX));
-                e.load.peers.first_tokens.add(at, *n);
-            }
-        }
-    }
-}
-
-/// Counts a peer's new requests on the endpoints they name as arrivals
-/// there, now (a report comes within a long poll's gap of them).
-fn add_arrivals(shared: &Shared, increases: &[(&str, u64)]) {
-    if increases.is_empty() {
+/// Counts a peer's prefill increases on the endpoints they name, dates
+/// its first tokens there on this replica's clock (`received`: when the
+/// report came), and counts its new requests there as arrivals now (a
+/// report comes within a long poll's gap of them). An endpoint listed by
+/// several worker sets counts once.
+fn add_increases(shared: &Shared, inc: &Increases<'_>, received: i64) {
+    if inc.is_empty() {
         return;
     }
     let now = shared.now();
     let view = shared.view();
-    for ws in &view.worker_sets {
-        for e in &ws.endpoints {
-            if let Some((_, n)) = increases.iter().find(|(a, _)| *a == e.authority) {
-                e.load.peers.add_arrivals(now, *n);
-            }
+    for (a, n) in &inc.counts {
+        if let Some(e) = view.endpoint(a) {
+            e.load.peers.add_prefilled(*n);
+        }
+    }
+    for (a, age, n) in &inc.dated {
+        if let Some(e) = view.endpoint(a) {
+            let at = received.saturating_sub(i64::try_from(*age).unwrap_or(i64::MAX));
+            e.load.peers.first_tokens.add(at, *n);
+        }
+    }
+    for (a, n) in &inc.sent {
+        if let Some(e) = view.endpoint(a) {
+            e.load.peers.add_arrivals(now, *n);
         }
     }
 }
@@ -616,7 +588,7 @@ mod tests {
 
     #[test]
     fn a_peers_prefilled_counts_become_increases_from_its_first_report() {
-        let mut seen = PrefilledSeen::default();
+        let mut seen = CountsSeen::default();
         // Its first report: where it starts, whatever it did before.
         let r = report("a", r#""prefilled":{"e:1":700,"f:1":5}"#);
         assert_eq!(seen.update(&r).counts, vec![]);
@@ -644,37 +616,37 @@ mod tests {
 
     #[test]
     fn a_peers_sent_counts_become_arrivals_from_its_first_report() {
-        let mut seen = SentSeen::default();
+        let mut seen = CountsSeen::default();
         // Its first report (complete): its history, not arrivals now.
         let r = report("a", r#""sent":{"e:1":700,"f:1":5}"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).sent, vec![]);
         // e sent three more; f idle and left out; g new since (from zero).
         let r = report("a", r#""sent":{"e:1":703,"g:1":2}"#);
-        let mut up = seen.update(&r);
+        let mut up = seen.update(&r).sent;
         up.sort_unstable();
         assert_eq!(up, vec![("e:1", 3), ("g:1", 2)]);
         // f's requests while it was left out count when it is back.
         let r = report("a", r#""sent":{"f:1":9}"#);
-        assert_eq!(seen.update(&r), vec![("f:1", 4)]);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).sent, vec![("f:1", 4)]);
+        assert_eq!(seen.update(&r).sent, vec![]);
         // A restart (a new replica) starts again; so does a count that
         // went down.
         let r = report("b", r#""sent":{"e:1":50}"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).sent, vec![]);
         let r = report("b", r#""sent":{"e:1":10}"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).sent, vec![]);
         let r = report("b", r#""sent":{"e:1":11}"#);
-        assert_eq!(seen.update(&r), vec![("e:1", 1)]);
+        assert_eq!(seen.update(&r).sent, vec![("e:1", 1)]);
         // A lying peer's jump is capped; an older replica says nothing.
         let r = report("b", r#""sent":{"e:1":99999999999}"#);
-        assert_eq!(seen.update(&r), vec![("e:1", u64::from(MAX_REQUESTS))]);
+        assert_eq!(seen.update(&r).sent, vec![("e:1", u64::from(MAX_REQUESTS))]);
         let r = report("c", r#""records":[]"#);
-        assert_eq!(seen.update(&r), vec![]);
+        assert_eq!(seen.update(&r).sent, vec![]);
     }
 
     #[test]
     fn a_peers_dated_first_tokens_are_taken_once_from_its_first_report_on() {
-        let mut seen = PrefilledSeen::default();
+        let mut seen = CountsSeen::default();
         // Its first report: history, not dated here.
         let r = report(
             "a",

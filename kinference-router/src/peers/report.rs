@@ -121,7 +121,7 @@ pub struct Report {
     /// engines whose count moved at or after the asker's version (all of
     /// them without one). Absent from older replicas' reports. Lets each
     /// replica count the others' prefill in the engine steps it measures
-    /// ([`crate::endpoint`], [`super::PrefilledSeen`]).
+    /// ([`crate::endpoint`], [`super::CountsSeen`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefilled: Option<HashMap<String, u64>>,
     /// Per engine: the recent first tokens behind `prefilled` marked at or
@@ -146,7 +146,7 @@ pub struct Report {
     /// the asker's version (as `prefilled`). The asker counts the
     /// increases as the peer's arrivals there
     /// ([`kinference_scoring::Candidate::peer_arrival_rate`],
-    /// [`super::SentSeen`]). Absent from older replicas' reports.
+    /// [`super::CountsSeen`]). Absent from older replicas' reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sent: Option<HashMap<String, u64>>,
 }
