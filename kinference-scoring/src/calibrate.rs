@@ -75,6 +75,11 @@ pub struct CalibrationView {
     /// ([`crate::latency`]); false for a policy without a fleet scale.
     #[serde(default)]
     pub profile_fits: bool,
+    /// The floor a speed probe set under the endpoint's scale, as it
+    /// stands (fading after `stale_after`); absent when none
+    /// ([`crate::Pick::observe_probe`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speed_probe_floor: Option<f64>,
     /// The step costs the policy predicts with, learnt from the fleet's
     /// streams ([`crate::steps`]); absent for a policy that does not learn
     /// them.
@@ -207,6 +212,7 @@ impl Calibration {
             spread: self.spread,
             fleet_scale: 1.0,
             profile_fits: false,
+            speed_probe_floor: None,
             steps: None,
             kv_turnover_ms: None,
         }

@@ -34,6 +34,16 @@ struct Slot {
     log_ratio: f64,
     /// The weight behind `log_ratio`.
     ratio_weight: f64,
+    /// The speed probe's first token and its prediction's uncalibrated
+    /// load part, ms (0: no probe yet): kept so that `probe_floor` can be
+    /// taken again as the other endpoints' probes move the fleet's speed.
+    probe_ms: f64,
+    probe_load_ms: f64,
+    /// The lowest scale the probe allows (1: none), and when it was taken
+    /// (ns). It holds while a fit would stay fresh, then fades as a stale
+    /// fit does ([`Slot::floor_at`]).
+    probe_floor: f64,
+    probe_at: u64,
 }
 
 impl Slot {
@@ -70,6 +80,10 @@ impl Slot {
             calibration: Calibration::prior(params),
             log_ratio: 0.0,
             ratio_weight: 0.0,
+            probe_ms: 0.0,
+            probe_load_ms: 0.0,
+            probe_floor: 1.0,
+            probe_at: 0,
         };
         slot.cache_coefficients(params);
         slot
@@ -80,6 +94,13 @@ impl Slot {
         self.offset_ms = offset_ms;
         self.scale = scale;
         self.fresh_until = fresh_until;
+        if self.probe_floor > 1.0 {
+            self.scale = scale.max(self.probe_floor);
+            let held = self
+                .probe_at
+                .saturating_add(nanos(params.calibration.stale_after));
+            self.fresh_until = fresh_until.min(held);
+        }
     }
 
     #[inline]
@@ -87,10 +108,44 @@ impl Slot {
         if now_nanos <= self.fresh_until {
             (self.offset_ms, self.scale)
         } else {
-            self.calibration.effective_at(params, now_nanos)
+            let (offset, scale) = self.calibration.effective_at(params, now_nanos);
+            (offset, scale.max(self.floor_at(params, now_nanos)))
         }
     }
+
+    /// The probe's floor at `now`: whole for `stale_after` after the probe,
+    /// then fading towards 1 with `stale_half_life` (weight `h / (h + t)`),
+    /// as a fit that received no observations fades to the prior: real
+    /// first tokens and the evidence of requests still waiting take over.
+    fn floor_at(&self, params: &LatencyParams, now_nanos: u64) -> f64 {
+        if self.probe_floor <= 1.0 {
+            return 1.0;
+        }
+        let c = &params.calibration;
+        let idle = now_nanos.saturating_sub(self.probe_at);
+        let held = nanos(c.stale_after);
+        if idle <= held {
+            return self.probe_floor;
+        }
+        let half = nanos(c.stale_half_life) as f64;
+        let w = half / (half + (idle - held) as f64);
+        1.0 + w * (self.probe_floor - 1.0)
+    }
 }
+
+/// A speed probe's floor under an endpoint's scale is kept only beyond
+/// this, and beyond the fit's own upper `scale_bounds` (4× by default):
+/// one probe's noise on an engine as fast as the others (a few tens of
+/// percent on a real GPU) must not shun it, and within its bounds the fit
+/// learns an engine's speed from its first tokens within a few dozen of
+/// them. Tried from 1.5×, the floor (which holds whatever the first tokens
+/// say) cost the benchmark's tuned rows on fleets with 3× slower engines:
+/// agent TTFT p90 824 → 1,090 ms, heterogeneous 234 → 401–543 ms.
+pub const PROBE_DEAD_ZONE: f64 = 1.5;
+
+/// The largest floor a speed probe sets: as far as the fleet's speed may
+/// stray from the profile's.
+const PROBE_FLOOR_MAX: f64 = FLEET_SCALE_BOUNDS.1;
 
 /// First tokens observed at an endpoint before its free KV room counts
 /// against the other candidates' evictions: calibration moves its scale by
@@ -179,7 +234,7 @@ const FLEET_DEAD_ZONE: f64 = 2.0;
 ///   meets it, the choice stands (the router's admission then holds the
 ///   request or answers 429).
 ///
-/// State: one 144-byte slot per endpoint id ever chosen or observed (a dense
+/// State: one 176-byte slot per endpoint id ever chosen or observed (a dense
 /// vector indexed by id) and reusable buffers. A
 /// decision is O(candidates) with no allocation once the buffers have grown;
 /// candidates whose lower-bound score cannot win skip the full model.
@@ -839,8 +894,77 @@ impl Pick for Kinference {
         outcome
     }
 
+    /// A speed probe's first token: a floor under the endpoint's scale of
+    /// how much slower than the fastest probed endpoint it answered, when
+    /// that is beyond [`PROBE_DEAD_ZONE`] and the fit's scale bound. The floors are taken again at
+    /// every probe: on a fleet of equal engines but one 10× slower, that
+    /// one's floor is 10 and the others have none. Nothing else: what the
+    /// whole fleet shares (a profile that predicts every engine 20× too
+    /// fast) is the fleet's speed's and the endpoints' fits' to learn from
+    /// first tokens, as without probes (tried as an observation too, the
+    /// probe's vote for the fleet's speed, a cold prefill on an idle
+    /// engine, misled the built-in profile on the benchmark's bursts:
+    /// hit rate 77–81 % against 88–90 %).
+    fn observe_probe(
+        &mut self,
+        endpoint: EndpointId,
+        prediction: &Prediction,
+        observed: Duration,
+        now: Duration,
+    ) -> ObserveOutcome {
+        if !self.params.calibrate {
+            return ObserveOutcome::Disabled;
+        }
+        let observed_ms = observed.as_secs_f64() * 1e3;
+        if !(prediction.load_ms > 0.0
+            && prediction.load_ms.is_finite()
+            && observed_ms > 0.0
+            && observed_ms.is_finite())
+        {
+            return ObserveOutcome::Ignored;
+        }
+        let Some(slot) = self.slot_mut(endpoint) else {
+            return ObserveOutcome::Ignored;
+        };
+        slot.probe_ms = observed_ms;
+        slot.probe_load_ms = prediction.load_ms;
+        slot.probe_at = nanos(now);
+        let params = self.params;
+        let dead_zone = PROBE_DEAD_ZONE.max(params.calibration.scale_bounds.1);
+        // Each probed endpoint's load part as observed, per unit of the
+        // model's: the fastest one's is the reference.
+        let ratio = |slot: &Slot| {
+            let ((offset, _), _) = slot.calibration.fresh_coefficients(&params);
+            (slot.probe_ms - offset) / slot.probe_load_ms
+        };
+        let fastest = self
+            .slots
+            .iter()
+            .filter(|s| s.probe_load_ms > 0.0)
+            .map(ratio)
+            .filter(|r| *r > 0.0)
+            .fold(f64::INFINITY, f64::min);
+        for slot in &mut self.slots {
+            if slot.probe_load_ms <= 0.0 {
+                continue;
+            }
+            let floor = ratio(slot) / fastest;
+            slot.probe_floor = if floor >= dead_zone {
+                floor.min(PROBE_FLOOR_MAX)
+            } else {
+                1.0
+            };
+            slot.cache_coefficients(&params);
+        }
+        ObserveOutcome::Updated
+    }
+
     fn calibration(&self, endpoint: EndpointId, now: Duration) -> Option<CalibrationView> {
-        let mut view = self.slot(endpoint).calibration.view(&self.params, now);
+        let slot = self.slot(endpoint);
+        let mut view = slot.calibration.view(&self.params, now);
+        let floor = slot.floor_at(&self.params, nanos(now));
+        view.speed_probe_floor = (floor > 1.0).then_some(floor);
+        view.scale = view.scale.max(floor);
         view.fleet_scale = self.fleet.scale;
         view.profile_fits = self.fleet.fits;
         view.scale *= self.fleet.scale;
@@ -893,7 +1017,10 @@ impl Pick for Kinference {
         }
         // Shrink trailing fresh slots so a vanished high id frees its memory.
         while self.slots.last().is_some_and(|s| {
-            s.last_chosen == 0 && s.calibration == fresh.calibration && s.ratio_weight == 0.0
+            s.last_chosen == 0
+                && s.calibration == fresh.calibration
+                && s.ratio_weight == 0.0
+                && s.probe_load_ms == 0.0
         }) {
             self.slots.pop();
         }
@@ -1718,6 +1845,151 @@ mod tests {
         // the slowdown.
         let fit = p.calibration_state(EndpointId(0)).view(p.params(), now);
         assert!(fit.scale < params.calibration.scale_bounds.1);
+    }
+
+    /// One speed probe per endpoint, on idle engines `truth[e]` times
+    /// slower than the profile predicts, in order of their answers.
+    fn probe_fleet(p: &mut Kinference, truth: &[f64], now: Duration) {
+        let mut order: Vec<usize> = (0..truth.len()).collect();
+        order.sort_by(|a, b| truth[*a].total_cmp(&truth[*b]));
+        for e in order {
+            let pred = p.predict(&request(), &cand(e as u32, 0, 0), now);
+            let observed = Duration::from_secs_f64(pred.model_ms * truth[e] / 1e3);
+            p.observe_probe(EndpointId(e as u32), &pred, observed, now);
+        }
+    }
+
+    #[test]
+    fn a_probe_shows_an_engine_ten_times_slower_before_any_request() {
+        let mut p = Kinference::new(LatencyParams::default());
+        let now = secs(1);
+        probe_fleet(&mut p, &[1.0, 1.05, 0.95, 10.0], now);
+        // The slow one is predicted as it answered; the others as before.
+        let s = predicted_slowdown(&p, 3, now);
+        assert!((s / 10.0 - 1.0).abs() < 0.1, "slow: {s}");
+        for e in 0..3 {
+            let s = predicted_slowdown(&p, e, now);
+            assert!((s - 1.0).abs() < 0.2, "endpoint {e}: {s}");
+        }
+        let view = p.calibration(EndpointId(3), now).unwrap();
+        assert!(view.speed_probe_floor.is_some_and(|f| f > 8.0), "{view:?}");
+        assert!(view.scale > 8.0, "{view:?}");
+        assert_eq!(
+            p.calibration(EndpointId(0), now).unwrap().speed_probe_floor,
+            None
+        );
+        // So a burst of cold prompts goes to the slow engine only once the
+        // others' queues are about ten prompts deep.
+        let mut queue = [0u64; 4];
+        let mut rng = SplitMix64::new(1);
+        let mut slow = 0;
+        for _ in 0..140 {
+            let cands: Vec<Candidate> = (0..4).map(|e| cand(e, 0, queue[e as usize])).collect();
+            let c = p.pick(&request(), &cands, now, &mut rng).unwrap();
+            queue[c.endpoint.index()] += 4000;
+            slow += usize::from(c.endpoint == EndpointId(3));
+        }
+        assert!(slow <= 7, "the slow engine took {slow} of 140");
+        // Without the probes it takes its quarter.
+        let mut q = Kinference::new(LatencyParams::default());
+        let mut queue = [0u64; 4];
+        let mut slow = 0;
+        for _ in 0..140 {
+            let cands: Vec<Candidate> = (0..4).map(|e| cand(e, 0, queue[e as usize])).collect();
+            let c = q.pick(&request(), &cands, now, &mut rng).unwrap();
+            queue[c.endpoint.index()] += 4000;
+            slow += usize::from(c.endpoint == EndpointId(3));
+        }
+        assert!(slow >= 30, "blind, the slow engine took {slow} of 140");
+    }
+
+    #[test]
+    fn a_probe_within_its_dead_zone_sets_no_floor_and_a_floor_fades() {
+        let params = LatencyParams::default();
+        let mut p = Kinference::new(params);
+        let now = secs(1);
+        // 1.3× slower than the others: probe noise, left to calibration.
+        probe_fleet(&mut p, &[1.0, 1.0, 1.0, 1.3], now);
+        assert_eq!(
+            p.calibration(EndpointId(3), now).unwrap().speed_probe_floor,
+            None
+        );
+        assert!(predicted_slowdown(&p, 3, now) < 1.3);
+        // 3× slower: within the fit's scale bounds (4×), left to its first
+        // tokens.
+        let mut p = Kinference::new(params);
+        probe_fleet(&mut p, &[1.0, 1.0, 1.0, 3.0], now);
+        assert_eq!(
+            p.calibration(EndpointId(3), now).unwrap().speed_probe_floor,
+            None
+        );
+        // 6× slower: a floor, whole while a fit would stay fresh, then
+        // fading as a stale fit does.
+        let mut p = Kinference::new(params);
+        probe_fleet(&mut p, &[1.0, 1.0, 1.0, 6.0], now);
+        let held = now + params.calibration.stale_after;
+        let whole = predicted_slowdown(&p, 3, held);
+        assert!((whole / 6.0 - 1.0).abs() < 0.1, "{whole}");
+        let half = held + params.calibration.stale_half_life;
+        let faded = predicted_slowdown(&p, 3, half);
+        assert!(
+            (faded / 3.5 - 1.0).abs() < 0.15,
+            "after one half-life: {faded}"
+        );
+        assert!(predicted_slowdown(&p, 3, half * 20) < 1.5);
+    }
+
+    #[test]
+    fn probes_on_a_fleet_the_profile_mispredicts_leave_the_common_part_to_the_fleet() {
+        // Every engine 20× slower than the profile, one 200×: no floor for
+        // the 20× ones and the fleet's speed untouched (first tokens teach
+        // both), the slow one 10× slower than the others.
+        let mut p = Kinference::new(LatencyParams::default());
+        let now = secs(1);
+        probe_fleet(&mut p, &[20.0, 20.0, 20.0, 200.0], now);
+        assert!((p.fleet_scale() - 1.0).abs() < 1e-9, "{}", p.fleet_scale());
+        let fast: Vec<f64> = (0..3).map(|e| predicted_slowdown(&p, e, now)).collect();
+        for (e, s) in fast.iter().enumerate() {
+            assert!((s - 1.0).abs() < 1e-9, "endpoint {e}: {s}");
+            let view = p.calibration(EndpointId(e as u32), now).unwrap();
+            assert_eq!(view.speed_probe_floor, None);
+            assert_eq!(view.samples, 0, "a probe is no first token");
+        }
+        let s = predicted_slowdown(&p, 3, now);
+        assert!((s / 10.0 - 1.0).abs() < 0.1, "slow: {s} against {fast:?}");
+        // A fleet 1.6× slower than its profile (inside the fleet's dead
+        // zone), one engine 10× slower still: a floor only for that one.
+        let mut p = Kinference::new(LatencyParams::default());
+        probe_fleet(&mut p, &[1.6, 1.55, 1.65, 16.0], now);
+        for e in 0..3 {
+            assert_eq!(
+                p.calibration(EndpointId(e), now).unwrap().speed_probe_floor,
+                None
+            );
+        }
+        let floor = p.calibration(EndpointId(3), now).unwrap().speed_probe_floor;
+        assert!(
+            floor.is_some_and(|f| (f / 10.3 - 1.0).abs() < 0.1),
+            "{floor:?}"
+        );
+    }
+
+    #[test]
+    fn other_policies_ignore_a_probe() {
+        let mut p = crate::policies::Policy::new(PolicyName::RoundRobin, LatencyParams::default());
+        let pred = p
+            .propose(
+                &request(),
+                &[cand(0, 0, 0)],
+                secs(1),
+                &mut SplitMix64::new(1),
+            )
+            .unwrap()
+            .prediction;
+        assert_eq!(
+            p.observe_probe(EndpointId(0), &pred, Duration::from_secs(1), secs(1)),
+            ObserveOutcome::Disabled
+        );
     }
 
     #[test]

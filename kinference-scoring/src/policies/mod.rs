@@ -225,6 +225,23 @@ pub trait Pick {
         ObserveOutcome::Disabled
     }
 
+    /// Report the time to first token of a speed probe sent to an idle
+    /// `endpoint` with `prediction`, before it took any request: what the
+    /// engine's speed is before the first real first token can say.
+    /// kinference's policy predicts an endpoint that answered far slower
+    /// than the fastest that much slower ([`Kinference`]); the others
+    /// ignore it.
+    fn observe_probe(
+        &mut self,
+        endpoint: EndpointId,
+        prediction: &Prediction,
+        observed: Duration,
+        now: Duration,
+    ) -> ObserveOutcome {
+        let _ = (endpoint, prediction, observed, now);
+        ObserveOutcome::Disabled
+    }
+
     /// Report a finished stream's steps on `endpoint` (see
     /// [`crate::steps`]). Only policies that learn step costs use it.
     fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
@@ -366,6 +383,17 @@ impl Pick for Policy {
         now: Duration,
     ) -> ObserveOutcome {
         self.inner().observe(endpoint, prediction, observed, now)
+    }
+
+    fn observe_probe(
+        &mut self,
+        endpoint: EndpointId,
+        prediction: &Prediction,
+        observed: Duration,
+        now: Duration,
+    ) -> ObserveOutcome {
+        self.inner()
+            .observe_probe(endpoint, prediction, observed, now)
     }
 
     fn observe_steps(&mut self, endpoint: EndpointId, sample: &StepSample) -> ObserveOutcome {
