@@ -131,6 +131,12 @@ pub struct ServeArgs {
     /// Between /health and /metrics probes of each engine.
     #[arg(long, env = "KINFERENCE_SCRAPE_INTERVAL", default_value = defaults::SCRAPE_INTERVAL, value_parser = parse_duration)]
     pub scrape_interval: Duration,
+    /// Prompt tokens of the two one-token requests sent to each engine as
+    /// it joins, before it takes any request: their first tokens tell the
+    /// latency model how fast it is (an engine far slower than the others
+    /// is then predicted so from its first request). 0: no probes.
+    #[arg(long, env = "KINFERENCE_SPEED_PROBE_TOKENS", default_value_t = defaults::SPEED_PROBE_TOKENS)]
+    pub speed_probe_tokens: u32,
     /// Between /v1/models and /version calls to each engine.
     #[arg(long, env = "KINFERENCE_DISCOVERY_INTERVAL", default_value = defaults::DISCOVERY_INTERVAL, value_parser = parse_duration)]
     pub discovery_interval: Duration,
@@ -370,6 +376,7 @@ impl ServeArgs {
                 ..ProbeIntervals::default()
             },
             kv_replay_offset: self.kv_replay_offset,
+            speed_probe_tokens: self.speed_probe_tokens,
             seed: self.seed,
             kv_max_entries: self.kv_index_max_entries.unwrap_or_else(|| {
                 crate::config::default_kv_max_entries(crate::config::memory_limit())

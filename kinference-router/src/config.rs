@@ -40,6 +40,14 @@ pub mod defaults {
     pub const DISCOVERY_INTERVAL: &str = "30s";
     /// Per probe call.
     pub const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Prompt tokens of each speed probe of a joining engine
+    /// ([`crate::speed`]); 0: no probes. Long enough that the prefill, not
+    /// the HTTP round trip, is most of its first token on a GPU (about
+    /// 20–60 ms on an H100), short enough to cost the engine nothing.
+    pub const SPEED_PROBE_TOKENS: u32 = 1024;
+    /// Longest wait for a speed probe's answer: an engine that takes longer
+    /// is observed as taking this long.
+    pub const SPEED_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
     /// Connecting to an engine (requests and probes).
     pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
     /// Decisions kept for `/debug/explain`.
@@ -137,6 +145,9 @@ pub struct Config {
     pub probes: ProbeIntervals,
     /// Connecting to an engine.
     pub connect_timeout: Duration,
+    /// Prompt tokens of each speed probe of a joining engine; 0: none
+    /// ([`crate::speed`]).
+    pub speed_probe_tokens: u32,
     /// The replay port is the KV port plus this when nothing else says (0:
     /// no replay).
     pub kv_replay_offset: u16,
@@ -203,6 +214,7 @@ impl Default for Config {
             max_attempts: defaults::MAX_ATTEMPTS,
             probes: ProbeIntervals::default(),
             connect_timeout: defaults::CONNECT_TIMEOUT,
+            speed_probe_tokens: defaults::SPEED_PROBE_TOKENS,
             kv_replay_offset: defaults::KV_REPLAY_OFFSET,
             explain_buffer: defaults::EXPLAIN_BUFFER,
             explain_every: defaults::EXPLAIN_EVERY,

@@ -394,7 +394,7 @@ fn decide_route(
 
 /// What the policy reads about one endpoint; `storing`: its worker set's
 /// engines are known to publish stored blocks.
-fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now, storing: bool) -> Candidate {
+pub(crate) fn candidate(e: &Endpoint, cached: CachedBlocks, now: Now, storing: bool) -> Candidate {
     let load = e.load.snapshot();
     let (oldest_waiting, oldest_predicted, mark) =
         e.waiting.oldest_marked(now.since_start).unwrap_or_default();

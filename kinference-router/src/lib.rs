@@ -86,6 +86,7 @@ pub mod runtime;
 pub mod serve;
 pub mod snapshot;
 pub mod source;
+pub mod speed;
 pub mod state;
 pub mod stored;
 pub mod telemetry;

@@ -166,4 +166,5 @@ fn apply(shared: &Arc<Shared>, m: &mut Maintainer, snapshot: &Snapshot) {
         tracing::warn!(problem = %p, "the pool's objects need attention");
     }
     crate::tokens::spawn_self_checks(shared);
+    crate::speed::spawn_new(shared);
 }

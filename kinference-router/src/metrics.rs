@@ -91,10 +91,11 @@ pub struct RetryLabels {
     pub reason: &'static str,
 }
 
-/// Labels of a search for the engine that keeps a stored response.
+/// Labels of a search for the engine that keeps a stored response, and of
+/// a speed probe.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SearchLabels {
-    /// `found` or `not_found`.
+    /// `found` or `not_found`; a probe's [`crate::speed::OUTCOMES`].
     pub outcome: &'static str,
 }
 
@@ -195,6 +196,9 @@ pub struct Metrics {
     /// Searches of the pool's engines for a stored response's holder
     /// ([`crate::stored`]), by outcome.
     pub stored_response_searches: Family<SearchLabels, Counter>,
+    /// Speed probes of engines as they joined ([`crate::speed`]), by
+    /// outcome.
+    pub speed_probes: Family<SearchLabels, Counter>,
 }
 
 impl Default for Metrics {
@@ -210,6 +214,10 @@ impl Default for Metrics {
         let stored_response_searches: Family<SearchLabels, Counter> = Family::default();
         for outcome in ["found", "not_found"] {
             drop(stored_response_searches.get_or_create(&SearchLabels { outcome }));
+        }
+        let speed_probes: Family<SearchLabels, Counter> = Family::default();
+        for outcome in crate::speed::OUTCOMES {
+            drop(speed_probes.get_or_create(&SearchLabels { outcome }));
         }
         let rejections: Family<RejectionLabels, Counter> = Family::default();
         for reason in REJECTION_REASONS {
@@ -242,6 +250,7 @@ impl Default for Metrics {
             queue_wait: Family::new_with_constructor(|| Histogram::new(token_buckets())),
             rejections,
             stored_response_searches,
+            speed_probes,
         }
     }
 }
@@ -356,6 +365,11 @@ impl Metrics {
             "kv_recovery_requests",
             "Requests that asked vLLM to re-report the cached blocks they reuse, while the index recovered that engine's blocks",
             self.kv_recovery_requests.clone(),
+        );
+        registry.register(
+            "speed_probes",
+            "Speed probes of engines as they joined (two one-token requests each, whose first tokens tell the policy the engine's speed before it takes any request), by outcome: ok (observed), timeout (observed as the timeout), error (an answer that is not a completion), skipped (no base model listed, or a profile without calibration), busy (the engine was serving requests: its answer would say how long its queue is, not how fast it is)",
+            self.speed_probes.clone(),
         );
         registry.register(
             "stored_response_searches",
@@ -487,6 +501,10 @@ pub const LABELS: &[(&str, &str)] = &[
     (
         "stored_response_searches",
         "`outcome` (`found`, `not_found`)",
+    ),
+    (
+        "speed_probes",
+        "`outcome` (`ok`, `timeout`, `error`, `skipped`, `busy`)",
     ),
     ("queue_depth", "`worker_set`"),
     ("queue_wait_seconds", "`worker_set`"),

@@ -233,14 +233,33 @@ impl Shared {
             .collect();
         waiting.sort_unstable();
         waiting.dedup();
-        if waiting.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
+        if !waiting.is_empty() {
+            return Err(format!(
                 "waiting (up to {} s after the listing) for the first /v1/models answer of {} engine(s): {}",
                 READY_GRACE.as_secs(),
                 waiting.len(),
                 waiting.join(", ")
+            ));
+        }
+        // Their speed probes (crate::speed): a few hundred milliseconds,
+        // and what keeps a slow engine from a burst's share.
+        let mut probing: Vec<&str> = view
+            .worker_sets
+            .iter()
+            .flat_map(|ws| ws.endpoints.iter())
+            .filter(|e| self.config.speed_probe_tokens > 0 && e.speed_probe_pending())
+            .map(|e| e.authority.as_str())
+            .collect();
+        probing.sort_unstable();
+        probing.dedup();
+        if probing.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "waiting (up to {} s after the listing) for the speed probe of {} engine(s): {}",
+                READY_GRACE.as_secs(),
+                probing.len(),
+                probing.join(", ")
             ))
         }
     }

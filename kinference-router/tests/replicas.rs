@@ -505,9 +505,15 @@ async fn a_replica_that_starts_finds_the_blocks_its_peer_knows() {
         kv_block_size: BLOCK,
         ..WorkerSetOpts::default()
     };
-    // A serves the fleet for a while; the engines have no replay.
+    // A serves the fleet for a while; the engines have no replay. (Neither
+    // router probes the engines' speed: the blocks are the prompts'.)
     let a_admin = free_addr();
-    let a = router(&addrs, &opts, &["--admin-addr", &a_admin]).await;
+    let a = router(
+        &addrs,
+        &opts,
+        &["--admin-addr", &a_admin, "--speed-probe-tokens", "0"],
+    )
+    .await;
     wait_routable(&a, 2, true).await;
     let prompts: Vec<Vec<u32>> = (0..6).map(|k| prompt(k, 8)).collect();
     for p in &prompts {
@@ -526,7 +532,12 @@ async fn a_replica_that_starts_finds_the_blocks_its_peer_knows() {
 
     // B starts with A as its peer. No request goes anywhere meanwhile, so
     // the engines publish nothing B could learn the blocks from.
-    let b = router(&addrs, &opts, &["--peers", &a_admin]).await;
+    let b = router(
+        &addrs,
+        &opts,
+        &["--peers", &a_admin, "--speed-probe-tokens", "0"],
+    )
+    .await;
     routable_and_ready(&b, 2).await;
     assert_eq!(depths(&b, &prompts), warm);
     assert_eq!(kv_keys(&b).await, kv_keys(&a).await);

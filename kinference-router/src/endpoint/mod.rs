@@ -118,6 +118,9 @@ pub struct Endpoint {
     scraped: RwLock<Option<Scraped>>,
     /// Set while the endpoint is in the pool; cleared when it leaves.
     live: AtomicBool,
+    /// Its speed probe ([`crate::speed`]): 0 not started, 1 running, 2
+    /// done (observed, failed or skipped).
+    speed_probe: std::sync::atomic::AtomicU8,
     /// DP ranks whose KV events are subscribed.
     kv_ranks: AtomicU32,
     /// The engine's release, from `/version`.
@@ -162,6 +165,7 @@ impl Endpoint {
             models_error: RwLock::default(),
             scraped: RwLock::default(),
             live: AtomicBool::new(true),
+            speed_probe: std::sync::atomic::AtomicU8::new(0),
             kv_ranks: AtomicU32::new(0),
             version: RwLock::default(),
             kv_recovering_until: RwLock::default(),
@@ -181,6 +185,24 @@ impl Endpoint {
     /// Whether its last successful `/v1/models` listed any model (no copy).
     pub fn has_models(&self) -> bool {
         !self.models.read().is_empty()
+    }
+
+    /// Claims the endpoint's speed probe: true once, for the caller that
+    /// is to run it.
+    pub fn claim_speed_probe(&self) -> bool {
+        self.speed_probe
+            .compare_exchange(0, 1, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    /// Its speed probe has ended (observed, failed or skipped).
+    pub fn speed_probe_done(&self) {
+        self.speed_probe.store(2, Ordering::Release);
+    }
+
+    /// Whether its speed probe has not ended (or not started).
+    pub fn speed_probe_pending(&self) -> bool {
+        self.speed_probe.load(Ordering::Acquire) != 2
     }
 
     /// Whether a `/v1/models` call has come back at all (models or an

@@ -433,9 +433,11 @@ pub async fn wait_routable(r: &Router, n: usize, kv: bool) {
             });
         // Not while the view is being rebuilt with models just discovered
         // (a LoRA adapter would not resolve yet).
+        // Nor while the engines' speed probes run (crate::speed): requests
+        // would race them.
         let rebuilding = e["not_ready_because"]
             .as_str()
-            .is_some_and(|w| w.contains("newly discovered models"));
+            .is_some_and(|w| w.contains("newly discovered models") || w.contains("speed probe"));
         (ok && e["ready"] == true && !rebuilding).then_some(())
     })
     .await;
