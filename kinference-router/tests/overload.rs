@@ -8,7 +8,6 @@ mod support;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use kinference_sim::FaultRequest;
 use support::*;
 use tokio::time::Instant;
 
@@ -26,17 +25,13 @@ async fn one(api: std::net::SocketAddr, k: usize) -> (u16, String, Option<f64>) 
 async fn a_burst_mostly_avoids_an_engine_ten_times_slower_before_its_first_token() {
     let _serial = SERIAL.lock().await;
     let sims = engines(3, |_| {}).await;
-    sims[0]
-        .inject(&FaultRequest {
-            slowdown: Some(10.0),
-            ..FaultRequest::default()
-        })
-        .await
-        .unwrap();
     let slow = sims[0].http_addr().to_string();
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
     wait_routable(&r, 3, true).await;
+    // The engine slows down after the router's speed probes saw it as fast
+    // as the others: only the evidence of requests still waiting tells.
+    slow_down(&sims[0], 10.0).await;
 
     // A burst: 90 distinct 600-token prompts (no cache help), one every
     // 10 ms, every one streamed and none waiting for another. The slow
@@ -121,13 +116,8 @@ async fn calibrations(r: &Router) -> HashMap<String, (f64, Option<f64>)> {
 async fn a_speed_probe_shows_an_engine_ten_times_slower_before_its_first_request() {
     let _serial = SERIAL.lock().await;
     let sims = engines(3, |_| {}).await;
-    sims[0]
-        .inject(&FaultRequest {
-            slowdown: Some(10.0),
-            ..FaultRequest::default()
-        })
-        .await
-        .unwrap();
+    // Slow before the router starts: its probes see it.
+    slow_down(&sims[0], 10.0).await;
     let slow = sims[0].http_addr().to_string();
     let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
@@ -454,13 +444,7 @@ async fn api_keys_and_models_name_tenants_and_a_heavier_tenant_is_released_first
     wait_routable(&r, 1, true).await;
     // The engine is 5× slower than the model says: the first request takes
     // about half a second, and the others queue in the router meanwhile.
-    sims[0]
-        .inject(&FaultRequest {
-            slowdown: Some(5.0),
-            ..FaultRequest::default()
-        })
-        .await
-        .unwrap();
+    slow_down(&sims[0], 5.0).await;
     let api = r.api();
     let send_as =
         |k: usize, key: &'static str, model: &'static str, claim: Option<&'static str>| {

@@ -124,6 +124,17 @@ pub async fn peered(
     router(addrs, opts, &flags).await
 }
 
+/// Makes `sim` `factor` times slower from now on (the simulator's fault
+/// injection).
+pub async fn slow_down(sim: &SimHandle, factor: f64) {
+    sim.inject(&kinference_sim::FaultRequest {
+        slowdown: Some(factor),
+        ..kinference_sim::FaultRequest::default()
+    })
+    .await
+    .expect("inject a slowdown");
+}
+
 pub async fn engines(n: usize, tweak: impl Fn(&mut SimConfig)) -> Vec<SimHandle> {
     let mut out = Vec::new();
     for i in 0..n {
