@@ -100,14 +100,18 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
             block_tokens: ws.route.kv_block_size.max(1),
         })
         .collect();
-    let model = e
-        .models()
-        .into_iter()
-        .find(|m| m.parent.is_none())
-        .map(|m| m.id);
-    let (Some(model), false) = (model, targets.is_empty()) else {
+    let card = e.models().into_iter().find(|m| m.parent.is_none());
+    let (Some(card), false) = (card, targets.is_empty()) else {
         return "skipped";
     };
+    // Within the model's context, room left for the output token.
+    let tokens = card.max_model_len.map_or(tokens, |len| {
+        tokens.min(u32::try_from(len.saturating_sub(8)).unwrap_or(u32::MAX))
+    });
+    if tokens == 0 {
+        return "skipped";
+    }
+    let model = card.id;
     // Only an idle engine's answer is its speed: one already serving
     // (a router replica starting into a busy fleet, an engine this router
     // already sends to) would look as slow as its queue is long.
@@ -148,6 +152,8 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
                 outcome = "timeout";
                 d
             }
+            // After an answer, the answer stands.
+            Err(Failure::Error(_)) if outcome == "ok" => break,
             Err(Failure::Error(why)) => {
                 tracing::warn!(endpoint = %e.authority, error = %why, "speed probe failed: the engine's speed is learnt from its first requests instead");
                 return "error";

@@ -171,6 +171,53 @@ async fn a_speed_probe_shows_an_engine_ten_times_slower_before_its_first_request
     r.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_speed_probe_fits_a_short_context_and_skips_a_busy_engine() {
+    let _serial = SERIAL.lock().await;
+    // A context shorter than the probe's 1,024 tokens: the probe shrinks
+    // to fit (the engine would answer 400 otherwise).
+    let sims = engines(2, |c| c.max_model_len = 300).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 2, true).await;
+    let m = get(r.admin(), "/metrics").await.text();
+    assert_eq!(
+        sum_of(&m, "kinference_router_speed_probes_total{outcome=\"ok\"}") as u64,
+        2,
+        "{m}"
+    );
+    r.shutdown().await;
+
+    // An engine already serving (a stream another client keeps open) is
+    // not probed: its answer would be its queue's length.
+    let sims = engines(2, |_| {}).await;
+    let addrs: Vec<EngineAddr> = sims.iter().map(EngineAddr::of).collect();
+    let long = chat(MODEL, &words(0, 200), true, 4000);
+    let api = sims[0].http_addr();
+    let open =
+        tokio::spawn(async move { stream_timed(api, "/v1/chat/completions", &long, &[]).await });
+    eventually(Duration::from_secs(5), "the stream running", || async {
+        let m = get(sims[0].http_addr(), "/metrics").await.text();
+        (sum_of(&m, "vllm:num_requests_running") >= 1.0).then_some(())
+    })
+    .await;
+    let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
+    wait_routable(&r, 2, true).await;
+    let m = get(r.admin(), "/metrics").await.text();
+    assert_eq!(
+        sum_of(&m, "kinference_router_speed_probes_total{outcome=\"busy\"}") as u64,
+        1,
+        "{m}"
+    );
+    assert_eq!(
+        sum_of(&m, "kinference_router_speed_probes_total{outcome=\"ok\"}") as u64,
+        1,
+        "{m}"
+    );
+    open.abort();
+    r.shutdown().await;
+}
+
 /// Sums a counter's series in a Prometheus text page.
 fn sum_of(text: &str, name: &str) -> f64 {
     text.lines()

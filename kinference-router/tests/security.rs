@@ -89,8 +89,15 @@ async fn clients_need_a_key_engines_get_theirs_over_tls() {
         ],
     )
     .await;
-    // The engines' models were discovered with the engines' key.
+    // The engines' models were discovered with the engines' key, and the
+    // speed probes went with it.
     wait_routable(&r, 2, true).await;
+    let m = get(r.admin(), "/metrics").await.text();
+    assert!(
+        m.lines()
+            .any(|l| l == "kinference_router_speed_probes_total{outcome=\"ok\"} 2"),
+        "{m}"
+    );
 
     let base = format!("https://{}", r.api());
     let v = openai_python(CLIENT, &[&base, MODEL, &cert, "client-key-2"]).await;
