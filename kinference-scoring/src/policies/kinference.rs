@@ -440,12 +440,19 @@ impl Kinference {
             let params = self.params;
             self.fresh = Slot::new(&params);
             // What was sent where still stands; only the fits start again.
+            // So do the speed probes' floors: each is one engine's speed
+            // against the fastest, both read with the same costs.
             for slot in &mut self.slots {
                 *slot = Slot {
                     last_chosen: slot.last_chosen,
                     arrivals: slot.arrivals,
+                    probe_ms: slot.probe_ms,
+                    probe_load_ms: slot.probe_load_ms,
+                    probe_floor: slot.probe_floor,
+                    probe_at: slot.probe_at,
                     ..Slot::new(&params)
                 };
+                slot.cache_coefficients(&params);
             }
             self.fleet.update(&self.slots);
         }
@@ -1739,6 +1746,26 @@ mod tests {
         let mut rr = crate::policies::Policy::new(PolicyName::RoundRobin, LatencyParams::default());
         assert_eq!(rr.step_fit(), None);
         assert!(!rr.adopt_steps(&fit));
+    }
+
+    #[test]
+    fn a_probes_floor_outlives_the_fits_starting_again() {
+        let mut peer = Kinference::new(LatencyParams::default());
+        feed_steps(&mut peer, [5.0, 0.65, 0.86], 4, 40);
+        let fit = peer.step_fit().expect("in use");
+        // Probed as the built-in profile predicts them: one 10× slower.
+        let mut p = Kinference::new(LatencyParams::default());
+        let now = secs(1);
+        probe_fleet(&mut p, &[20.0, 20.0, 20.0, 200.0], now);
+        let before = p.calibration(EndpointId(3), now).unwrap().speed_probe_floor;
+        assert!(before.is_some_and(|f| f > 8.0), "{before:?}");
+        // The costs come in use and every fit starts again: the floor, one
+        // engine against another, stands.
+        assert!(p.adopt_steps(&fit));
+        let after = p.calibration(EndpointId(3), now).unwrap().speed_probe_floor;
+        assert_eq!(after, before);
+        let slow = predicted_slowdown(&p, 3, now) / predicted_slowdown(&p, 0, now);
+        assert!((slow / 10.0 - 1.0).abs() < 0.1, "{slow}");
     }
 
     #[test]
