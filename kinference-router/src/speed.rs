@@ -69,6 +69,7 @@ pub fn spawn_new(shared: &Arc<Shared>) {
                 let (shared, e) = (shared.clone(), e.clone());
                 tokio::spawn(async move {
                     let outcome = probe(&shared, &e, tokens).await;
+                    tracing::debug!(endpoint = %e.authority, outcome, "speed probe");
                     shared
                         .metrics
                         .speed_probes
@@ -115,8 +116,9 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
     // Only an idle engine's answer is its speed: one already serving
     // (a router replica starting into a busy fleet, an engine this router
     // already sends to) would look as slow as its queue is long.
+    // (Its peers' requests there count as this router's own do.)
     let waited = Instant::now();
-    while e.scraped().is_none() && waited.elapsed() < SCRAPE_WAIT {
+    while !busy(e) && e.scraped().is_none() && waited.elapsed() < SCRAPE_WAIT {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     if busy(e) {
@@ -143,6 +145,7 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
             .iter()
             .map(|t| predict(t, e, tokens, now, &mut rng))
             .collect();
+        let started = Instant::now();
         let observed = match send(shared, e, body).await {
             Ok(d) => {
                 outcome = "ok";
@@ -159,6 +162,16 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
                 return "error";
             }
         };
+        // Requests that came meanwhile (the router's, its peers', or any a
+        // scrape during the probe saw besides it) may have been ahead of
+        // it: the answer is not the engine's speed.
+        if e.load.snapshot().requests > 0
+            || e.scraped()
+                .is_some_and(|s| s.at > started && s.running + s.waiting > 1.0)
+        {
+            outcome = "busy";
+            break;
+        }
         for (b, p) in best.iter_mut().zip(predictions) {
             let Some(p) = p else { continue };
             let ratio = |(p, o): &(Prediction, Duration)| o.as_secs_f64() / p.ttft_ms.max(1e-3);
@@ -172,6 +185,13 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
             break;
         }
     }
+    if outcome == "busy" {
+        if best.iter().all(Option::is_none) {
+            return outcome;
+        }
+        // The first probe's answer stands.
+        outcome = "ok";
+    }
     let now = shared.now();
     for (t, b) in targets.iter().zip(best) {
         if let Some((p, observed)) = b {
@@ -183,11 +203,11 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
             );
         }
     }
-    tracing::debug!(endpoint = %e.authority, outcome, "speed probe");
     outcome
 }
 
-/// Whether `e` serves requests: this router's, or any its last scrape saw.
+/// Whether `e` serves requests: this router's or its peers' (their load
+/// reports), or any its last scrape saw.
 fn busy(e: &Endpoint) -> bool {
     e.load.snapshot().requests > 0 || e.scraped().is_some_and(|s| s.running + s.waiting > 0.0)
 }
