@@ -11,17 +11,19 @@
 //! ([`kinference_scoring::Pick::observe_probe`]), with the prediction the
 //! policy made for it on the endpoint as it then stood. kinference's
 //! policy predicts an engine that answered more than 4× slower than the
-//! fastest that much slower, a floor that fades as a stale fit does.
+//! fastest (and later by more than the overdue slack) that much slower,
+//! a floor that fades as a stale fit does.
 //!
 //! Random token ids (below 30,000, inside every common vocabulary) keep the
 //! probe off any prefix an engine holds, and the second probe off the
 //! first's. The probe is a real request: it goes with the engines' API key,
 //! to the base model the engine lists first, and its blocks are evicted as
 //! any cold prompt's. It is not counted in the router's request metrics or
-//! its in-flight load: it is sent only to an engine idle by its last
-//! scrape (waited for up to a second) and by this router's own count,
-//! else skipped (`busy`): a busy engine's answer would say how long its
-//! queue is, not how fast it is.
+//! its in-flight load: it is sent only to an engine idle by this router's
+//! and its peers' counts and by its first scrape (waited for up to a
+//! second), and its answer is dropped if a request of theirs or one a
+//! scrape saw was there meanwhile (`busy`): a busy engine's answer would
+//! say how long its queue is, not how fast it is.
 //! A router reports ready once its engines' probes ended, within the
 //! listing grace ([`crate::state::READY_GRACE`]).
 
@@ -265,9 +267,11 @@ async fn send(shared: &Shared, e: &Endpoint, body: Bytes) -> Result<Duration, Fa
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
     );
-    if let Some(auth) = &shared.config.security.engine_auth {
-        headers.insert(http::header::AUTHORIZATION, auth.clone());
-    }
+    crate::auth::for_engine(
+        &mut headers,
+        false,
+        shared.config.security.engine_auth.as_ref(),
+    );
     let req = crate::proxy::upstream_request(&e.authority, "/v1/completions", headers, body)
         .map_err(|err| Failure::Error(err.to_string()))?;
     let timeout = crate::config::defaults::SPEED_PROBE_TIMEOUT;

@@ -224,44 +224,34 @@ impl Shared {
             return Ok(());
         }
         let view = self.view();
-        let mut waiting: Vec<&str> = view
-            .worker_sets
-            .iter()
-            .flat_map(|ws| ws.endpoints.iter())
-            .filter(|e| !e.discovery_answered())
-            .map(|e| e.authority.as_str())
-            .collect();
-        waiting.sort_unstable();
-        waiting.dedup();
-        if !waiting.is_empty() {
-            return Err(format!(
-                "waiting (up to {} s after the listing) for the first /v1/models answer of {} engine(s): {}",
-                READY_GRACE.as_secs(),
-                waiting.len(),
-                waiting.join(", ")
-            ));
-        }
+        // The engines still without something, sorted, each once (an
+        // engine two worker sets list): why the router is not ready.
+        let still = |what: &str, pending: &dyn Fn(&crate::endpoint::Endpoint) -> bool| {
+            let mut names: Vec<&str> = view
+                .worker_sets
+                .iter()
+                .flat_map(|ws| ws.endpoints.iter())
+                .filter(|e| pending(e))
+                .map(|e| e.authority.as_str())
+                .collect();
+            names.sort_unstable();
+            names.dedup();
+            if names.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "waiting (up to {} s after the listing) for {what} of {} engine(s): {}",
+                    READY_GRACE.as_secs(),
+                    names.len(),
+                    names.join(", ")
+                ))
+            }
+        };
+        still("the first /v1/models answer", &|e| !e.discovery_answered())?;
         // Their speed probes (crate::speed): a few hundred milliseconds,
         // and what keeps a slow engine from a burst's share.
-        let mut probing: Vec<&str> = view
-            .worker_sets
-            .iter()
-            .flat_map(|ws| ws.endpoints.iter())
-            .filter(|e| self.config.speed_probe_tokens > 0 && e.speed_probe_pending())
-            .map(|e| e.authority.as_str())
-            .collect();
-        probing.sort_unstable();
-        probing.dedup();
-        if probing.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "waiting (up to {} s after the listing) for the speed probe of {} engine(s): {}",
-                READY_GRACE.as_secs(),
-                probing.len(),
-                probing.join(", ")
-            ))
-        }
+        let probes = self.config.speed_probe_tokens > 0;
+        still("the speed probe", &|e| probes && e.speed_probe_pending())
     }
 }
 

@@ -139,14 +139,7 @@ async fn a_speed_probe_shows_an_engine_ten_times_slower_before_its_first_request
         }
     }
     let admin = get(r.admin(), "/metrics").await.text();
-    assert_eq!(
-        sum_of(
-            &admin,
-            "kinference_router_speed_probes_total{outcome=\"ok\"}"
-        ) as u64,
-        3,
-        "{admin}"
-    );
+    assert_eq!(speed_probes(&admin, "ok"), 3, "{admin}");
     // Each engine answered two one-token completions, and nothing else.
     for s in &sims {
         let m = get(s.http_addr(), "/metrics").await.text();
@@ -181,11 +174,7 @@ async fn a_speed_probe_fits_a_short_context_and_skips_a_busy_engine() {
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
     wait_routable(&r, 2, true).await;
     let m = get(r.admin(), "/metrics").await.text();
-    assert_eq!(
-        sum_of(&m, "kinference_router_speed_probes_total{outcome=\"ok\"}") as u64,
-        2,
-        "{m}"
-    );
+    assert_eq!(speed_probes(&m, "ok"), 2, "{m}");
     r.shutdown().await;
 
     // An engine already serving (a stream another client keeps open) is
@@ -204,18 +193,18 @@ async fn a_speed_probe_fits_a_short_context_and_skips_a_busy_engine() {
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
     wait_routable(&r, 2, true).await;
     let m = get(r.admin(), "/metrics").await.text();
-    assert_eq!(
-        sum_of(&m, "kinference_router_speed_probes_total{outcome=\"busy\"}") as u64,
-        1,
-        "{m}"
-    );
-    assert_eq!(
-        sum_of(&m, "kinference_router_speed_probes_total{outcome=\"ok\"}") as u64,
-        1,
-        "{m}"
-    );
+    assert_eq!(speed_probes(&m, "busy"), 1, "{m}");
+    assert_eq!(speed_probes(&m, "ok"), 1, "{m}");
     open.abort();
     r.shutdown().await;
+}
+
+/// The router's speed probes with `outcome` in its metrics page.
+fn speed_probes(admin: &str, outcome: &str) -> u64 {
+    sum_of(
+        admin,
+        &format!("kinference_router_speed_probes_total{{outcome=\"{outcome}\"}}"),
+    ) as u64
 }
 
 /// Sums a counter's series in a Prometheus text page.
@@ -315,13 +304,9 @@ async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_be
     // No engine saw a rejected request: the engines served the 150 − 429s
     // plus the first one, besides the two speed probes each engine answered
     // as it joined.
-    let probes = 2.0
-        * sum_of(
-            &admin,
-            "kinference_router_speed_probes_total{outcome=\"ok\"}",
-        );
-    assert_eq!(probes as usize, 2 * sims.len(), "{admin}");
-    assert_eq!((engine_saw - probes) as usize, ok + 1);
+    let probes = 2 * speed_probes(&admin, "ok") as usize;
+    assert_eq!(probes, 2 * sims.len(), "{admin}");
+    assert_eq!(engine_saw as usize - probes, ok + 1);
     // Every request was answered or rejected within its deadline (3 s wait
     // plus the engine's own time for those sent).
     assert!(longest < Duration::from_secs(8), "{longest:?}");

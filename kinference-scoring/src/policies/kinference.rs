@@ -903,7 +903,9 @@ impl Pick for Kinference {
 
     /// A speed probe's first token: a floor under the endpoint's scale of
     /// how much slower than the fastest probed endpoint it answered, when
-    /// that is beyond [`PROBE_DEAD_ZONE`] and the fit's scale bound. The floors are taken again at
+    /// that is beyond [`PROBE_DEAD_ZONE`] and the fit's scale bound, and
+    /// later than the fastest's speed says by at least
+    /// `overdue_slack_millis`. The floors are taken again at
     /// every probe: on a fleet of equal engines but one 10× slower, that
     /// one's floor is 10 and the others have none. Nothing else: what the
     /// whole fleet shares (a profile that predicts every engine 20× too
@@ -955,8 +957,14 @@ impl Pick for Kinference {
             if slot.probe_load_ms <= 0.0 {
                 continue;
             }
-            let floor = ratio(slot) / fastest;
-            slot.probe_floor = if floor >= dead_zone {
+            let r = ratio(slot);
+            let floor = r / fastest;
+            // And later than the fastest's speed says by more than the
+            // scheduling noise a first token may carry on a healthy engine
+            // (the overdue slack): on a GPU the probe takes tens of
+            // milliseconds, where one hiccup is a large ratio.
+            let late_ms = (r - fastest) * slot.probe_load_ms;
+            slot.probe_floor = if floor >= dead_zone && late_ms >= params.overdue_slack_millis {
                 floor.min(PROBE_FLOOR_MAX)
             } else {
                 1.0
@@ -1964,6 +1972,47 @@ mod tests {
             "after one half-life: {faded}"
         );
         assert!(predicted_slowdown(&p, 3, half * 20) < 1.5);
+    }
+
+    #[test]
+    fn a_probe_late_by_less_than_the_overdue_slack_sets_no_floor() {
+        // A short probe on fast engines (about 15 ms of load by the
+        // profile): one 5× slower is late by about 75 ms, less than the
+        // slack (100 ms) a healthy engine's first token may carry. Noise,
+        // not a speed.
+        let params = LatencyParams::default();
+        let short = Request {
+            prompt_tokens: 200,
+            ..request()
+        };
+        let mut p = Kinference::new(params);
+        let now = secs(1);
+        for (e, truth) in [(0u32, 1.0), (1, 1.0), (2, 5.0)] {
+            let pred = p.predict(&short, &cand(e, 0, 0), now);
+            let observed = Duration::from_secs_f64(pred.model_ms * truth / 1e3);
+            p.observe_probe(EndpointId(e), &pred, observed, now);
+        }
+        assert!(params.overdue_slack_millis >= 100.0);
+        assert_eq!(
+            p.calibration(EndpointId(2), now).unwrap().speed_probe_floor,
+            None
+        );
+        // The same ratio on a probe ten times longer is a speed.
+        let long = Request {
+            prompt_tokens: 4000,
+            ..request()
+        };
+        let mut p = Kinference::new(params);
+        for (e, truth) in [(0u32, 1.0), (1, 1.0), (2, 5.0)] {
+            let pred = p.predict(&long, &cand(e, 0, 0), now);
+            let observed = Duration::from_secs_f64(pred.model_ms * truth / 1e3);
+            p.observe_probe(EndpointId(e), &pred, observed, now);
+        }
+        let floor = p.calibration(EndpointId(2), now).unwrap().speed_probe_floor;
+        assert!(
+            floor.is_some_and(|f| (f / 5.0 - 1.0).abs() < 0.1),
+            "{floor:?}"
+        );
     }
 
     #[test]
