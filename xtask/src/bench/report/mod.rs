@@ -14,7 +14,7 @@ mod plots;
 mod tables;
 
 pub(crate) use plots::plots;
-pub(crate) use tables::{goals, markdown, step_costs, table};
+pub(crate) use tables::{goals, markdown, step_costs, table, turns_kept_table};
 
 /// Nearest-rank percentile of sorted values (NaN when empty).
 pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -140,6 +140,12 @@ pub(crate) struct Row {
     /// (slow-burst); NaN otherwise.
     #[serde(default = "nan", deserialize_with = "f64_or_nan")]
     pub slow_share: f64,
+    /// Of the measured follow-up turns of conversations (labels `cXtY`,
+    /// `Y > 0`) whose engine and previous turn's engine are known, the
+    /// share sent to the engine of the turn before; NaN when there are
+    /// none (other workloads, routers that do not name engines).
+    #[serde(default = "nan", deserialize_with = "f64_or_nan")]
+    pub turns_kept: f64,
     /// Measured requests that ended in an error: no first token (`lost`)
     /// or cut after it (`cut`); a request still running at the drain
     /// deadline is neither.
@@ -462,6 +468,7 @@ pub(crate) fn summarize(
         good,
         goodput_per_s: good as f64 / measure_s.max(1e-9),
         slow_share: f64::NAN,
+        turns_kept: turns_kept(samples),
         lost: measured
             .iter()
             .filter(|s| !s.ok && !s.gave_up && s.ttft.is_none())
@@ -490,15 +497,46 @@ fn nan() -> f64 {
     f64::NAN
 }
 
+/// A conversation's turn from its label `c<conversation>t<turn>`.
+fn conversation_turn(label: &str) -> Option<(u64, u64)> {
+    let (c, t) = label.strip_prefix('c')?.split_once('t')?;
+    Some((c.parse().ok()?, t.parse().ok()?))
+}
+
+/// [`Row::turns_kept`]: where the conversations' histories were left, for
+/// every router that names the engine it chose.
+pub(crate) fn turns_kept(samples: &[Sample]) -> f64 {
+    let engines: std::collections::HashMap<(u64, u64), &str> = samples
+        .iter()
+        .filter_map(|s| Some((conversation_turn(&s.label)?, s.engine.as_deref()?)))
+        .collect();
+    let (mut kept, mut follow_ups) = (0usize, 0usize);
+    for s in samples.iter().filter(|s| s.measured) {
+        let Some((c, t)) = conversation_turn(&s.label) else {
+            continue;
+        };
+        let before = t.checked_sub(1).and_then(|p| engines.get(&(c, p)));
+        if let (Some(before), Some(engine)) = (before, s.engine.as_deref()) {
+            follow_ups += 1;
+            kept += usize::from(*before == engine);
+        }
+    }
+    if follow_ups == 0 {
+        f64::NAN
+    } else {
+        kept as f64 / follow_ups as f64
+    }
+}
+
 /// The CSV header and one line per row.
 pub(crate) fn csv(rows: &[Row]) -> String {
     let mut s = String::from(
-        "workload,rate,load,policy,repeat,requests,ok,gave_up,late,hit_rate,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,req_per_s,tokens_per_s,router_cpu_us_per_req,imbalance,fingerprint,good,goodput_per_s,slow_share\n",
+        "workload,rate,load,policy,repeat,requests,ok,gave_up,late,hit_rate,ttft_p50_ms,ttft_p90_ms,ttft_p99_ms,itl_p50_ms,itl_p90_ms,req_per_s,tokens_per_s,router_cpu_us_per_req,imbalance,fingerprint,good,goodput_per_s,slow_share,turns_kept\n",
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "{},{:.3},{:.3},{},{},{},{},{},{},{:.4},{:.1},{:.1},{:.1},{:.2},{:.2},{:.3},{:.1},{:.1},{:.3},{},{},{:.3},{:.4}",
+            "{},{:.3},{:.3},{},{},{},{},{},{},{:.4},{:.1},{:.1},{:.1},{:.2},{:.2},{:.3},{:.1},{:.1},{:.3},{},{},{:.3},{:.4},{:.4}",
             r.workload,
             r.rate,
             r.load,
@@ -521,7 +559,8 @@ pub(crate) fn csv(rows: &[Row]) -> String {
             r.fingerprint,
             r.good,
             r.goodput_per_s,
-            r.slow_share
+            r.slow_share,
+            r.turns_kept
         );
     }
     s
@@ -575,6 +614,7 @@ pub(crate) fn medians(rows: &[Row]) -> Vec<Row> {
                 good: mu(|r| r.good),
                 goodput_per_s: m(|r| r.goodput_per_s),
                 slow_share: m(|r| r.slow_share),
+                turns_kept: m(|r| r.turns_kept),
                 lost: mu(|r| r.lost),
                 cut: mu(|r| r.cut),
                 absorb_ms: m(|r| r.absorb_ms),
@@ -614,7 +654,13 @@ pub(crate) fn write_all(
     let md_path = dir.join("results.md");
     std::fs::write(
         &md_path,
-        format!("{}\n{}{}", goals(rows), markdown(rows), step_costs(rows)),
+        format!(
+            "{}\n{}{}{}",
+            goals(rows),
+            markdown(rows),
+            turns_kept_table(rows),
+            step_costs(rows)
+        ),
     )?;
     files.push(md_path);
     let mut workloads: Vec<&str> = Vec::new();
@@ -677,6 +723,43 @@ mod tests {
         );
         r.ttft_p90_ms = ttft;
         r
+    }
+
+    #[test]
+    fn turns_kept_counts_measured_follow_ups_whose_engine_and_previous_are_known() {
+        let turn = |index: usize, label: &str, engine: Option<&str>, measured: bool| Sample {
+            label: label.to_owned(),
+            engine: engine.map(str::to_owned),
+            measured,
+            ..sample(index, 100, true)
+        };
+        let samples = [
+            // c1: t0 (warm-up) and t1 on e0, t2 on e1: one kept, one moved.
+            turn(0, "c1t0", Some("e0"), false),
+            turn(1, "c1t1", Some("e0"), true),
+            turn(2, "c1t2", Some("e1"), true),
+            // c2: its first turn is not a follow-up; t1's engine unknown, so
+            // t2 has no known previous engine and neither counts.
+            turn(3, "c2t0", Some("e1"), true),
+            turn(4, "c2t1", None, true),
+            turn(5, "c2t2", Some("e1"), true),
+            // Not conversations.
+            turn(6, "g1p2", Some("e0"), true),
+            turn(7, "ctx", Some("e0"), true),
+        ];
+        assert!((turns_kept(&samples) - 0.5).abs() < 1e-12);
+        let r = Row {
+            turns_kept: turns_kept(&samples),
+            ..row("kinference", 0, 100.0)
+        };
+        let md = turns_kept_table(std::slice::from_ref(&r));
+        assert!(
+            md.contains("| shared-prefix | 4.00 | kinference | 50.0 % |"),
+            "{md}"
+        );
+        // Nothing to say without conversations: no section.
+        assert!(turns_kept(&samples[6..]).is_nan());
+        assert_eq!(turns_kept_table(&[row("kinference", 0, 100.0)]), "");
     }
 
     #[test]

@@ -324,6 +324,31 @@ pub(crate) fn markdown(rows: &[Row]) -> String {
     s
 }
 
+/// Where the rows left conversations' histories ([`Row::turns_kept`]),
+/// medians over repeats, one line per row that has the figure (empty
+/// without any).
+pub(crate) fn turns_kept_table(rows: &[Row]) -> String {
+    let mut out = String::new();
+    for r in medians(rows).iter().filter(|r| !r.turns_kept.is_nan()) {
+        if out.is_empty() {
+            out.push_str(
+                "\n**Turns kept** (measured follow-up turns sent to the engine of the turn before, \
+                 for routers that name their engine)\n\n\
+                 | workload | req/s | policy | turns kept |\n|---|---:|---|---:|\n",
+            );
+        }
+        let _ = writeln!(
+            out,
+            "| {} | {:.2} | {} | {:.1} % |",
+            r.workload,
+            r.rate,
+            r.policy,
+            r.turns_kept * 100.0
+        );
+    }
+    out
+}
+
 /// The kinference rows' learnt step costs, one line per router (empty
 /// without any).
 pub(crate) fn step_costs(rows: &[Row]) -> String {

@@ -348,10 +348,10 @@ pub(crate) async fn routing(root: &Path, opts: &RoutingOptions) -> Result<Vec<Ro
                         row.requests,
                         row.ok,
                         row.good,
-                        if row.slow_share.is_nan() {
-                            String::new()
-                        } else {
-                            format!("  slow engine {:.1}%", row.slow_share * 100.0)
+                        match (row.slow_share.is_nan(), row.turns_kept.is_nan()) {
+                            (false, _) => format!("  slow engine {:.1}%", row.slow_share * 100.0),
+                            (true, false) => format!("  turns kept {:.1}%", row.turns_kept * 100.0),
+                            (true, true) => String::new(),
                         },
                         row.hit_rate * 100.0,
                         row.ttft_p50_ms,
