@@ -912,7 +912,7 @@ mod tests {
         let lines: Vec<&str> = c.lines().collect();
         assert_eq!(lines.len(), 3);
         let columns = lines[0].split(',').count();
-        assert_eq!(columns, 23);
+        assert_eq!(columns, 24);
         assert!(lines[1..].iter().all(|l| l.split(',').count() == columns));
         assert!(lines[1].starts_with("shared-prefix,4.000,0.500,kinference,0,"));
         let json = serde_json::to_string(&rows).expect("serialises");
