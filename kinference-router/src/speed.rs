@@ -120,10 +120,10 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
     // already sends to) would look as slow as its queue is long.
     // (Its peers' requests there count as this router's own do.)
     let waited = Instant::now();
-    while !busy(e) && e.scraped().is_none() && waited.elapsed() < SCRAPE_WAIT {
+    while !serving(e, None, 0.0) && e.scraped().is_none() && waited.elapsed() < SCRAPE_WAIT {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    if busy(e) {
+    if serving(e, None, 0.0) {
         return "busy";
     }
     let mut rng = kinference_scoring::SplitMix64::new(
@@ -167,10 +167,7 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
         // Requests that came meanwhile (the router's, its peers', or any a
         // scrape during the probe saw besides it) may have been ahead of
         // it: the answer is not the engine's speed.
-        if e.load.snapshot().requests > 0
-            || e.scraped()
-                .is_some_and(|s| s.at > started && s.running + s.waiting > 1.0)
-        {
+        if serving(e, Some(started), 1.0) {
             outcome = "busy";
             break;
         }
@@ -209,9 +206,12 @@ async fn probe(shared: &Arc<Shared>, e: &Arc<Endpoint>, tokens: u32) -> &'static
 }
 
 /// Whether `e` serves requests: this router's or its peers' (their load
-/// reports), or any its last scrape saw.
-fn busy(e: &Endpoint) -> bool {
-    e.load.snapshot().requests > 0 || e.scraped().is_some_and(|s| s.running + s.waiting > 0.0)
+/// reports), or more than `besides` that its last scrape saw (only a
+/// scrape taken after `since`, when given).
+fn serving(e: &Endpoint, since: Option<Instant>, besides: f64) -> bool {
+    e.load.snapshot().requests > 0
+        || e.scraped()
+            .is_some_and(|s| since.is_none_or(|t| s.at > t) && s.running + s.waiting > besides)
 }
 
 /// The policy's prediction for the probe on `e` as it stands at `now`.

@@ -199,22 +199,6 @@ async fn a_speed_probe_fits_a_short_context_and_skips_a_busy_engine() {
     r.shutdown().await;
 }
 
-/// The router's speed probes with `outcome` in its metrics page.
-fn speed_probes(admin: &str, outcome: &str) -> u64 {
-    sum_of(
-        admin,
-        &format!("kinference_router_speed_probes_total{{outcome=\"{outcome}\"}}"),
-    ) as u64
-}
-
-/// Sums a counter's series in a Prometheus text page.
-fn sum_of(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_before_any_engine() {
     let _serial = SERIAL.lock().await;

@@ -93,11 +93,7 @@ async fn clients_need_a_key_engines_get_theirs_over_tls() {
     // speed probes went with it.
     wait_routable(&r, 2, true).await;
     let m = get(r.admin(), "/metrics").await.text();
-    assert!(
-        m.lines()
-            .any(|l| l == "kinference_router_speed_probes_total{outcome=\"ok\"} 2"),
-        "{m}"
-    );
+    assert_eq!(speed_probes(&m, "ok"), 2, "{m}");
 
     let base = format!("https://{}", r.api());
     let v = openai_python(CLIENT, &[&base, MODEL, &cert, "client-key-2"]).await;

@@ -124,6 +124,22 @@ pub async fn peered(
     router(addrs, opts, &flags).await
 }
 
+/// The router's speed probes with `outcome` in its metrics page.
+pub fn speed_probes(admin: &str, outcome: &str) -> u64 {
+    sum_of(
+        admin,
+        &format!("kinference_router_speed_probes_total{{outcome=\"{outcome}\"}}"),
+    ) as u64
+}
+
+/// Sums a counter's series in a Prometheus text page.
+pub fn sum_of(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// Makes `sim` `factor` times slower from now on (the simulator's fault
 /// injection).
 pub async fn slow_down(sim: &SimHandle, factor: f64) {

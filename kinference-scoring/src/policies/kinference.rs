@@ -1765,12 +1765,12 @@ mod tests {
         let mut p = Kinference::new(LatencyParams::default());
         let now = secs(1);
         probe_fleet(&mut p, &[20.0, 20.0, 20.0, 200.0], now);
-        let before = p.calibration(EndpointId(3), now).unwrap().speed_probe_floor;
+        let before = probe_floor(&p, 3, now);
         assert!(before.is_some_and(|f| f > 8.0), "{before:?}");
         // The costs come in use and every fit starts again: the floor, one
         // engine against another, stands.
         assert!(p.adopt_steps(&fit));
-        let after = p.calibration(EndpointId(3), now).unwrap().speed_probe_floor;
+        let after = probe_floor(&p, 3, now);
         assert_eq!(after, before);
         let slow = predicted_slowdown(&p, 3, now) / predicted_slowdown(&p, 0, now);
         assert!((slow / 10.0 - 1.0).abs() < 0.1, "{slow}");
@@ -1885,13 +1885,37 @@ mod tests {
     /// One speed probe per endpoint, on idle engines `truth[e]` times
     /// slower than the profile predicts, in order of their answers.
     fn probe_fleet(p: &mut Kinference, truth: &[f64], now: Duration) {
+        probe_fleet_with(p, &request(), truth, now);
+    }
+
+    /// [`probe_fleet`] with probes of `probe`'s size.
+    fn probe_fleet_with(p: &mut Kinference, probe: &Request, truth: &[f64], now: Duration) {
         let mut order: Vec<usize> = (0..truth.len()).collect();
         order.sort_by(|a, b| truth[*a].total_cmp(&truth[*b]));
         for e in order {
-            let pred = p.predict(&request(), &cand(e as u32, 0, 0), now);
+            let pred = p.predict(probe, &cand(e as u32, 0, 0), now);
             let observed = Duration::from_secs_f64(pred.model_ms * truth[e] / 1e3);
             p.observe_probe(EndpointId(e as u32), &pred, observed, now);
         }
+    }
+
+    /// The speed probe's floor under endpoint `e` at `now`, if any.
+    fn probe_floor(p: &Kinference, e: u32, now: Duration) -> Option<f64> {
+        p.calibration(EndpointId(e), now).unwrap().speed_probe_floor
+    }
+
+    /// Of a burst of 140 cold prompts onto four endpoints, each choice
+    /// queueing its prompt there: how many went to endpoint 3.
+    fn burst_onto_the_fourth(p: &mut Kinference, now: Duration, rng: &mut SplitMix64) -> usize {
+        let mut queue = [0u64; 4];
+        let mut fourth = 0;
+        for _ in 0..140 {
+            let cands: Vec<Candidate> = (0..4).map(|e| cand(e, 0, queue[e as usize])).collect();
+            let c = p.pick(&request(), &cands, now, rng).unwrap();
+            queue[c.endpoint.index()] += 4000;
+            fourth += usize::from(c.endpoint == EndpointId(3));
+        }
+        fourth
     }
 
     #[test]
@@ -1909,32 +1933,15 @@ mod tests {
         let view = p.calibration(EndpointId(3), now).unwrap();
         assert!(view.speed_probe_floor.is_some_and(|f| f > 8.0), "{view:?}");
         assert!(view.scale > 8.0, "{view:?}");
-        assert_eq!(
-            p.calibration(EndpointId(0), now).unwrap().speed_probe_floor,
-            None
-        );
+        assert_eq!(probe_floor(&p, 0, now), None);
         // So a burst of cold prompts goes to the slow engine only once the
         // others' queues are about ten prompts deep.
-        let mut queue = [0u64; 4];
         let mut rng = SplitMix64::new(1);
-        let mut slow = 0;
-        for _ in 0..140 {
-            let cands: Vec<Candidate> = (0..4).map(|e| cand(e, 0, queue[e as usize])).collect();
-            let c = p.pick(&request(), &cands, now, &mut rng).unwrap();
-            queue[c.endpoint.index()] += 4000;
-            slow += usize::from(c.endpoint == EndpointId(3));
-        }
+        let slow = burst_onto_the_fourth(&mut p, now, &mut rng);
         assert!(slow <= 7, "the slow engine took {slow} of 140");
         // Without the probes it takes its quarter.
         let mut q = Kinference::new(LatencyParams::default());
-        let mut queue = [0u64; 4];
-        let mut slow = 0;
-        for _ in 0..140 {
-            let cands: Vec<Candidate> = (0..4).map(|e| cand(e, 0, queue[e as usize])).collect();
-            let c = q.pick(&request(), &cands, now, &mut rng).unwrap();
-            queue[c.endpoint.index()] += 4000;
-            slow += usize::from(c.endpoint == EndpointId(3));
-        }
+        let slow = burst_onto_the_fourth(&mut q, now, &mut rng);
         assert!(slow >= 30, "blind, the slow engine took {slow} of 140");
     }
 
@@ -1945,19 +1952,13 @@ mod tests {
         let now = secs(1);
         // 1.3× slower than the others: probe noise, left to calibration.
         probe_fleet(&mut p, &[1.0, 1.0, 1.0, 1.3], now);
-        assert_eq!(
-            p.calibration(EndpointId(3), now).unwrap().speed_probe_floor,
-            None
-        );
+        assert_eq!(probe_floor(&p, 3, now), None);
         assert!(predicted_slowdown(&p, 3, now) < 1.3);
         // 3× slower: within the fit's scale bounds (4×), left to its first
         // tokens.
         let mut p = Kinference::new(params);
         probe_fleet(&mut p, &[1.0, 1.0, 1.0, 3.0], now);
-        assert_eq!(
-            p.calibration(EndpointId(3), now).unwrap().speed_probe_floor,
-            None
-        );
+        assert_eq!(probe_floor(&p, 3, now), None);
         // 6× slower: a floor, whole while a fit would stay fresh, then
         // fading as a stale fit does.
         let mut p = Kinference::new(params);
@@ -1993,22 +1994,15 @@ mod tests {
             p.observe_probe(EndpointId(e), &pred, observed, now);
         }
         assert!(params.overdue_slack_millis >= 100.0);
-        assert_eq!(
-            p.calibration(EndpointId(2), now).unwrap().speed_probe_floor,
-            None
-        );
+        assert_eq!(probe_floor(&p, 2, now), None);
         // The same ratio on a probe ten times longer is a speed.
         let long = Request {
             prompt_tokens: 4000,
             ..request()
         };
         let mut p = Kinference::new(params);
-        for (e, truth) in [(0u32, 1.0), (1, 1.0), (2, 5.0)] {
-            let pred = p.predict(&long, &cand(e, 0, 0), now);
-            let observed = Duration::from_secs_f64(pred.model_ms * truth / 1e3);
-            p.observe_probe(EndpointId(e), &pred, observed, now);
-        }
-        let floor = p.calibration(EndpointId(2), now).unwrap().speed_probe_floor;
+        probe_fleet_with(&mut p, &long, &[1.0, 1.0, 5.0], now);
+        let floor = probe_floor(&p, 2, now);
         assert!(
             floor.is_some_and(|f| (f / 5.0 - 1.0).abs() < 0.1),
             "{floor:?}"
@@ -2038,12 +2032,9 @@ mod tests {
         let mut p = Kinference::new(LatencyParams::default());
         probe_fleet(&mut p, &[1.6, 1.55, 1.65, 16.0], now);
         for e in 0..3 {
-            assert_eq!(
-                p.calibration(EndpointId(e), now).unwrap().speed_probe_floor,
-                None
-            );
+            assert_eq!(probe_floor(&p, e, now), None);
         }
-        let floor = p.calibration(EndpointId(3), now).unwrap().speed_probe_floor;
+        let floor = probe_floor(&p, 3, now);
         assert!(
             floor.is_some_and(|f| (f / 10.3 - 1.0).abs() < 0.1),
             "{floor:?}"
