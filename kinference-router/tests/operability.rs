@@ -209,11 +209,11 @@ async fn health_models_request_ids_and_metrics_per_model() {
         "durations {durations} s, stream {stream_took:?}, ttft {ttft} s"
     );
     assert_eq!(has("kinference_router_requests_in_flight", &[]), 0.0);
-    let decisions: f64 = m
-        .lines()
-        .filter(|l| l.starts_with("kinference_router_decisions_total{policy=\"kinference\""))
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
-        .sum();
+    let decisions = sum_of(
+        &m,
+        "kinference_router_decisions_total",
+        &[("policy", "kinference")],
+    );
     assert_eq!(decisions, 4.0, "{m}");
     assert_eq!(has("kinference_router_build_info", &["version=\""]), 1.0);
     assert_eq!(has("kinference_router_ready", &[]), 1.0);

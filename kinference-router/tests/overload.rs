@@ -143,7 +143,7 @@ async fn a_speed_probe_shows_an_engine_ten_times_slower_before_its_first_request
     // Each engine answered two one-token completions, and nothing else.
     for s in &sims {
         let m = get(s.http_addr(), "/metrics").await.text();
-        assert_eq!(sum_of(&m, "vllm:request_success_total") as u64, 2);
+        assert_eq!(sum_of(&m, "vllm:request_success_total", &[]) as u64, 2);
     }
     r.shutdown().await;
 
@@ -187,7 +187,7 @@ async fn a_speed_probe_fits_a_short_context_and_skips_a_busy_engine() {
         tokio::spawn(async move { stream_timed(api, "/v1/chat/completions", &long, &[]).await });
     eventually(Duration::from_secs(5), "the stream running", || async {
         let m = get(sims[0].http_addr(), "/metrics").await.text();
-        (sum_of(&m, "vllm:num_requests_running") >= 1.0).then_some(())
+        (sum_of(&m, "vllm:num_requests_running", &[]) >= 1.0).then_some(())
     })
     .await;
     let r = router(&addrs, &WorkerSetOpts::default(), &[]).await;
@@ -273,7 +273,7 @@ async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_be
     let mut engine_saw = 0.0;
     for s in &sims {
         let m = get(s.http_addr(), "/metrics").await.text();
-        engine_saw += sum_of(&m, "vllm:request_success_total");
+        engine_saw += sum_of(&m, "vllm:request_success_total", &[]);
     }
     eprintln!(
         "FIGURE admission: {ok}/{total} served (TTFT p90 {p90:.0} ms), {rejected} answered 429 ({reasons:?}); engines served {engine_saw}; slowest answer {:.1} s",
@@ -282,7 +282,7 @@ async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_be
     assert!(ok > 0 && rejected > 0, "{ok} ok, {rejected} rejected");
     assert_eq!(ok + rejected, total);
     assert_eq!(
-        sum_of(&admin, "kinference_router_rejections_total") as usize,
+        sum_of(&admin, "kinference_router_rejections_total", &[]) as usize,
         rejected
     );
     // No engine saw a rejected request: the engines served the 150 − 429s
@@ -294,8 +294,8 @@ async fn past_the_knee_admission_holds_requests_in_the_router_and_answers_429_be
     // Every request was answered or rejected within its deadline (3 s wait
     // plus the engine's own time for those sent).
     assert!(longest < Duration::from_secs(8), "{longest:?}");
-    assert!(sum_of(&admin, "kinference_router_queue_wait_seconds_count") > 0.0);
-    assert!(sum_of(&admin, "kinference_router_queue_depth").abs() < 0.5);
+    assert!(sum_of(&admin, "kinference_router_queue_wait_seconds_count", &[]) > 0.0);
+    assert!(sum_of(&admin, "kinference_router_queue_depth", &[]).abs() < 0.5);
     r.shutdown().await;
 }
 
@@ -335,7 +335,7 @@ async fn a_ttft_target_header_bounds_one_request_without_any_profile() {
     assert!(reply.headers.contains_key("retry-after"));
     let m = get(sims[0].http_addr(), "/metrics").await.text();
     // The first request, and the two speed probes of the engine's joining.
-    assert_eq!(sum_of(&m, "vllm:request_success_total") as u64, 3);
+    assert_eq!(sum_of(&m, "vllm:request_success_total", &[]) as u64, 3);
     r.shutdown().await;
 }
 
@@ -538,6 +538,7 @@ async fn a_client_that_gives_up_while_held_leaves_the_queue() {
         sum_of(
             &get(r.admin(), "/metrics").await.text(),
             "kinference_router_queue_depth",
+            &[],
         )
     };
     let gone = tokio::time::timeout(Duration::from_millis(300), one(r.api(), 1)).await;

@@ -556,12 +556,12 @@ async fn an_adapter_request_avoids_an_engine_whose_slots_run_other_adapters() {
     );
     // Operators see where adapter requests went.
     let page = get(r.admin(), "/metrics").await.text();
-    let sent = |slot: &str| -> f64 {
-        let series = format!("kinference_router_adapter_requests_total{{slot=\"{slot}\"}} ");
-        page.lines()
-            .find_map(|l| l.strip_prefix(series.as_str()))
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0.0)
+    let sent = |slot: &str| {
+        sum_of(
+            &page,
+            "kinference_router_adapter_requests_total",
+            &[("slot", slot)],
+        )
     };
     assert!(sent("free") >= 1.0 && sent("resident") >= 1.0, "{page}");
     assert!(sent("full") < 1.0, "none went where every slot was taken");

@@ -125,18 +125,21 @@ pub async fn peered(
 }
 
 /// The router's speed probes with `outcome` in its metrics page.
-pub fn speed_probes(admin: &str, outcome: &str) -> u64 {
+pub fn speed_probes(metrics: &str, outcome: &str) -> u64 {
     sum_of(
-        admin,
-        &format!("kinference_router_speed_probes_total{{outcome=\"{outcome}\"}}"),
+        metrics,
+        "kinference_router_speed_probes_total",
+        &[("outcome", outcome)],
     ) as u64
 }
 
-/// Sums a counter's series in a Prometheus text page.
-pub fn sum_of(text: &str, name: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+/// Sums the samples of metric `name` in a Prometheus text page whose labels
+/// include each of `labels` (read with the project's own parser,
+/// [`kinference_api::engine::prometheus`]); 0 when there are none.
+pub fn sum_of(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    kinference_api::engine::prometheus::samples(text)
+        .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .map(|s| s.value)
         .sum()
 }
 
