@@ -12,6 +12,7 @@
 //! | `chat_8k_warm/decide` | the decision core alone |
 //! | `chat_5k_cold/total` | prepare + decide for a 5K-token chat of random vocabulary tokens no cache has seen (a new conversation of the hardest text) |
 //! | `chat_5k_cold_prose/total` | the same for 5K tokens of natural text in an order no cache has seen (a new conversation of prose) |
+//! | `chat_5k_cold_code/total` | the same for 5K tokens of source code no cache has seen (what coding agents send: this crate's own sources, a different window each time) |
 //!
 //! Goals (issue 14): warm ≤ 20 µs, cold 5K ≤ 1 ms of CPU. The HTTP parts are
 //! measured end to end by `cargo xtask bench proxy`.
@@ -64,6 +65,21 @@ fn prose() -> String {
         .and_then(|c| c["text"].as_str())
         .expect("the long_text case")
         .to_owned()
+}
+
+/// Source code: this crate's own `src/` files, concatenated in name order.
+fn code() -> String {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("the crate's src/")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .collect();
+    files.sort();
+    files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).expect("a source file"))
+        .collect()
 }
 
 /// `n` alternating turns of about 800 tokens each, starting at `skew`.
@@ -326,6 +342,39 @@ fn bench(crit: &mut Criterion) {
         "cold prose chat: {} tokens",
         prose_cold.routes[0].request.prompt_tokens
     );
+    // A new conversation of source code no cache has seen: a window of
+    // about 5K tokens (16 KB in a system prompt, 4 KB in a user turn) that
+    // moves on by 20 KB each time over ~400 KB of this crate's sources.
+    let sources = code();
+    let mut at = 0usize;
+    let mut code_body = || {
+        let window = |from: usize, len: usize| -> String {
+            let from = sources.ceil_char_boundary(from % (sources.len() - len));
+            sources[from..sources.ceil_char_boundary(from + len)].to_owned()
+        };
+        let (system, user) = (window(at, 16_000), window(at + 16_000, 4_000));
+        at += 20_000;
+        body(&[
+            json!({"role": "system", "content": system}),
+            json!({"role": "user", "content": user}),
+        ])
+    };
+    let code_cold = bench.prepare(&code_body());
+    eprintln!(
+        "cold code chat: {} tokens of {} KB of sources",
+        code_cold.routes[0].request.prompt_tokens,
+        sources.len() / 1000
+    );
+    g.bench_function("chat_5k_cold_code/total", |bch| {
+        bch.iter_batched(
+            &mut code_body,
+            |fresh| {
+                let p = bench.prepare(black_box(&fresh));
+                black_box(bench.decide(&p, &mut rng))
+            },
+            criterion::BatchSize::SmallInput,
+        );
+    });
     g.bench_function("chat_5k_cold/total", |bch| {
         bch.iter_batched(
             &mut cold_body,
