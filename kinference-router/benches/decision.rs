@@ -348,9 +348,16 @@ fn bench(crit: &mut Criterion) {
     let sources = code();
     let mut at = 0usize;
     let mut code_body = || {
+        // The first character boundary at or after `i`.
+        let boundary = |mut i: usize| {
+            while !sources.is_char_boundary(i) {
+                i += 1;
+            }
+            i
+        };
         let window = |from: usize, len: usize| -> String {
-            let from = sources.ceil_char_boundary(from % (sources.len() - len));
-            sources[from..sources.ceil_char_boundary(from + len)].to_owned()
+            let from = boundary(from % (sources.len() - len));
+            sources[from..boundary(from + len)].to_owned()
         };
         let (system, user) = (window(at, 16_000), window(at + 16_000, 4_000));
         at += 20_000;
