@@ -356,7 +356,8 @@ fn bench(crit: &mut Criterion) {
             i
         };
         let window = |from: usize, len: usize| -> String {
-            let from = boundary(from % (sources.len() - len));
+            // (4 bytes short of the end: a boundary is at most 3 bytes on.)
+            let from = boundary(from % (sources.len() - len - 4));
             sources[from..boundary(from + len)].to_owned()
         };
         let (system, user) = (window(at, 16_000), window(at + 16_000, 4_000));
