@@ -124,6 +124,10 @@ pub(crate) fn decision_goal(id: &str) -> (&'static str, f64) {
             "router: prepare + decide, cold 5K-token chat of prose (issue 14)",
             1_000_000.0,
         ),
+        "decision/chat_5k_cold_code/total" => (
+            "router: prepare + decide, cold 5K-token chat of source code (issue 14)",
+            1_000_000.0,
+        ),
         _ => (
             "router: tokenize + keys + lookup + score (issue 7)",
             DECISION_GOAL_NS,
@@ -470,6 +474,7 @@ mod tests {
             "chat_5k_cold_prose/total",
             1_100_000.0,
         );
+        write_estimate(dir.path(), "decision", "chat_5k_cold_code/total", 600_000.0);
         let e = read_estimates(dir.path(), None).expect("reads");
         let (table, missed) = summary(&e, true);
         assert_eq!(missed, 2, "{table}");
@@ -485,6 +490,8 @@ mod tests {
         assert!(row("decision/chat_5k_cold/total").contains("met"));
         assert!(row("decision/chat_5k_cold_prose/total").contains("prose"));
         assert!(!row("decision/chat_5k_cold_prose/total").contains(" met"));
+        assert!(row("decision/chat_5k_cold_code/total").contains("source code"));
+        assert!(row("decision/chat_5k_cold_code/total").contains("met"));
     }
 
     #[test]
