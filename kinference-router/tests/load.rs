@@ -33,12 +33,8 @@ fn env(name: &str, default: usize) -> usize {
 
 /// Sums the in-flight gauges of `/metrics`.
 fn in_flight_gauges(metrics: &str) -> (usize, f64) {
-    let lines: Vec<f64> = metrics
-        .lines()
-        .filter(|l| l.starts_with("kinference_router_engine_in_flight_requests{"))
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
-        .collect();
-    (lines.len(), lines.iter().sum())
+    let values = values_of(metrics, "kinference_router_engine_in_flight_requests", &[]);
+    (values.len(), values.iter().sum())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,13 +17,6 @@ use tokio::time::Instant;
 
 /// The value of the first sample line of `metrics` starting with `prefix`
 /// and containing every one of `has`.
-fn sample(metrics: &str, prefix: &str, has: &[&str]) -> Option<f64> {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(prefix) && has.iter().all(|h| l.contains(h)))
-        .find_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse().ok()))
-}
-
 fn with_id(body: &Value, id: Option<&str>) -> (Vec<(&'static str, String)>, Bytes) {
     let headers = id
         .map(|i| vec![("x-request-id", i.to_owned())])
@@ -122,54 +115,54 @@ async fn health_models_request_ids_and_metrics_per_model() {
         "{ending:?}: {text}"
     );
 
-    let ws = "worker_set=\"sim\"";
-    let model = format!("model=\"{MODEL}\"");
+    let ws = ("worker_set", "sim");
+    let model = ("model", MODEL);
     let m = eventually(Duration::from_secs(5), "the stream is recorded", || async {
         let m = get(r.admin(), "/metrics").await.text();
-        sample(
+        value_of(
             &m,
             "kinference_router_time_to_first_token_seconds_count",
-            &[&model, ws],
+            &[model, ws],
         )
         .is_some_and(|n| n >= 1.0)
         .then_some(m)
     })
     .await;
-    let has = |prefix: &str, labels: &[&str]| {
-        sample(&m, prefix, labels).unwrap_or_else(|| panic!("no {prefix} {labels:?} in\n{m}"))
+    let has = |name: &str, labels: &[(&str, &str)]| {
+        value_of(&m, name, labels).unwrap_or_else(|| panic!("no {name} {labels:?} in\n{m}"))
     };
     // Requests by API, model, worker set and status code.
     assert_eq!(
         has(
             "kinference_router_requests_total",
-            &["api=\"chat\"", &model, ws, "code=\"200\""]
+            &[("api", "chat"), model, ws, ("code", "200")]
         ),
         3.0
     );
     assert_eq!(
         has(
             "kinference_router_requests_total",
-            &["api=\"chat\"", "code=\"404\""]
+            &[("api", "chat"), ("code", "404")]
         ),
         1.0
     );
     assert!(
         has(
             "kinference_router_requests_total",
-            &["api=\"models\"", "code=\"200\""]
+            &[("api", "models"), ("code", "200")]
         ) >= 3.0
     );
     // Completion tokens: the engines' usage figures, all of them.
     assert_eq!(
-        has("kinference_router_completion_tokens_total", &[&model, ws]),
+        has("kinference_router_completion_tokens_total", &[model, ws]),
         (completion_a + completion_b + 30) as f64
     );
-    assert!(has("kinference_router_prompt_tokens_total", &[&model, ws]) >= 500.0);
+    assert!(has("kinference_router_prompt_tokens_total", &[model, ws]) >= 500.0);
     assert!(
-        sample(
+        value_of(
             &m,
             "kinference_router_cached_prompt_tokens_total",
-            &[&model, ws]
+            &[model, ws]
         )
         .is_some()
     );
@@ -177,32 +170,32 @@ async fn health_models_request_ids_and_metrics_per_model() {
     assert_eq!(
         has(
             "kinference_router_routed_cached_fraction_count",
-            &[&model, ws]
+            &[model, ws]
         ),
         4.0
     );
     assert_eq!(
         has(
             "kinference_router_predicted_ttft_seconds_count",
-            &[&model, ws]
+            &[model, ws]
         ),
         4.0
     );
     // 29 gaps between 30 token chunks (the engine may coalesce a few).
     let itl = has(
         "kinference_router_inter_token_latency_seconds_count",
-        &[&model, ws],
+        &[model, ws],
     );
     assert!(itl >= 10.0, "{itl} inter-token gaps");
     // Duration runs to the last byte: the stream's is about its whole time,
     // far more than its first token.
     let ttft = has(
         "kinference_router_time_to_first_token_seconds_sum",
-        &[&model, ws],
+        &[model, ws],
     );
     let durations = has(
         "kinference_router_request_duration_seconds_sum",
-        &["api=\"chat\"", &model, ws, "code=\"200\""],
+        &[("api", "chat"), model, ws, ("code", "200")],
     );
     assert!(
         durations >= stream_took.as_secs_f64() * 0.8 && durations > ttft + 0.3,
@@ -215,12 +208,19 @@ async fn health_models_request_ids_and_metrics_per_model() {
         &[("policy", "kinference")],
     );
     assert_eq!(decisions, 4.0, "{m}");
-    assert_eq!(has("kinference_router_build_info", &["version=\""]), 1.0);
+    assert_eq!(
+        has(
+            "kinference_router_build_info",
+            &[("version", kinference_router::metrics::VERSION)]
+        ),
+        1.0
+    );
     assert_eq!(has("kinference_router_ready", &[]), 1.0);
     // Per-engine figures are labelled engine and worker_set, never endpoint.
-    let engine = format!("engine=\"{}\"", addrs[0].http);
-    assert_eq!(has("kinference_router_engine_healthy", &[&engine, ws]), 1.0);
-    assert!(sample(&m, "kinference_router_engine_queue_depth", &[&engine, ws]).is_some());
+    let engine_addr = addrs[0].http.to_string();
+    let engine = ("engine", engine_addr.as_str());
+    assert_eq!(has("kinference_router_engine_healthy", &[engine, ws]), 1.0);
+    assert!(value_of(&m, "kinference_router_engine_queue_depth", &[engine, ws]).is_some());
     assert!(
         !m.lines()
             .any(|l| l.starts_with("kinference_router") && l.contains("endpoint=\"")),

@@ -439,11 +439,8 @@ async fn routable_and_ready(r: &Router, n: usize) {
 }
 
 /// One sample of the router's metrics page.
-async fn metric(r: &Router, series: &str) -> Option<f64> {
-    let page = get(r.admin(), "/metrics").await.text();
-    page.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l[series.len()..].trim().parse().ok())
+async fn metric(r: &Router, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    value_of(&get(r.admin(), "/metrics").await.text(), name, labels)
 }
 
 /// A peer of an earlier release: answers every poll with the report `body`
@@ -559,16 +556,18 @@ async fn a_replica_that_starts_finds_the_blocks_its_peer_knows() {
             "{k:#}"
         );
     }
-    let imported = metric(&b, "kinference_router_kv_bootstrap_blocks").await;
+    let imported = metric(&b, "kinference_router_kv_bootstrap_blocks", &[]).await;
     assert_eq!(imported, Some(f64::from(warm.iter().sum::<u32>())));
     let got = metric(
         &b,
-        "kinference_router_peer_bytes_total{kind=\"snapshot\",direction=\"received\"}",
+        "kinference_router_peer_bytes_total",
+        &[("kind", "snapshot"), ("direction", "received")],
     )
     .await;
     let sent = metric(
         &a,
-        "kinference_router_peer_bytes_total{kind=\"snapshot\",direction=\"sent\"}",
+        "kinference_router_peer_bytes_total",
+        &[("kind", "snapshot"), ("direction", "sent")],
     )
     .await;
     assert!(got.is_some_and(|x| x > 0.0), "{got:?}");
@@ -686,7 +685,7 @@ async fn readiness_waits_for_a_peer_snapshot_for_a_bounded_time() {
     assert!(why.contains("waiting"), "{why}");
     assert_eq!(get(api, "/ready").await.status, 503);
     assert_eq!(
-        metric(&r, "kinference_router_kv_bootstrap_waiting").await,
+        metric(&r, "kinference_router_kv_bootstrap_waiting", &[]).await,
         Some(1.0)
     );
     // Then it serves without one and says why.
@@ -697,13 +696,14 @@ async fn readiness_waits_for_a_peer_snapshot_for_a_bounded_time() {
     assert_eq!(
         metric(
             &r,
-            "kinference_router_kv_bootstrap_fallbacks_total{reason=\"timeout\"}"
+            "kinference_router_kv_bootstrap_fallbacks_total",
+            &[("reason", "timeout")],
         )
         .await,
         Some(1.0)
     );
     assert_eq!(
-        metric(&r, "kinference_router_kv_bootstrap_waiting").await,
+        metric(&r, "kinference_router_kv_bootstrap_waiting", &[]).await,
         Some(0.0)
     );
     let reply = post(
@@ -768,9 +768,13 @@ async fn a_peer_snapshot_that_is_garbage_too_large_or_refused_falls_back() {
         routable_and_ready(&b, 1).await;
         let e = endpoints(&b).await;
         assert_eq!(e["kv_bootstrap"]["fallback"], reason, "{flags:?}: {e:#}");
-        let series =
-            format!("kinference_router_kv_bootstrap_fallbacks_total{{reason=\"{reason}\"}}");
-        assert_eq!(metric(&b, &series).await, Some(1.0), "{flags:?}");
+        let fallbacks = metric(
+            &b,
+            "kinference_router_kv_bootstrap_fallbacks_total",
+            &[("reason", reason)],
+        )
+        .await;
+        assert_eq!(fallbacks, Some(1.0), "{flags:?}");
         assert!(depths(&b, &prompts).iter().all(|d| *d == 0), "{flags:?}");
         // It serves as a replica without peers would.
         let p = &prompts[0];

@@ -133,14 +133,24 @@ pub fn speed_probes(metrics: &str, outcome: &str) -> u64 {
     ) as u64
 }
 
-/// Sums the samples of metric `name` in a Prometheus text page whose labels
-/// include each of `labels` (read with the project's own parser,
-/// [`kinference_api::engine::prometheus`]); 0 when there are none.
-pub fn sum_of(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+/// The values of metric `name` in a Prometheus text page whose labels
+/// include each of `labels`, in page order (read with the project's own
+/// parser, [`kinference_api::engine::prometheus`]).
+pub fn values_of(text: &str, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
     kinference_api::engine::prometheus::samples(text)
         .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
         .map(|s| s.value)
-        .sum()
+        .collect()
+}
+
+/// The sum of [`values_of`]; 0 when there are none.
+pub fn sum_of(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    values_of(text, name, labels).iter().sum()
+}
+
+/// The first of [`values_of`], if any.
+pub fn value_of(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    values_of(text, name, labels).first().copied()
 }
 
 /// Makes `sim` `factor` times slower from now on (the simulator's fault
