@@ -420,12 +420,15 @@ async fn hostile_cases(opts: &WorkerSetOpts, mode: &str) {
         "{mode}: the stream running meanwhile was disturbed"
     );
     let metrics = get(r.admin(), "/metrics").await.text();
-    let five = metrics
-        .lines()
-        .filter(|l| l.starts_with("kinference_router_requests_total") && l.contains("code=\"5"))
-        .collect::<Vec<_>>();
+    let five: Vec<(String, f64)> = kinference_api::engine::prometheus::samples(&metrics)
+        .filter(|s| {
+            s.name == "kinference_router_requests_total"
+                && s.label("code").is_some_and(|c| c.starts_with('5'))
+        })
+        .map(|s| (format!("{:?}", s.labels), s.value))
+        .collect();
     assert!(
-        five.iter().all(|l| l.ends_with(" 0")),
+        five.iter().all(|(_, v)| *v == 0.0),
         "{mode}: the router answered 5xx: {five:?}"
     );
     eprintln!(

@@ -187,11 +187,11 @@ async fn embeddings_responses_messages_and_tokenize_pass_through() {
         "detokenize",
     ] {
         assert!(
-            metrics
-                .lines()
-                .any(|l| l.starts_with("kinference_router_requests_total")
-                    && l.contains(&format!("api=\"{api}\""))
-                    && l.contains("code=\"200\"")),
+            sum_of(
+                &metrics,
+                "kinference_router_requests_total",
+                &[("api", api), ("code", "200")]
+            ) >= 1.0,
             "no 200 counted for {api}"
         );
     }

@@ -49,7 +49,8 @@ pub(super) async fn killed(env: &Env, f: &mut Figures) -> Result<()> {
     while killed_at.elapsed() < Duration::from_secs(10) {
         let before = counter(
             &get_text(&env.c, &metrics).await?,
-            "kinference_router_retries_total{reason=\"connect\"}",
+            "kinference_router_retries_total",
+            &[("reason", "connect")],
         );
         let (status, _, _) = call(&c, &url, &chat(&words(9000 + n * 100, 30), false, 2)).await?;
         if status != 200 {
@@ -57,7 +58,8 @@ pub(super) async fn killed(env: &Env, f: &mut Figures) -> Result<()> {
         }
         let after = counter(
             &get_text(&env.c, &metrics).await?,
-            "kinference_router_retries_total{reason=\"connect\"}",
+            "kinference_router_retries_total",
+            &[("reason", "connect")],
         );
         if after > before {
             attempts += 1;
@@ -219,7 +221,7 @@ pub(super) async fn hung(env: &Env, f: &mut Figures) -> Result<()> {
     );
     f.add(
         "hung (router defaults): requests moved off it when probes found it unreachable",
-        counter(&m, "kinference_router_retries_total{reason=\"down\"}"),
+        counter(&m, "kinference_router_retries_total", &[("reason", "down")]),
         "",
     );
     f.add(
@@ -337,7 +339,8 @@ pub(super) async fn refusing(env: &Env, f: &mut Figures) -> Result<()> {
         "refusing (503): refused by it and retried elsewhere",
         counter(
             &m,
-            "kinference_router_retries_total{reason=\"unavailable\"}",
+            "kinference_router_retries_total",
+            &[("reason", "unavailable")],
         ),
         "",
     );

@@ -4,7 +4,7 @@
 use super::*;
 
 pub(super) fn in_flight_gauges(metrics: &str) -> f64 {
-    counter(metrics, "kinference_router_engine_in_flight_requests{")
+    counter(metrics, "kinference_router_engine_in_flight_requests", &[])
 }
 
 pub(super) async fn load_soak(env: &Env, opts: &Options, f: &mut Figures) -> Result<()> {

@@ -108,11 +108,12 @@ pub(super) fn chat(content: &str, stream: bool, max_tokens: u32) -> Value {
     json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "stream": stream, "max_tokens": max_tokens})
 }
 
-pub(super) fn counter(metrics: &str, prefix: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(prefix))
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+/// The sum of metric `name`'s samples whose labels include each of
+/// `labels` (the project's Prometheus parser; 0 when there are none).
+pub(super) fn counter(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    kinference_api::engine::prometheus::samples(metrics)
+        .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .map(|s| s.value)
         .sum()
 }
 
