@@ -373,36 +373,24 @@ fn bench(crit: &mut Criterion) {
         code_cold.routes[0].request.prompt_tokens,
         sources.len() / 1000
     );
-    g.bench_function("chat_5k_cold_code/total", |bch| {
-        bch.iter_batched(
-            &mut code_body,
-            |fresh| {
-                let p = bench.prepare(black_box(&fresh));
-                black_box(bench.decide(&p, &mut rng))
-            },
-            criterion::BatchSize::SmallInput,
-        );
-    });
-    g.bench_function("chat_5k_cold/total", |bch| {
-        bch.iter_batched(
-            &mut cold_body,
-            |fresh| {
-                let p = bench.prepare(black_box(&fresh));
-                black_box(bench.decide(&p, &mut rng))
-            },
-            criterion::BatchSize::SmallInput,
-        );
-    });
-    g.bench_function("chat_5k_cold_prose/total", |bch| {
-        bch.iter_batched(
-            &mut prose_body,
-            |fresh| {
-                let p = bench.prepare(black_box(&fresh));
-                black_box(bench.decide(&p, &mut rng))
-            },
-            criterion::BatchSize::SmallInput,
-        );
-    });
+    // Each iteration a new body of its kind, prepared and decided.
+    let cold: [(&str, &mut dyn FnMut() -> Bytes); 3] = [
+        ("chat_5k_cold_code/total", &mut code_body),
+        ("chat_5k_cold/total", &mut cold_body),
+        ("chat_5k_cold_prose/total", &mut prose_body),
+    ];
+    for (name, make) in cold {
+        g.bench_function(name, |bch| {
+            bch.iter_batched(
+                &mut *make,
+                |fresh| {
+                    let p = bench.prepare(black_box(&fresh));
+                    black_box(bench.decide(&p, &mut rng))
+                },
+                criterion::BatchSize::SmallInput,
+            );
+        });
+    }
     g.finish();
 }
 
