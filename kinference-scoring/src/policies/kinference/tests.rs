@@ -1,6 +1,6 @@
 use super::fleet::FLEET_UPDATE_EVERY;
 use super::*;
-use crate::input::{CacheSource, CachedBlocks, InFlight};
+use crate::input::CacheSource;
 use crate::rng::SplitMix64;
 
 fn request() -> Request {
@@ -12,28 +12,11 @@ fn request() -> Request {
     }
 }
 
+/// Endpoint `id` holding `gpu` leading blocks, one request in flight when
+/// `prefill_tokens` are still to prefill there.
 fn cand(id: u32, gpu: u32, prefill_tokens: u64) -> Candidate {
-    Candidate {
-        endpoint: EndpointId(id),
-        cached: CachedBlocks {
-            gpu,
-            cpu: 0,
-            disk: 0,
-            storage: 0,
-        },
-        in_flight: InFlight {
-            requests: u32::from(prefill_tokens > 0),
-            decoding: 0,
-            prefill_tokens,
-            context_tokens: prefill_tokens,
-        },
-        engine: None,
-        evidence: crate::input::Evidence::default(),
-        adapter: crate::input::AdapterSlot::Unknown,
-        room: KvRoom::default(),
-        session_blocks: 0,
-        peer_arrival_rate: 0.0,
-    }
+    let requests = u32::from(prefill_tokens > 0);
+    crate::policies::baseline::test_support::cand(id, gpu, requests, prefill_tokens)
 }
 
 fn secs(s: u64) -> Duration {
