@@ -44,8 +44,8 @@ pub(super) struct Steps {
 /// `kv_full_penalty_millis` once [`TURNOVER_MIN_SAMPLES`] streams are in.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Turnover {
-    pub(super) mean_ms: f64,
-    pub(super) samples: u32,
+    mean_ms: f64,
+    samples: u32,
 }
 
 /// Streams seen before [`Turnover`] is used.
