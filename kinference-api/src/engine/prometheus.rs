@@ -22,6 +22,12 @@ impl Sample<'_> {
     pub fn label(&self, key: &str) -> Option<&str> {
         self.labels.iter().find(|(k, _)| *k == key).map(|(_, v)| *v)
     }
+
+    /// Whether this is a sample of metric `name` (suffixes included) whose
+    /// labels include each of `labels` (other labels may be present too).
+    pub fn is(&self, name: &str, labels: &[(&str, &str)]) -> bool {
+        self.name == name && labels.iter().all(|(k, v)| self.label(k) == Some(v))
+    }
 }
 
 /// The samples of `text`, in order.
@@ -112,5 +118,17 @@ mod tests {
         ] {
             assert!(sample(bad).is_none(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_sample_is_a_metric_by_name_and_some_labels() {
+        let s = sample(r#"requests_total{api="chat",code="200"} 4"#).unwrap();
+        assert!(s.is("requests_total", &[]));
+        assert!(s.is("requests_total", &[("code", "200")]));
+        assert!(s.is("requests_total", &[("code", "200"), ("api", "chat")]));
+        assert!(!s.is("requests_total", &[("code", "404")]));
+        assert!(!s.is("requests_total", &[("model", "chat")]));
+        assert!(!s.is("requests", &[]), "the whole name, not a prefix");
+        assert!(!s.is("requests_total_count", &[]));
     }
 }

@@ -138,7 +138,7 @@ pub fn speed_probes(metrics: &str, outcome: &str) -> u64 {
 /// parser, [`kinference_api::engine::prometheus`]).
 pub fn values_of(text: &str, name: &str, labels: &[(&str, &str)]) -> Vec<f64> {
     kinference_api::engine::prometheus::samples(text)
-        .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .filter(|s| s.is(name, labels))
         .map(|s| s.value)
         .collect()
 }

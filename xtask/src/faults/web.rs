@@ -112,7 +112,7 @@ pub(super) fn chat(content: &str, stream: bool, max_tokens: u32) -> Value {
 /// `labels` (the project's Prometheus parser; 0 when there are none).
 pub(super) fn counter(metrics: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
     kinference_api::engine::prometheus::samples(metrics)
-        .filter(|s| s.name == name && labels.iter().all(|(k, v)| s.label(k) == Some(v)))
+        .filter(|s| s.is(name, labels))
         .map(|s| s.value)
         .sum()
 }
